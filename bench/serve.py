@@ -1,0 +1,283 @@
+"""Load generator for any OpenAI-compatible server: closed-loop, streamed chat completions.
+
+    python -m bench.serve --base-url http://127.0.0.1:8000/v1 --model NAME --concurrency 1 16 64 \
+        --mode greedy random --max-tokens 128 --num-requests 64 --label tokenspout \
+        --out bench/results/serve_tokenspout.json
+
+Per (mode, concurrency) level, `concurrency` workers each send their next request as soon as the previous one
+finished, until `num-requests` requests are done.  Every request streams with `ignore_eos: true` so each returns
+exactly max_tokens tokens on servers that honour it.  Reported per level:
+- output tok/s: tokens received / wall time of the level (tokens from the usage chunk of
+  stream_options.include_usage; content chunks are counted when a server sends no usage),
+- TTFT p50/p99: request sent → first non-empty content chunk,
+- ITL p50/p99: gaps between consecutive content chunks,
+- errors: non-200 answers, error frames and transport failures.
+Sampling: greedy = temperature 0; random = temperature 0.8, top_p 0.95, top_k 50.  Both send `min_p: 0` and
+`repeat_penalty: 1` so that llama.cpp's server (whose defaults differ) samples the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+PROMPTS = [
+    "Explain how a bicycle stays upright while moving.",
+    "Write a short poem about the first snow of winter.",
+    "What are the main differences between TCP and UDP?",
+    "Give me three tips for learning a new language as an adult.",
+    "Describe the water cycle to a ten-year-old.",
+    "Summarize the plot of a heist movie you invent on the spot.",
+    "How does a refrigerator keep food cold?",
+    "List five creative uses for an empty glass jar.",
+    "Why is the sky blue during the day and red at sunset?",
+    "Write a polite email declining a meeting invitation.",
+    "What is the Pythagorean theorem and where is it used?",
+    "Describe a bustling market in a fictional desert city.",
+    "How do vaccines train the immune system?",
+    "Suggest a weekly workout plan for a beginner.",
+    "Explain recursion with a simple example in Python.",
+    "What causes the seasons on Earth?",
+    "Tell a short story about a robot who learns to paint.",
+    "Compare electric cars and petrol cars in a few sentences.",
+    "How do bees communicate the location of flowers?",
+    "Give a recipe for a simple vegetable soup.",
+    "What is inflation and why does it matter?",
+    "Describe the sound of rain on a tin roof.",
+    "Explain what a hash table is and why lookups are fast.",
+    "Write a limerick about a forgetful cat.",
+    "What should I pack for a three-day hiking trip?",
+    "How does the stock market work, in simple terms?",
+    "Explain photosynthesis step by step.",
+    "Invent a new board game and explain its rules.",
+    "Why do we dream? Summarize the main theories.",
+    "Write a product description for a solar-powered lamp.",
+    "What are black holes and how do they form?",
+    "Give advice to someone starting their first job.",
+    "How do airplanes generate lift?",
+    "Describe your ideal city park.",
+    "Explain the difference between weather and climate.",
+    "Write a dialogue between a teacher and a curious student.",
+    "What is machine learning, explained without jargon?",
+    "How can I improve my sleep habits?",
+    "Describe the life cycle of a butterfly.",
+    "Write a haiku sequence about the ocean.",
+    "What were the causes of the Industrial Revolution?",
+    "Explain how a compiler turns code into a program.",
+    "Give me a packing list for moving to a new apartment.",
+    "How do volcanoes erupt?",
+    "Write a motivational speech for a sports team at half time.",
+    "What is the role of the mitochondria in a cell?",
+    "Describe a sunrise seen from a mountain top.",
+    "Explain the rules of chess briefly.",
+    "How does GPS determine your location?",
+    "Write a short fable with a moral about patience.",
+    "What are the benefits of reading fiction?",
+    "Explain what an API is to a non-programmer.",
+    "How do tides work?",
+    "Plan a one-day itinerary for visiting a historic town.",
+    "Describe how bread rises.",
+    "What is the difference between a virus and a bacterium?",
+    "Write a letter from a lighthouse keeper to a friend.",
+    "Explain supply and demand with an example.",
+    "How do noise-cancelling headphones work?",
+    "Give tips for keeping houseplants alive.",
+    "What makes a good password, and why?",
+    "Describe the northern lights and what causes them.",
+    "Write the opening paragraph of a mystery novel.",
+    "Explain how the internet routes a message from one computer to another.",
+]
+
+MODES: dict[str, dict] = {
+    "greedy": {"temperature": 0.0},
+    "random": {"temperature": 0.8, "top_p": 0.95, "top_k": 50},
+}
+_FAIRNESS_EXTRAS = {"min_p": 0.0, "repeat_penalty": 1.0}
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str | None = None
+    tokens: int = 0
+    ttft: float | None = None
+    itls: list[float] = field(default_factory=list)
+    latency: float = 0.0
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+async def one_request(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult:
+    res = RequestResult()
+    t0 = time.perf_counter()
+    usage_tokens, chunks, last = None, 0, None
+    try:
+        async with client.stream("POST", url, json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                obj = json.loads(data)
+                if obj.get("error"):
+                    res.error = f"error frame: {obj['error']}"
+                    return res
+                if obj.get("usage"):
+                    usage_tokens = obj["usage"].get("completion_tokens")
+                for choice in obj.get("choices") or ():
+                    if (choice.get("delta") or {}).get("content"):
+                        now = time.perf_counter()
+                        if last is None:
+                            res.ttft = now - t0
+                        else:
+                            res.itls.append(now - last)
+                        last, chunks = now, chunks + 1
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        res.error = f"{type(e).__name__}: {e}"
+        return res
+    res.latency = time.perf_counter() - t0
+    res.tokens = usage_tokens if usage_tokens is not None else chunks
+    res.ok = True
+    return res
+
+
+def request_body(args: argparse.Namespace, prompt: str, mode: str, max_tokens: int) -> dict:
+    return {
+        "model": args.model,
+        "messages": [{"role": "user", "content": prompt}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        **MODES[mode],
+        **_FAIRNESS_EXTRAS,
+    }
+
+
+async def run_level(client: httpx.AsyncClient, args: argparse.Namespace, mode: str, concurrency: int) -> dict:
+    url = args.base_url.rstrip("/") + "/chat/completions"
+    total = args.num_requests or max(16, 2 * concurrency)
+    next_index = 0
+    results: list[RequestResult] = []
+
+    async def worker() -> None:
+        nonlocal next_index
+        while next_index < total:  # closed loop: the next request leaves when this worker's last one finished
+            i = next_index
+            next_index += 1
+            body = request_body(args, PROMPTS[i % len(PROMPTS)], mode, args.max_tokens)
+            results.append(await one_request(client, url, body))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    wall = time.perf_counter() - start
+    ok = [r for r in results if r.ok]
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    itls = [x for r in ok for x in r.itls]
+    tokens = sum(r.tokens for r in ok)
+    errors = [r.error for r in results if not r.ok]
+
+    def ms(x: float | None) -> float | None:
+        return None if x is None else round(x * 1000, 2)
+
+    return {
+        "mode": mode,
+        "concurrency": concurrency,
+        "num_requests": total,
+        "completed": len(ok),
+        "errors": len(errors),
+        "first_errors": errors[:3],
+        "wall_s": round(wall, 3),
+        "output_tokens": tokens,
+        "output_tok_s": round(tokens / wall, 2) if wall > 0 else None,
+        "ttft_p50_ms": ms(percentile(ttfts, 50)),
+        "ttft_p99_ms": ms(percentile(ttfts, 99)),
+        "itl_p50_ms": ms(percentile(itls, 50)),
+        "itl_p99_ms": ms(percentile(itls, 99)),
+        "mean_latency_s": round(sum(r.latency for r in ok) / len(ok), 3) if ok else None,
+    }
+
+
+def format_table(rows: list[dict]) -> str:
+    cols = ["mode", "concurrency", "completed", "errors", "output_tok_s", "ttft_p50_ms", "ttft_p99_ms",
+            "itl_p50_ms", "itl_p99_ms"]
+    cells = [[str(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
+    return "\n".join(lines)
+
+
+async def run(args: argparse.Namespace) -> dict:
+    limits = httpx.Limits(max_connections=max(args.concurrency) + 4, max_keepalive_connections=max(args.concurrency))
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits, headers=headers) as client:
+        url = args.base_url.rstrip("/") + "/chat/completions"
+        warm = await one_request(client, url, request_body(args, PROMPTS[0], args.mode[0], min(8, args.max_tokens)))
+        if not warm.ok:
+            raise SystemExit(f"warm-up request failed: {warm.error}")
+        rows = []
+        for mode in args.mode:
+            for c in args.concurrency:
+                rows.append(await run_level(client, args, mode, c))
+                print(format_table(rows[-1:]).splitlines()[-1], flush=True)
+    return {
+        "label": args.label,
+        "base_url": args.base_url,
+        "model": args.model,
+        "max_tokens": args.max_tokens,
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "host": platform.node(),
+        "results": rows,
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    p.add_argument("--model", required=True)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--mode", nargs="+", choices=sorted(MODES), default=["greedy", "random"])
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--num-requests", type=int, default=None, help="per level (default: max(16, 2 x concurrency))")
+    p.add_argument("--label", default="server")
+    p.add_argument("--out", type=Path, default=None, help="JSON results file")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    print(f"{args.label}: {args.base_url} model={args.model} max_tokens={args.max_tokens}", flush=True)
+    print(format_table([]), flush=True)
+    report = asyncio.run(run(args))
+    print("\n" + format_table(report["results"]))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"wrote {args.out}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""Session-wide fixtures: the default model is loaded once (ours and transformers') and shared by every test."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def model_path():
+    from tokenspout.models.default_model import default_model_path
+
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_path))
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(model_path), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def loaded_model(model_path):
+    """Our float32 model, loaded once; EngineCores in tests share it (weights are read-only)."""
+    from tokenspout.config import ModelConfig
+    from tokenspout.models.loader import load_model
+
+    return load_model(ModelConfig(model=str(model_path), max_model_len=2048))

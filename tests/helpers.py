@@ -1,0 +1,36 @@
+"""Small utilities shared by tests."""
+
+from __future__ import annotations
+
+from tokenspout.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tokenspout.core.engine_core import EngineCore
+from tokenspout.engine.messages import EngineCoreRequest
+from tokenspout.sampling_params import SamplingParams
+
+
+def make_core(loaded, *, budget: int = 512, max_num_seqs: int = 64, num_blocks: int | None = None,
+              block_size: int = 16) -> EngineCore:
+    cfg = EngineConfig(model=ModelConfig(model=str(loaded.path), max_model_len=loaded.max_model_len),
+                       cache=CacheConfig(block_size=block_size, num_gpu_blocks_override=num_blocks),
+                       scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget))
+    return EngineCore(cfg, loaded=loaded)
+
+
+def run_to_completion(core: EngineCore, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                      max_steps: int = 100_000) -> dict[str, list[int]]:
+    """Adds every prompt (ids "0".."N-1"), steps until all finish, returns the generated ids per request."""
+    plist = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (ids, p) in enumerate(zip(prompts, plist)):
+        core.add_request(EngineCoreRequest(str(i), ids, p))
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    finished: set[str] = set()
+    for _ in range(max_steps):
+        if not core.has_unfinished_requests():
+            break
+        for o in core.step().outputs:
+            assert o.request_id not in finished, "output after finish"
+            out[o.request_id].extend(o.new_token_ids)
+            if o.finished:
+                finished.add(o.request_id)
+    assert finished == set(out), "not every request finished"
+    return out

@@ -1,0 +1,83 @@
+"""Validated configuration dataclasses, built once from CLI flags or LLM(...) keyword arguments."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    model: str | None = None  # local folder; None = the default model (converted once from its GGUF)
+    dtype: str = "float32"  # "float32" | "bfloat16" | "auto"
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    served_model_name: str | None = None
+    seed: int = 0  # seeds random choices the engine makes (e.g. seeds for unseeded requests)
+
+    def validate(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "auto"):
+            raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'auto', got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory_gib: float = 1.0  # budget for the paged KV cache
+    num_gpu_blocks_override: int | None = None  # tests: force a small cache
+
+    def validate(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_memory_gib <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory_gib}")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # token budget per step; long prompts are chunked to fit
+    enable_chunked_prefill: bool = True
+
+    def validate(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    num_threads: int | None = None  # torch intra-op threads in the engine process (None: all cores)
+
+    def validate(self) -> None:
+        self.model.validate()
+        self.cache.validate()
+        self.scheduler.validate()
+
+
+def read_hf_config(path: Path) -> dict:
+    """Reads config.json of a local model folder with errors that name the problem."""
+    if not path.is_dir():
+        raise FileNotFoundError(f"model folder {path} does not exist (tokenspout never downloads from a hub)")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{cfg_file} is missing: not a Hugging Face model folder")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_file} is not valid JSON: {e}") from e
+    archs = cfg.get("architectures") or []
+    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise ValueError(
+            f"{path}: architecture {archs or cfg.get('model_type')!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return cfg

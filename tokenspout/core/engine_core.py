@@ -1,0 +1,60 @@
+"""The engine core: scheduler + model runner, stepped while work exists.  The same object serves in-process
+(offline LLM, tests) and inside EngineCoreProc behind ZMQ."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+
+import torch
+
+from tokenspout.config import EngineConfig
+from tokenspout.core.kv_cache_manager import KVCacheManager
+from tokenspout.core.request import Request
+from tokenspout.core.scheduler import Scheduler
+from tokenspout.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from tokenspout.models.loader import LoadedModel, load_model
+from tokenspout.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        config.validate()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.loaded = loaded or load_model(config.model)
+        self.max_model_len = self.loaded.max_model_len
+        self.runner = ModelRunner(self.loaded, config.cache, config.scheduler)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        if req.request_id in self.scheduler.requests:
+            raise ValueError(f"request id {req.request_id!r} is already running")
+        seed = req.sampling_params.seed
+        if seed is None:
+            seed = secrets.randbits(63)  # unseeded: a fresh random stream per request
+        self.scheduler.add_request(Request(req, seed, self.max_model_len))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        sched = self.scheduler.schedule()
+        result = self.runner.execute(sched, self.kv)  # also releases rows of removed requests when empty
+        outputs = self.scheduler.update_from_output(sched, result)
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.stats(),
+                                 timestamp=time.monotonic())
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    def shutdown(self) -> None:
+        pass

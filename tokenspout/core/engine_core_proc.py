@@ -1,0 +1,185 @@
+"""EngineCoreProc: the engine core in its own (spawned) process, a busy loop behind two ZMQ sockets.
+
+Wire format: multipart [kind, msgpack payload].  Frontend -> engine kinds: ADD (EngineCoreRequest),
+ABORT (EngineCoreAbort), UTILITY (EngineCoreUtility).  Engine -> frontend: OUTPUTS (EngineCoreOutputs),
+READY (EngineReady, once after loading) or FAILED (a string, if loading failed).
+
+Threads: an input thread decodes messages into a queue (so deserialisation overlaps the model step) and an output
+thread encodes and sends; the main thread only steps.  When idle it blocks on the input queue; it polls the parent
+pid so that a dead frontend never leaves an orphan engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+
+import msgspec
+import zmq
+
+from tokenspout.config import EngineConfig
+from tokenspout.engine.messages import EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest, EngineCoreUtility
+
+logger = logging.getLogger(__name__)
+
+ADD, ABORT, UTILITY, OUTPUTS, READY, FAILED = b"A", b"X", b"U", b"O", b"R", b"F"
+
+
+class EngineReady(msgspec.Struct):
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+    block_size: int
+    dtype: str
+    model_name: str
+    model_path: str
+
+
+_decoders = {
+    ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
+    ABORT: msgspec.msgpack.Decoder(EngineCoreAbort),
+    UTILITY: msgspec.msgpack.Decoder(EngineCoreUtility),
+}
+
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int) -> None:
+    """Process entry point (spawned)."""
+    logging.basicConfig(level=os.environ.get("TOKENSPOUT_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s engine %(levelname)s %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend decides when we stop (SIGTERM / shutdown)
+    ctx = zmq.Context()
+    out_sock = ctx.socket(zmq.PUSH)
+    out_sock.setsockopt(zmq.LINGER, 1000)
+    out_sock.connect(output_addr)
+    in_sock = ctx.socket(zmq.PULL)
+    in_sock.connect(input_addr)
+    encoder = msgspec.msgpack.Encoder()
+    try:
+        from tokenspout.core.engine_core import EngineCore
+
+        core = EngineCore(config)
+    except BaseException as e:  # noqa: BLE001 - report any load failure to the frontend, then exit
+        logger.error("engine failed to start: %s", e)
+        out_sock.send_multipart([FAILED, encoder.encode(f"{type(e).__name__}: {e}")])
+        out_sock.close()
+        ctx.term()
+        return
+    loaded = core.loaded
+    out_sock.send_multipart([READY, encoder.encode(EngineReady(
+        core.max_model_len, loaded.arch.vocab_size, core.kv.num_blocks, core.kv.block_size, str(loaded.dtype),
+        loaded.name, str(loaded.path)))])
+    EngineCoreProc(core, in_sock, out_sock, parent_pid).run()
+    ctx.term()
+
+
+def main() -> None:
+    """`python -m tokenspout.core.engine_core_proc CONFIG_JSON INPUT_ADDR OUTPUT_ADDR PARENT_PID` (started by the
+    MP clients as a fresh interpreter: spawned, never forked, and the user's __main__ is not re-imported)."""
+    import sys
+
+    config_json, input_addr, output_addr, parent_pid = sys.argv[1:5]
+    config = msgspec.json.decode(config_json.encode(), type=EngineConfig)
+    run_engine_core(config, input_addr, output_addr, int(parent_pid))
+
+
+class EngineCoreProc:
+    def __init__(self, core, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid: int):
+        self.core = core
+        self.in_sock = in_sock
+        self.out_sock = out_sock
+        self.parent_pid = parent_pid
+        self.inputs: queue.Queue = queue.Queue()
+        self.outputs: queue.Queue = queue.Queue()
+        self.stopping = threading.Event()
+
+    def run(self) -> None:
+        reader = threading.Thread(target=self._input_loop, daemon=True, name="engine-input")
+        reader.start()
+        sender = threading.Thread(target=self._output_loop, daemon=True, name="engine-output")
+        sender.start()
+        try:
+            self._busy_loop()
+        except BaseException as e:  # noqa: BLE001 - a crash must reach the frontend, not vanish
+            logger.error("engine core crashed:\n%s", traceback.format_exc())
+            self.outputs.put(EngineCoreOutputs(engine_error=f"{type(e).__name__}: {e}"))
+        finally:
+            self.stopping.set()
+            self.outputs.put(None)
+            sender.join(timeout=5)
+            reader.join(timeout=2)  # it polls with a timeout and sees `stopping`; then its socket can close
+            self.in_sock.close(linger=0)
+            self.out_sock.close()
+
+    def _busy_loop(self) -> None:
+        core = self.core
+        last_stats = None
+        while not self.stopping.is_set():
+            block = not core.has_unfinished_requests()
+            try:
+                item = self.inputs.get(timeout=1.0) if block else self.inputs.get_nowait()
+            except queue.Empty:
+                item = None
+            while item is not None:
+                self._handle(item)
+                try:
+                    item = self.inputs.get_nowait()
+                except queue.Empty:
+                    item = None
+            if self.stopping.is_set():
+                break
+            if core.has_unfinished_requests():
+                out = core.step()
+                if out.outputs or out.scheduler_stats != last_stats:
+                    self.outputs.put(out)
+                    last_stats = out.scheduler_stats
+            elif last_stats is None or last_stats.num_running or last_stats.num_waiting:
+                last_stats = core.stats()  # went idle (e.g. after aborts): tell the frontend
+                self.outputs.put(EngineCoreOutputs(scheduler_stats=last_stats, timestamp=time.monotonic()))
+
+    def _handle(self, item) -> None:
+        kind, msg = item
+        if kind == ADD:
+            try:
+                self.core.add_request(msg)
+            except ValueError as e:
+                # The frontend validated already; a duplicate id is the only way here.  Fail that request only.
+                from tokenspout.engine.messages import EngineCoreOutput
+
+                logger.warning("rejected request %s: %s", msg.request_id, e)
+                self.outputs.put(EngineCoreOutputs(outputs=[EngineCoreOutput(msg.request_id, [],
+                                                                             finish_reason="error")]))
+        elif kind == ABORT:
+            self.core.abort_requests(msg.request_ids)
+        elif kind == UTILITY and msg.name == "shutdown":
+            self.stopping.set()
+
+    def _input_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.in_sock, zmq.POLLIN)
+        while not self.stopping.is_set():
+            if not poller.poll(500):
+                if os.getppid() != self.parent_pid:  # the frontend died: do not linger as an orphan
+                    logger.error("frontend process is gone; engine exiting")
+                    self.stopping.set()
+                    self.inputs.put((UTILITY, EngineCoreUtility("shutdown")))
+                continue
+            kind, payload = self.in_sock.recv_multipart(copy=False)
+            kind = kind.bytes
+            self.inputs.put((kind, _decoders[kind].decode(payload.buffer)))
+
+    def _output_loop(self) -> None:
+        encoder = msgspec.msgpack.Encoder()
+        while True:
+            out = self.outputs.get()
+            if out is None:
+                return
+            self.out_sock.send_multipart([OUTPUTS, encoder.encode(out)], copy=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""Engine-side request state."""
+
+from __future__ import annotations
+
+import enum
+
+from tokenspout.engine.messages import EngineCoreRequest
+from tokenspout.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    """A sequence in the engine: its tokens (prompt then output), how many have KV computed, and its status."""
+
+    __slots__ = (
+        "arrival_time",
+        "max_len",
+        "num_computed_tokens",
+        "num_preemptions",
+        "num_prompt_tokens",
+        "params",
+        "request_id",
+        "seed",
+        "status",
+        "stop_ids",
+        "stop_reason",
+        "token_ids",
+    )
+
+    def __init__(self, req: EngineCoreRequest, seed: int, max_model_len: int):
+        self.request_id = req.request_id
+        self.params: SamplingParams = req.sampling_params
+        self.arrival_time = req.arrival_time
+        self.num_prompt_tokens = len(req.prompt_token_ids)
+        self.token_ids: list[int] = list(req.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.seed = seed  # effective sampling seed, kept across preemption so the draw stays reproducible
+        self.stop_reason: int | str | None = None
+        max_tokens = self.params.max_tokens
+        total = max_model_len if max_tokens is None else min(max_model_len, self.num_prompt_tokens + max_tokens)
+        self.max_len = total  # the request ends ("length") when it holds this many tokens
+        self.stop_ids = self.params.all_stop_token_ids
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]

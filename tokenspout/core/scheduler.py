@@ -1,0 +1,208 @@
+"""Continuous batching with one queue (vLLM v1 style): no prefill/decode phases, just "how many of each request's
+known tokens still lack KV", scheduled under a token budget every step.
+
+* Running requests are served first, in arrival order; a long prompt is chunked to fit the budget (chunked prefill)
+  and samples nothing until its last chunk.
+* When the KV cache has no block for a running request, the newest running request is preempted (its blocks freed,
+  its KV recomputed from prompt + output when it resumes at the head of the waiting queue).  No request is lost.
+* Waiting requests join while the budget, max_num_seqs and free blocks allow, and none was preempted this step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from tokenspout.config import SchedulerConfig
+from tokenspout.core.kv_cache_manager import KVCacheManager
+from tokenspout.core.request import Request, RequestStatus
+from tokenspout.engine.messages import EngineCoreOutput, SchedulerStats, TokenLogprobs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens whose KV this step computes: token_ids[num_computed : num_computed + num_new]
+    samples: bool  # True when this step reaches the end of the known tokens, so a token is sampled
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    # Requests that left the running set since the last step (finished, aborted or preempted): the model runner
+    # releases their rows.
+    removed_request_ids: list[str] = field(default_factory=list)
+    total_num_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    """Per scheduled-and-sampling request: the tokens it emitted this step and their logprobs (if asked)."""
+
+    sampled: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._removed: list[str] = []
+        self._early_outputs: list[EngineCoreOutput] = []  # requests ended by the scheduler itself
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: list[str]) -> list[Request]:
+        aborted = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue  # already finished: the abort crossed its last output
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            aborted.append(req)
+        return aborted
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+            self._removed.append(req.request_id)
+        else:
+            try:
+                self.waiting.remove(req)
+            except ValueError:
+                pass
+        self.kv.free(req.request_id)
+        self.requests.pop(req.request_id, None)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req.request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self._removed.append(req.request_id)
+        self.waiting.appendleft(req)
+        logger.debug("preempted %s (KV cache full)", req.request_id)
+
+    def _cannot_fit(self, req: Request) -> None:
+        logger.warning("request %s needs more KV blocks than the whole cache holds; ending it", req.request_id)
+        self._finish(req, RequestStatus.FINISHED_LENGTH)
+        self._early_outputs.append(EngineCoreOutput(req.request_id, [], finish_reason="length"))
+
+    # ---- one step ------------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while self.kv.allocate(req.request_id, req.num_computed_tokens + num_new) is None:
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if req.status is not RequestStatus.RUNNING:
+                if not self.running:
+                    # It was alone and the whole cache cannot hold it: it can never grow, so it ends here.
+                    self._cannot_fit(req)
+                break  # req preempted itself: nothing after it in running can be served either
+            scheduled.append(self._entry(req, num_new))
+            budget -= num_new
+            i += 1
+
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                req = self.waiting[0]
+                num_new = req.num_tokens - req.num_computed_tokens
+                if not self.config.enable_chunked_prefill and num_new > budget:
+                    break
+                num_new = min(num_new, budget)
+                if self.kv.allocate(req.request_id, req.num_computed_tokens + num_new) is None:
+                    if not self.running and self.kv.num_free_blocks == self.kv.num_blocks:
+                        self._cannot_fit(req)
+                        continue
+                    break
+                self.waiting.popleft()
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                scheduled.append(self._entry(req, num_new))
+                budget -= num_new
+
+        out = SchedulerOutput(scheduled=scheduled, removed_request_ids=self._removed,
+                              total_num_tokens=self.config.max_num_batched_tokens - budget)
+        self._removed = []
+        return out
+
+    @staticmethod
+    def _entry(req: Request, num_new: int) -> ScheduledRequest:
+        return ScheduledRequest(req, num_new, req.num_computed_tokens + num_new == req.num_tokens)
+
+    # ---- after the model ran -------------------------------------------------------------------------------
+    def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs, self._early_outputs = self._early_outputs, []
+        for entry in sched.scheduled:
+            req = entry.request
+            if req.status is not RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += entry.num_new_tokens
+            new_ids = result.sampled.get(req.request_id)
+            if not new_ids:
+                continue
+            accepted: list[int] = []
+            status = None
+            for tok in new_ids:
+                req.token_ids.append(tok)
+                accepted.append(tok)
+                status = self._check_stop(req, tok)
+                if status is not None:
+                    break
+            lps = result.logprobs.get(req.request_id)
+            out = EngineCoreOutput(req.request_id, accepted,
+                                   new_logprobs=lps[: len(accepted)] if lps else None)
+            if status is not None:
+                out.finish_reason = status.value
+                out.stop_reason = req.stop_reason
+                self._finish(req, status)
+            outputs.append(out)
+        return outputs
+
+    def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
+        if tok in req.stop_ids and req.num_output_tokens > req.params.min_tokens - 1:
+            if tok != req.params.eos_token_id:
+                req.stop_reason = tok
+            return RequestStatus.FINISHED_STOPPED
+        if req.num_tokens >= req.max_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
+                              kv_cache_usage=self.kv.usage, num_preemptions=self.num_preemptions,
+                              num_free_blocks=self.kv.num_free_blocks, num_total_blocks=self.kv.num_blocks)

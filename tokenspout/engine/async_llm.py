@@ -1,0 +1,137 @@
+"""AsyncLLM: the asyncio frontend of the API server.
+
+One background task (the output handler) drains the engine's socket, runs the OutputProcessor over each batch of
+outputs in chunks (yielding to the event loop between chunks so streaming responses keep flowing) and routes
+RequestOutputs to per-request collectors.  `generate()` is an async iterator over one request's collector; when its
+consumer stops early (client disconnect, cancellation) the request is aborted in the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from tokenspout.config import EngineConfig
+from tokenspout.engine.core_client import AsyncMPClient
+from tokenspout.engine.exceptions import EngineDeadError
+from tokenspout.engine.messages import SchedulerStats
+from tokenspout.engine.output_processor import OutputProcessor, RequestOutputCollector
+from tokenspout.engine.processor import Processor
+from tokenspout.engine.tokenizer import load_tokenizer
+from tokenspout.outputs import RequestOutput
+from tokenspout.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_CHUNK = 128  # outputs processed between two yields to the event loop
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, on_wait=None):
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model.model)
+        self.client = AsyncMPClient(config, on_wait=on_wait)
+        info = self.client.info
+        self.model_name = info.model_name
+        self.max_model_len = info.max_model_len
+        self.vocab_size = info.vocab_size
+        self.num_kv_blocks = info.num_kv_blocks
+        self.processor = Processor(self.tokenizer, info.max_model_len, info.vocab_size)
+        self.output_processor = OutputProcessor(self.tokenizer, log_stats=True)
+        self.scheduler_stats = SchedulerStats(num_total_blocks=info.num_kv_blocks,
+                                              num_free_blocks=info.num_kv_blocks)
+        self.stats_listeners: list = []  # callables(AsyncLLM) run after each batch of outputs (metrics)
+        self._handler: asyncio.Task | None = None
+        self._dead: str | None = None
+
+    # ---- the contract the server uses --------------------------------------------------------------------------
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None or not self.client.is_alive
+
+    @property
+    def dead_reason(self) -> str | None:
+        if self._dead is None and not self.client.is_alive:
+            self._dead = self.client.dead_reason or "engine process is not running"
+        return self._dead
+
+    async def check_health(self) -> None:
+        if self.errored:
+            raise EngineDeadError(self.dead_reason or "engine is dead")
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kw) -> str:
+        return self.processor.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kw)
+
+    async def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        if self.errored:
+            raise EngineDeadError(self.dead_reason or "engine is dead")
+        self._ensure_handler()
+        queue = RequestOutputCollector(sampling_params.output_kind)
+        self.processor.add_to(self.output_processor, self.client, request_id, prompt, sampling_params,
+                              time.time(), queue=queue)
+        finished = False
+        try:
+            while not finished:
+                out = queue.get_nowait() or await queue.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                # Consumer went away (disconnect, cancel, aclose) or an error: stop the engine's work now.
+                self._abort_now(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self._abort_now(request_id)
+
+    def get_metrics_snapshot(self) -> dict[str, float]:
+        """Engine-side gauges and totals for /metrics (request-level metrics are recorded by the serving layer)."""
+        st = self.scheduler_stats
+        return {"num_running": st.num_running, "num_waiting": st.num_waiting, "kv_cache_usage": st.kv_cache_usage,
+                "num_preemptions": st.num_preemptions,
+                "num_wasted_tokens": self.output_processor.stats.num_wasted_tokens}
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    def shutdown(self) -> None:
+        if self._handler is not None:
+            self._handler.cancel()
+        self.client.shutdown()
+
+    # ---- internals -----------------------------------------------------------------------------------------
+    def _abort_now(self, request_id: str) -> None:
+        engine_ids = self.output_processor.abort_requests([request_id])
+        if engine_ids and not self.errored:
+            self.client.abort_requests(engine_ids)
+
+    def _ensure_handler(self) -> None:
+        if self._handler is None or self._handler.done():
+            self._handler = asyncio.get_running_loop().create_task(self._output_handler(), name="output-handler")
+
+    async def _output_handler(self) -> None:
+        try:
+            while True:
+                outs = await self.client.get_output_async()
+                items = outs.outputs
+                for start in range(0, len(items), _CHUNK):
+                    processed = self.output_processor.process_outputs(items[start : start + _CHUNK],
+                                                                      outs.timestamp)
+                    if processed.reqs_to_abort:
+                        self.client.abort_requests(processed.reqs_to_abort)
+                    if start + _CHUNK < len(items):
+                        await asyncio.sleep(0)
+                if outs.scheduler_stats is not None:
+                    self.scheduler_stats = outs.scheduler_stats
+                for listener in self.stats_listeners:
+                    listener(self)
+                if outs.engine_error is not None:
+                    raise EngineDeadError(f"engine core failed: {outs.engine_error}")
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever killed the engine, every request must learn of it
+            self._dead = str(e) or type(e).__name__
+            logger.error("engine is dead, failing all in-flight requests: %s", self._dead)
+            self.output_processor.propagate_error(self._dead)

@@ -1,0 +1,177 @@
+"""Clients of the engine core: one interface, three transports.
+
+* InprocClient: the EngineCore in this process (tests, simple offline use); get_output() steps it.
+* SyncMPClient: EngineCoreProc in a spawned process over ZMQ, blocking calls (offline LLM).
+* AsyncMPClient: the same process over zmq.asyncio (AsyncLLM / the API server).
+
+The MP clients watch the engine process: if it dies, get_output() raises EngineDeadError instead of hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from tokenspout.config import EngineConfig
+from tokenspout.core.engine_core_proc import ABORT, ADD, FAILED, OUTPUTS, READY, UTILITY, EngineReady
+from tokenspout.engine.exceptions import EngineDeadError
+from tokenspout.engine.messages import EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest, EngineCoreUtility
+
+logger = logging.getLogger(__name__)
+
+_POLL_MS = 200  # how often a waiting client checks that the engine process is alive
+
+
+class InprocClient:
+    def __init__(self, config: EngineConfig, loaded=None):
+        from tokenspout.core.engine_core import EngineCore
+
+        self.core = EngineCore(config, loaded)
+        lm = self.core.loaded
+        self.info = EngineReady(self.core.max_model_len, lm.arch.vocab_size, self.core.kv.num_blocks,
+                                self.core.kv.block_size, str(lm.dtype), lm.name, str(lm.path))
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        self.core.add_request(req)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids:
+            self.core.abort_requests(request_ids)
+
+    def get_output(self) -> EngineCoreOutputs:
+        return self.core.step()
+
+    @property
+    def is_alive(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
+
+def _cleanup(proc: subprocess.Popen, ipc_dir: str) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+class _MPBase:
+    """Starts the engine process, waits for READY, owns the two sockets and the process's lifetime."""
+
+    def __init__(self, config: EngineConfig, ready_timeout_s: float = 600.0, on_wait=None):
+        self.ipc_dir = tempfile.mkdtemp(prefix="tokenspout-")
+        input_addr, output_addr = f"ipc://{self.ipc_dir}/in", f"ipc://{self.ipc_dir}/out"
+        self.ctx = zmq.Context()
+        self.in_sock = self.ctx.socket(zmq.PUSH)
+        self.in_sock.setsockopt(zmq.LINGER, 0)
+        self.in_sock.bind(input_addr)
+        self.out_sock = self.ctx.socket(zmq.PULL)
+        self.out_sock.setsockopt(zmq.LINGER, 0)
+        self.out_sock.bind(output_addr)
+        # A fresh interpreter (spawned, not forked): no inherited threads or sockets, and unlike multiprocessing's
+        # spawn it does not re-import the user's __main__ (scripts need no `if __name__ == "__main__"` guard).
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tokenspout.core.engine_core_proc", msgspec.json.encode(config).decode(),
+             input_addr, output_addr, str(os.getpid())])
+        self._finalizer = weakref.finalize(self, _cleanup, self.proc, self.ipc_dir)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self.dead_reason: str | None = None
+        self.info = self._wait_ready(ready_timeout_s, on_wait)
+
+    def _wait_ready(self, timeout_s: float, on_wait) -> EngineReady:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.out_sock.poll(_POLL_MS):
+                kind, payload = self.out_sock.recv_multipart()
+                if kind == READY:
+                    return msgspec.msgpack.decode(payload, type=EngineReady)
+                if kind == FAILED:
+                    self.shutdown()
+                    raise RuntimeError(f"engine failed to start: {msgspec.msgpack.decode(payload)}")
+            elif self.proc.poll() is not None:
+                self.shutdown()
+                raise RuntimeError(f"engine process exited during start-up (exit code {self.proc.returncode})")
+            if on_wait is not None:
+                on_wait()
+        self.shutdown()
+        raise RuntimeError(f"engine did not start within {timeout_s:.0f} s")
+
+    @property
+    def is_alive(self) -> bool:
+        return self.dead_reason is None and self.proc.poll() is None
+
+    def _check_alive(self) -> None:
+        if self.dead_reason is None and self.proc.poll() is not None:
+            self.dead_reason = f"engine process died (exit code {self.proc.returncode})"
+            logger.error(self.dead_reason)
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+
+    def _decode_outputs(self, frames) -> EngineCoreOutputs:
+        kind, payload = frames
+        if bytes(kind) != OUTPUTS:
+            raise EngineDeadError(f"unexpected message {bytes(kind)!r} from the engine")
+        out = self.decoder.decode(payload)
+        if out.engine_error is not None:
+            self.dead_reason = f"engine core failed: {out.engine_error}"
+            logger.error(self.dead_reason)
+        return out
+
+    def _send(self, kind: bytes, msg) -> None:
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        self.in_sock.send_multipart([kind, self.encoder.encode(msg)], copy=False)
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        self._send(ADD, req)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and self.dead_reason is None:
+            self._send(ABORT, EngineCoreAbort(list(request_ids)))
+
+    def shutdown(self) -> None:
+        if self.proc.poll() is None and self.dead_reason is None:
+            try:
+                self.in_sock.send_multipart([UTILITY, self.encoder.encode(EngineCoreUtility("shutdown"))],
+                                            flags=zmq.NOBLOCK)
+                self.proc.wait(5)
+            except (zmq.ZMQError, subprocess.TimeoutExpired):
+                pass
+        self._finalizer()
+        for s in (self.in_sock, self.out_sock):
+            s.close(linger=0)
+
+
+class SyncMPClient(_MPBase):
+    def get_output(self) -> EngineCoreOutputs:
+        while not self.out_sock.poll(_POLL_MS):
+            self._check_alive()
+        return self._decode_outputs(self.out_sock.recv_multipart(copy=False))
+
+
+class AsyncMPClient(_MPBase):
+    def __init__(self, config: EngineConfig, **kw):
+        super().__init__(config, **kw)
+        # Same sockets, asyncio flavour (created after the blocking READY handshake).
+        self.async_out = zmq.asyncio.Socket.shadow(self.out_sock)
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        while not await self.async_out.poll(_POLL_MS):
+            self._check_alive()
+        return self._decode_outputs(await self.async_out.recv_multipart(copy=False))

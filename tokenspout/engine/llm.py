@@ -1,0 +1,118 @@
+"""The offline API: `LLM(model=None).generate(prompts, SamplingParams(...))`.
+
+By default the engine core runs in its own process (SyncMPClient), so detokenisation here overlaps the model step
+there; `multiprocess=False` keeps it in this process (InprocClient).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from typing import Self
+
+from tokenspout.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tokenspout.engine.core_client import InprocClient, SyncMPClient
+from tokenspout.engine.output_processor import OutputProcessor
+from tokenspout.engine.processor import Processor
+from tokenspout.engine.tokenizer import load_tokenizer
+from tokenspout.models.loader import resolve_model_path
+from tokenspout.outputs import RequestOutput
+from tokenspout.sampling_params import RequestOutputKind, SamplingParams
+
+Prompt = str | list[int]
+
+
+def build_engine_config(model: str | None = None, *, dtype: str = "float32", max_model_len: int | None = None,
+                        kv_cache_memory: float = 1.0, block_size: int = 16, max_num_seqs: int = 64,
+                        max_num_batched_tokens: int = 512, num_kv_blocks: int | None = None,
+                        served_model_name: str | None = None, num_threads: int | None = None) -> EngineConfig:
+    path, _ = resolve_model_path(model)  # converts the default model here, once, before any engine starts
+    cfg = EngineConfig(
+        model=ModelConfig(model=str(path), dtype=dtype, max_model_len=max_model_len,
+                          served_model_name=served_model_name or (None if model else path.name.removesuffix("-f32"))),
+        cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory,
+                          num_gpu_blocks_override=num_kv_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+        num_threads=num_threads)
+    cfg.validate()
+    return cfg
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, multiprocess: bool = True, on_wait=None, **engine_kwargs):
+        self.config = build_engine_config(model, **engine_kwargs)
+        self.tokenizer = load_tokenizer(self.config.model.model)
+        if multiprocess:
+            self.client = SyncMPClient(self.config, on_wait=on_wait)
+        else:
+            self.client = InprocClient(self.config)
+        info = self.client.info
+        self.model_name = info.model_name
+        self.max_model_len = info.max_model_len
+        self.processor = Processor(self.tokenizer, info.max_model_len, info.vocab_size)
+        self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
+        self._ids = itertools.count()
+
+    # ---- public API ----------------------------------------------------------------------------------------
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order (a single prompt may be a string or a list of token ids)."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} sampling params for {len(prompts)} prompts")
+        ids = [self._add(p, sp, RequestOutputKind.FINAL_ONLY) for p, sp in zip(prompts, plist)]
+        results: dict[str, RequestOutput] = {}
+        for out in self._run(set(ids)):
+            results[out.request_id] = out
+        return [results[i] for i in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.processor.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+                   for c in convs]
+        return self.generate(prompts, sampling_params)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
+        """Yields the new text of one request as it is produced."""
+        params = sampling_params or SamplingParams()
+        rid = self._add(prompt, params, RequestOutputKind.DELTA)
+        for out in self._run({rid}):
+            for c in out.outputs:
+                if c.text:
+                    yield c.text
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def shutdown(self) -> None:
+        self.client.shutdown()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ---- internals -----------------------------------------------------------------------------------------
+    def _add(self, prompt: Prompt, params: SamplingParams, kind: RequestOutputKind) -> str:
+        import dataclasses
+
+        rid = str(next(self._ids))
+        params = dataclasses.replace(params, output_kind=kind)
+        self.processor.add_to(self.output_processor, self.client, rid, prompt, params, time.time())
+        return rid
+
+    def _run(self, pending: set[str]) -> Iterator[RequestOutput]:
+        while pending:
+            outs = self.client.get_output()
+            processed = self.output_processor.process_outputs(outs.outputs, outs.timestamp)
+            self.client.abort_requests(processed.reqs_to_abort)
+            for ro in processed.request_outputs:
+                yield ro
+                if ro.finished:
+                    pending.discard(ro.request_id)

@@ -1,0 +1,67 @@
+"""Messages that cross the frontend <-> engine-core process boundary (msgspec msgpack, never pickle)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from tokenspout.sampling_params import SamplingParams
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One sequence for the engine core.  n > 1 is fanned out by the frontend into n of these,
+    each with its own request_id and seed stream."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs of one generated token: the sampled token's logprob and rank (1 = best),
+    and the top-N alternatives (N = SamplingParams.logprobs), best first."""
+
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: int | str | None = None  # the stop token id that ended it (strings are found by the frontend)
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # fraction of KV blocks in use
+    num_preemptions: int = 0  # cumulative
+    num_free_blocks: int = 0
+    num_total_blocks: int = 0
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = []
+    scheduler_stats: SchedulerStats | None = None
+    timestamp: float = 0.0
+    # Set when the engine core hit a fatal error; the frontend fails every in-flight request.
+    engine_error: str | None = None
+
+
+class EngineCoreAbort(msgspec.Struct, array_like=True):
+    request_ids: list[str]
+
+
+class EngineCoreUtility(msgspec.Struct, array_like=True):
+    """A utility call (e.g. 'get_stats', 'shutdown') answered with an EngineCoreOutputs carrying stats."""
+
+    name: str

@@ -1,0 +1,243 @@
+"""Processor: a user prompt + SamplingParams in, validated EngineCoreRequest(s) out.
+
+What it decides (vLLM semantics unless noted):
+* A string prompt is encoded with the tokenizer's own special-token rule (`add_special_tokens=True` adds a BOS only
+  if the tokenizer's post-processor does so); chat prompts come from `apply_chat_template` and are encoded with
+  `add_special_tokens=False` since the template already holds every special token.
+* The prompt must be non-empty, use ids inside the model's vocabulary, and leave room for at least one generated
+  token: len(prompt) >= max_model_len is a ValueError.
+* max_tokens None means "fill the context": max_model_len - len(prompt).  A max_tokens that would run past the
+  context is clamped to what is left (what vLLM's OpenAI server does since v0.10; OpenAI itself returns 400).
+  min_tokens is clamped with it so that min_tokens <= max_tokens still holds.
+* eos_token_id comes from the tokenizer; further EOS ids of generation_config.json (e.g. Llama 3's <|end_of_text|>
+  next to <|eot_id|>) join stop_token_ids unless ignore_eos.
+* bad_words are tokenized as written (left-stripped) and with a leading space, since a word mid-text starts with a
+  space token in byte-level / sentencepiece vocabularies; both sequences are banned.
+* n > 1 is fanned out into n EngineCoreRequests, ids f"{i}_{request_id}", each with n = 1 and its own seed
+  (see parallel_sampling).  n = 1 keeps the request id as is.
+The caller's SamplingParams object is never mutated: each request carries a copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from tokenspout.engine.messages import EngineCoreRequest
+from tokenspout.engine.parallel_sampling import ParentRequest, RequestOutputCollector
+from tokenspout.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenspout.engine.output_processor import OutputProcessor
+
+logger = logging.getLogger(__name__)
+
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def read_generation_config(model_path: str | Path | None) -> dict[str, Any]:
+    """generation_config.json of a local model folder, or {} when there is none."""
+    if not model_path:
+        return {}
+    path = Path(model_path) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        logger.warning("ignoring unreadable %s: %s", path, e)
+        return {}
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+class _EngineClient(Protocol):
+    def add_request(self, req: EngineCoreRequest) -> None: ...
+
+
+class Processor:
+    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
+                 generation_config: Mapping[str, Any] | None = None) -> None:
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        if generation_config is None:
+            generation_config = read_generation_config(getattr(tokenizer, "name_or_path", None))
+        eos_ids = _as_id_list(getattr(tokenizer, "eos_token_id", None))
+        for t in _as_id_list(generation_config.get("eos_token_id")):
+            if t not in eos_ids:
+                eos_ids.append(t)
+        self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
+        self.extra_eos_token_ids: list[int] = eos_ids[1:]
+
+    # ---- prompts -----------------------------------------------------------------------------------------------
+
+    def process(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+                arrival_time: float | None = None, *,
+                add_special_tokens: bool = True) -> tuple[list[EngineCoreRequest], str | None]:
+        """Validates and tokenizes one request.  Returns its EngineCoreRequests (n of them) and the prompt text
+        (None for a token-id prompt).  `arrival_time` is wall-clock time.time(); None means now."""
+        requests, prompt_text, _ = self._process(request_id, prompt, params, arrival_time, add_special_tokens)
+        return requests, prompt_text
+
+    def add_to(self, output_processor: OutputProcessor, client: _EngineClient, request_id: str,
+               prompt: str | Sequence[int], params: SamplingParams, arrival_time: float | None = None, *,
+               queue: RequestOutputCollector | None = None, add_special_tokens: bool = True) -> list[str]:
+        """process() + registration: every child goes to the OutputProcessor first (so no output can arrive for an
+        id it does not know yet), then to the engine.  Returns the engine request ids."""
+        requests, prompt_text, prepared = self._process(request_id, prompt, params, arrival_time, add_special_tokens)
+        parent = ParentRequest(request_id, prepared) if prepared.n > 1 else None
+        for index, req in enumerate(requests):
+            output_processor.add_request(req, prompt_text, parent, index, queue)
+        for req in requests:
+            client.add_request(req)
+        return [req.request_id for req in requests]
+
+    def _process(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
+                 arrival_time: float | None,
+                 add_special_tokens: bool) -> tuple[list[EngineCoreRequest], str | None, SamplingParams]:
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        prompt_ids, prompt_text = self._prompt_token_ids(prompt, add_special_tokens)
+        params = self._prepare_params(params, len(prompt_ids))
+        arrival = time.time() if arrival_time is None else arrival_time
+        if params.n == 1:
+            return [EngineCoreRequest(request_id, prompt_ids, params, arrival)], prompt_text, params
+        parent = ParentRequest(request_id, params)
+        # Each child gets its own list: an in-process engine may hold on to (or extend) it.
+        requests = [EngineCoreRequest(cid, list(prompt_ids), parent.child_params(i), arrival)
+                    for i, cid in enumerate(parent.child_request_ids)]
+        return requests, prompt_text, params
+
+    def _prompt_token_ids(self, prompt: str | Sequence[int], add_special_tokens: bool) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("prompt must be a list of token ids when no tokenizer is loaded")
+            ids = list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+            text: str | None = prompt
+        elif isinstance(prompt, Sequence):
+            if any(not isinstance(t, int) or isinstance(t, bool) for t in prompt):
+                raise ValueError("prompt must be a string or a list of integer token ids")
+            ids = list(prompt)
+            text = None
+        else:
+            # ValueError, not TypeError: the server maps ValueError to HTTP 400 (a user mistake).
+            raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")  # noqa: TRY004
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        lo, hi = min(ids), max(ids)
+        if lo < 0 or hi >= self.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"prompt has token id {bad}, outside the vocabulary [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens long, but max_model_len (the model's context length) is "
+                f"{self.max_model_len} tokens and at least one must be left for generation")
+        return ids, text
+
+    # ---- sampling params ---------------------------------------------------------------------------------------
+
+    def _prepare_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        params.validate()
+        params.validate_for_vocab(self.vocab_size)
+        if params.stop and not params.detokenize:
+            raise ValueError("stop strings need detokenize=True (they are matched on the decoded text)")
+        room = self.max_model_len - prompt_len
+        max_tokens = params.max_tokens
+        if max_tokens is None or max_tokens > room:
+            if max_tokens is not None:
+                logger.debug("max_tokens %d clamped to %d (prompt %d, max_model_len %d)", max_tokens, room,
+                             prompt_len, self.max_model_len)
+            max_tokens = room
+        stop_token_ids = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_token_ids += [t for t in self.extra_eos_token_ids if t not in stop_token_ids]
+        return dataclasses.replace(
+            params,
+            max_tokens=max_tokens,
+            min_tokens=min(params.min_tokens, max_tokens),
+            stop=list(params.stop),
+            stop_token_ids=stop_token_ids,
+            eos_token_id=self.eos_token_id,
+            bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
+        )
+
+    def _bad_words_token_ids(self, bad_words: Sequence[str] | None) -> list[list[int]] | None:
+        if not bad_words:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer")
+        sequences: list[list[int]] = []
+        for word in bad_words:
+            if not isinstance(word, str) or not word.strip():
+                raise ValueError(f"bad_words must be a list of non-empty strings, got {word!r}")
+            core = word.lstrip()
+            for variant in (core, " " + core):
+                ids = list(self.tokenizer.encode(variant, add_special_tokens=False))
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        for ids in sequences:
+            for t in ids:
+                if not 0 <= t < self.vocab_size:
+                    raise ValueError(f"bad_words tokenize to id {t}, outside the vocabulary [0, {self.vocab_size})")
+        return sequences
+
+    # ---- chat --------------------------------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
+                            **template_kwargs: Any) -> str:
+        """Renders OpenAI-style chat messages with the model's template.  Text content parts are joined with
+        newlines; other part types are rejected.  Errors the user can cause are ValueErrors naming the field."""
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+            raise ValueError("messages must be a non-empty list of {role, content} objects")
+        rendered: list[dict[str, Any]] = []
+        for i, message in enumerate(messages):
+            if not isinstance(message, Mapping):
+                raise ValueError(f"messages[{i}] must be an object with 'role' and 'content'")  # noqa: TRY004
+            role = message.get("role")
+            if role not in CHAT_ROLES:
+                raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
+            rendered.append({**message, "content": _content_text(message.get("content"), i)})
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template; use the completions API with a plain prompt")
+        from jinja2 import TemplateError
+
+        try:
+            text = self.tokenizer.apply_chat_template(rendered, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **template_kwargs)
+        except TemplateError as e:  # e.g. a template that insists on alternating roles
+            raise ValueError(f"messages rejected by the chat template: {e}") from e
+        if not isinstance(text, str):
+            raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected str")
+        return text
+
+
+def _content_text(content: Any, i: int) -> str:
+    if content is None:  # e.g. an assistant message that only carried tool calls
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, Sequence):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+                raise ValueError(f"messages[{i}].content[{j}] must be a text part; got type {kind!r}")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise ValueError(f"messages[{i}].content must be a string or a list of text parts")

@@ -1,0 +1,142 @@
+"""Per-request state of the OutputProcessor: text, token ids, logprobs, finish reason, what was already sent.
+
+Tokens of one engine step are applied one at a time (decode, then stop-string check), so a stop string is found at
+the token that completes it whatever the number of tokens per step (speculative decoding, multi-step): the request
+keeps the ids up to and including that token, and the rest of the step is counted as wasted.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from tokenspout.engine.detokenizer import IncrementalDetokenizer, TokenTexts
+from tokenspout.engine.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
+from tokenspout.engine.stop_checker import StopChecker
+from tokenspout.outputs import CompletionOutput, Logprob, PositionLogprobs
+from tokenspout.sampling_params import RequestOutputKind
+
+if TYPE_CHECKING:
+    from tokenspout.engine.parallel_sampling import ParentRequest, RequestOutputCollector
+
+
+class RequestState:
+    def __init__(self, request: EngineCoreRequest, prompt: str | None, tokenizer: Any,
+                 token_texts: TokenTexts | None, parent: ParentRequest | None = None, index: int = 0,
+                 queue: RequestOutputCollector | None = None) -> None:
+        params = request.sampling_params
+        self.request_id = request.request_id  # engine id
+        self.user_request_id = parent.request_id if parent is not None else request.request_id
+        self.parent = parent
+        self.index = index
+        self.queue = queue
+        self.prompt = prompt
+        self.prompt_token_ids = request.prompt_token_ids
+        self.arrival_time = request.arrival_time
+        self.output_kind = params.output_kind
+        self.min_tokens = params.min_tokens
+        self.include_stop_str_in_output = params.include_stop_str_in_output
+        self.detokenizer: IncrementalDetokenizer | None = None
+        if params.detokenize:
+            self.detokenizer = IncrementalDetokenizer.from_request(tokenizer, request.prompt_token_ids, params,
+                                                                   token_texts=token_texts)
+        self.stop_checker: StopChecker | None = None
+        if params.stop and self.detokenizer is not None:
+            self.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
+        want_logprobs = params.logprobs is not None
+        self.text = ""
+        self.token_ids: list[int] = []
+        self.logprobs: list[PositionLogprobs] | None = [] if want_logprobs else None
+        self.cumulative_logprob: float | None = 0.0 if want_logprobs else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_cached_tokens = 0
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
+        # DELTA bookkeeping: how much text / how many tokens the consumer has already been given.
+        self._sent_text = 0
+        self._sent_tokens = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = reason
+            self.stop_reason = stop_reason
+
+    def apply(self, out: EngineCoreOutput) -> tuple[int, int]:
+        """Applies one engine output; returns (tokens kept, tokens dropped past a stop string)."""
+        if out.num_cached_tokens:
+            self.num_cached_tokens = out.num_cached_tokens
+        ids = out.new_token_ids
+        lps = out.new_logprobs
+        # The engine ended on a stop token (EOS or stop_token_ids): like vLLM, that token's text is not part of the
+        # output unless include_stop_str_in_output; its id still is.
+        skip_last_text = out.finish_reason == "stop" and not self.include_stop_str_in_output
+        last = len(ids) - 1
+        for j, tid in enumerate(ids):
+            self.token_ids.append(tid)
+            if self.logprobs is not None and lps is not None and j < len(lps):
+                self._add_logprobs(tid, lps[j])
+            if self.detokenizer is None or (skip_last_text and j == last):
+                continue
+            new = self.detokenizer.step(tid)
+            if new and self._append_text(new):
+                return j + 1, last - j
+        if out.finished:
+            if self.detokenizer is not None:
+                tail = self.detokenizer.flush()
+                if tail:
+                    self._append_text(tail)
+            assert out.finish_reason is not None
+            self.finish(out.finish_reason, out.stop_reason)
+        return len(ids), 0
+
+    def _append_text(self, new: str) -> bool:
+        """Appends decoded text and checks stop strings; True when one matched (the request is then finished)."""
+        start = len(self.text)
+        self.text += new
+        if self.stop_checker is None or len(self.token_ids) <= self.min_tokens:
+            return False
+        match = self.stop_checker.find(self.text, start)
+        if match is None:
+            return False
+        self.text = self.text[:self.stop_checker.truncate_to(match)]
+        self.finish("stop", match.stop)
+        return True
+
+    def _add_logprobs(self, token_id: int, lp: TokenLogprobs) -> None:
+        """Sampled token first (with its true rank), then the top-N alternatives ranked 1..N."""
+        assert self.logprobs is not None and self.cumulative_logprob is not None
+        decode = self.detokenizer.decode_token if self.detokenizer is not None else None
+        position: PositionLogprobs = {token_id: Logprob(lp.logprob, lp.rank, decode(token_id) if decode else None)}
+        for rank, (tid, value) in enumerate(zip(lp.top_token_ids, lp.top_logprobs), start=1):
+            if tid not in position:
+                position[tid] = Logprob(value, rank, decode(tid) if decode else None)
+        self.logprobs.append(position)
+        self.cumulative_logprob += lp.logprob
+
+    def make_completion(self) -> CompletionOutput | None:
+        """This choice's output in the request's output kind; None for FINAL_ONLY until finished."""
+        finished = self.finished
+        if self.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        visible = len(self.text)
+        if not finished and self.stop_checker is not None:
+            visible -= self.stop_checker.holdback(self.text)
+        logprobs = self.logprobs
+        if self.output_kind == RequestOutputKind.DELTA:
+            text = self.text[self._sent_text:visible]
+            self._sent_text = max(self._sent_text, visible)
+            token_ids = self.token_ids[self._sent_tokens:]
+            if logprobs is not None:
+                logprobs = logprobs[self._sent_tokens:]
+            self._sent_tokens = len(self.token_ids)
+        else:
+            text = self.text[:visible]
+            token_ids = list(self.token_ids)
+            if logprobs is not None:
+                logprobs = list(logprobs)
+        return CompletionOutput(self.index, text, token_ids, self.cumulative_logprob, logprobs,
+                                self.finish_reason, self.stop_reason)

@@ -1,0 +1,111 @@
+"""`tokenspout serve | generate` command line."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import sys
+
+from tokenspout.sampling_params import SamplingParams
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="local Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the paged KV cache")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--num-threads", type=int, default=None, help="torch threads in the engine process")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {"dtype": args.dtype, "max_model_len": args.max_model_len, "kv_cache_memory": args.kv_cache_memory,
+                "block_size": args.block_size, "max_num_seqs": args.max_num_seqs,
+                "max_num_batched_tokens": args.max_num_batched_tokens, "served_model_name": args.served_model_name,
+                "num_threads": args.num_threads}
+
+
+class Spinner:
+    """A one-line spinner on stderr while the model converts or loads."""
+
+    def __init__(self, label: str):
+        self.label = label
+        self.frames = itertools.cycle("|/-\\")
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self) -> None:
+        if self.tty:
+            sys.stderr.write(f"\r{next(self.frames)} {self.label}")
+            sys.stderr.flush()
+
+    def done(self) -> None:
+        if self.tty:
+            sys.stderr.write("\r" + " " * (len(self.label) + 2) + "\r")
+            sys.stderr.flush()
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tokenspout.engine.llm import LLM
+
+    spinner = Spinner("loading the model (the default model is converted once on first use)...")
+    spinner()
+    llm = LLM(args.model, on_wait=spinner, **engine_kwargs(args))
+    spinner.done()
+    try:
+        prompt = args.prompt
+        if not args.raw:
+            prompt = llm.processor.apply_chat_template([{"role": "user", "content": prompt}])
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                seed=args.seed)
+        for text in llm.stream(prompt, params):
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+    finally:
+        llm.shutdown()
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tokenspout.engine.async_llm import AsyncLLM
+    from tokenspout.engine.llm import build_engine_config
+    from tokenspout.entrypoints.openai.api_server import run_server
+
+    config = build_engine_config(args.model, **engine_kwargs(args))  # converts the default model once, here
+    # The engine starts inside the server's lifespan: uvicorn accepts connections once it is ready.
+    run_server(lambda: AsyncLLM(config), host=args.host, port=args.port)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="tokenspout")
+    sub = parser.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("serve", help="serve the OpenAI-compatible API")
+    add_engine_args(s)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.set_defaults(func=cmd_serve)
+    g = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
+    add_engine_args(g)
+    g.add_argument("prompt")
+    g.add_argument("--max-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--raw", action="store_true", help="send the prompt as is (no chat template)")
+    g.set_defaults(func=cmd_generate)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        logging.getLogger("tokenspout").error("%s", e)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,242 @@
+"""The OpenAI-compatible HTTP server: FastAPI app factory, uvicorn runner, and a background-thread server for tests.
+
+Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health (503 once the engine is
+dead), GET /metrics (Prometheus text).  Every error is answered in OpenAI's shape
+`{"error": {"message", "type", "param", "code"}}`; bad input (malformed JSON included) is a 400, never a 422.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, TypeVar
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from tokenspout.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    OpenAIServingError,
+    validation_error_to_serving_error,
+)
+from tokenspout.entrypoints.openai.serving_chat import OpenAIServingChat
+from tokenspout.entrypoints.openai.serving_common import EngineClient
+from tokenspout.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from tokenspout.entrypoints.openai.sse import ClientDisconnected, SSEResponse, run_until_disconnect
+from tokenspout.metrics import PROMETHEUS_CONTENT_TYPE, ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+EngineOrFactory = EngineClient | Callable[[], EngineClient]
+
+
+@dataclass(slots=True)
+class ServerState:
+    engine: EngineClient
+    metrics: ServerMetrics
+    chat: OpenAIServingChat
+    completion: OpenAIServingCompletion
+
+
+def _json(model: BaseModel, status: int = 200) -> Response:
+    return Response(content=model.model_dump_json(), status_code=status, media_type="application/json")
+
+
+def _error(err: OpenAIServingError) -> Response:
+    return _json(err.to_response(), err.status)
+
+
+def _is_engine(obj: Any) -> bool:
+    return not isinstance(obj, type) and hasattr(obj, "generate")  # else a factory (a class, function, partial)
+
+
+def _install(app: FastAPI, engine: EngineClient, metrics: ServerMetrics | None, record_request_metrics: bool) -> None:
+    if metrics is None:  # share the engine frontend's metrics object when it has one
+        engine_metrics = getattr(engine, "metrics", None)
+        metrics = engine_metrics if isinstance(engine_metrics, ServerMetrics) else ServerMetrics(engine.model_name)
+    request_metrics = metrics if record_request_metrics else None
+    app.state.server = ServerState(
+        engine, metrics, OpenAIServingChat(engine, request_metrics), OpenAIServingCompletion(engine, request_metrics)
+    )
+
+
+async def _parse(request: Request, model: type[M]) -> M:
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise OpenAIServingError(f"request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise OpenAIServingError(f"request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise validation_error_to_serving_error(e) from None
+
+
+def build_app(
+    engine: EngineOrFactory,
+    *,
+    metrics: ServerMetrics | None = None,
+    record_request_metrics: bool = True,
+    owns_engine: bool | None = None,
+) -> FastAPI:
+    """`engine`: a constructed AsyncLLM (or anything meeting EngineClient), or a zero-argument factory called in
+    the server's event loop at startup (for engines that bind to the running loop).  `owns_engine` (default: True
+    for a factory, False for an instance): call engine.shutdown() when the server stops.  `metrics`: defaults to
+    `engine.metrics` when that is a ServerMetrics, else a fresh one.  `record_request_metrics=False` when the engine
+    frontend records request-level metrics itself."""
+    factory = None if _is_engine(engine) else engine
+    owns = owns_engine if owns_engine is not None else factory is not None
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if factory is not None:
+            _install(app, factory(), metrics, record_request_metrics)  # type: ignore[operator]
+        try:
+            yield
+        finally:
+            if owns and hasattr(app.state, "server"):
+                logger.info("shutting down the engine")
+                app.state.server.engine.shutdown()
+
+    app = FastAPI(title="tokenspout", lifespan=lifespan)
+    if factory is None:
+        _install(app, engine, metrics, record_request_metrics)  # type: ignore[arg-type]
+
+    def state(request: Request) -> ServerState:
+        return request.app.state.server
+
+    @app.exception_handler(OpenAIServingError)
+    async def _serving_error(_: Request, exc: OpenAIServingError) -> Response:
+        return _error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
+        return _error(OpenAIServingError(str(exc)))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
+        return _error(OpenAIServingError(str(exc.detail), status=exc.status_code))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> Response:
+        logger.exception("unhandled error", exc_info=exc)
+        return _error(OpenAIServingError(f"internal server error: {type(exc).__name__}", status=500))
+
+    def check_alive(st: ServerState) -> None:
+        if st.engine.errored:
+            raise OpenAIServingError("The engine is dead; the server cannot serve requests.", status=500)
+
+    async def respond(request: Request, serving: Any, job: Any, stream: bool) -> Response:
+        if stream:
+            return SSEResponse(serving.stream(job))
+        try:
+            result = await run_until_disconnect(request.receive, serving.complete(job))
+        except ClientDisconnected:
+            logger.info("client disconnected before the response was ready; request aborted")
+            return Response(status_code=499)
+        return _json(result)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        st = state(request)
+        req = await _parse(request, ChatCompletionRequest)
+        check_alive(st)
+        return await respond(request, st.chat, st.chat.prepare(req), bool(req.stream))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        st = state(request)
+        req = await _parse(request, CompletionRequest)
+        check_alive(st)
+        return await respond(request, st.completion, st.completion.prepare(req), bool(req.stream))
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        engine = state(request).engine
+        card = ModelCard(id=engine.model_name, root=engine.model_name, max_model_len=engine.max_model_len)
+        return _json(ModelList(data=[card]))
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        engine = state(request).engine
+        try:
+            if engine.errored:
+                raise RuntimeError("engine is dead")
+            await engine.check_health()
+        except RuntimeError as e:  # EngineDeadError is one
+            return _error(OpenAIServingError(f"unhealthy: {e}", status=HTTPStatus.SERVICE_UNAVAILABLE))
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics_endpoint(request: Request) -> Response:
+        st = state(request)
+        snapshot = getattr(st.engine, "get_metrics_snapshot", None)
+        if snapshot is not None:
+            try:
+                st.metrics.update_from_snapshot(snapshot())
+            except Exception:  # a scrape must not fail because the engine is gone
+                logger.warning("could not read the engine's metrics snapshot", exc_info=True)
+        return Response(content=st.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    return app
+
+
+def run_server(
+    engine: EngineOrFactory,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    metrics: ServerMetrics | None = None,
+    log_level: str = "info",
+    access_log: bool = True,
+) -> None:
+    """Serves until interrupted; the server owns the engine and shuts it down on exit."""
+    app = build_app(engine, metrics=metrics, owns_engine=True)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log)
+    logger.info("serving on http://%s:%d/v1", host, port)
+    uvicorn.Server(config).run()
+
+
+class BackgroundServer:
+    """uvicorn in a daemon thread on a free port (port=0): for tests and benchmarks."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning") -> None:
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                                                    access_log=False))
+        self.host = host
+        self.port = port
+        self._thread = threading.Thread(target=self.server.run, name="tokenspout-http", daemon=True)
+
+    def start(self, timeout: float = 30.0) -> BackgroundServer:
+        self._thread.start()
+        end = time.monotonic() + timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > end:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=30)

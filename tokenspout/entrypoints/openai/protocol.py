@@ -1,0 +1,408 @@
+"""OpenAI API request / response models, the error shape, and the request → SamplingParams mapping.
+
+Unknown request fields are ignored (as OpenAI and vLLM do).  Range checks live in SamplingParams (one source of
+truth); only what SamplingParams cannot know (OpenAI's top_logprobs / logprobs bounds, message shapes) is checked here.
+"""
+
+from __future__ import annotations
+
+import time
+from http import HTTPStatus
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
+
+from tokenspout.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+
+# ---------------------------------------------------------------------------------------------------- errors
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    499: "ClientClosedRequest",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+class OpenAIServingError(Exception):
+    """An error the server answers in OpenAI's shape; raised anywhere in the serving path."""
+
+    def __init__(self, message: str, status: int = HTTPStatus.BAD_REQUEST, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = int(status)
+        self.param = param
+
+    def to_response(self) -> ErrorResponse:
+        err_type = _ERROR_TYPES.get(self.status, "BadRequestError" if self.status < 500 else "InternalServerError")
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=err_type, param=self.param, code=self.status))
+
+
+def _field_path(loc: tuple) -> str:
+    # Drop pydantic's union-member tags ("list[int]", "str", "function-after[...]") so the path names the field.
+    return ".".join(str(p) for p in loc if not (isinstance(p, str) and ("[" in p or p in _TYPE_TAGS)))
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def validation_error_to_serving_error(exc: ValidationError) -> OpenAIServingError:
+    """Maps pydantic's errors to one 400 that names the offending field (dotted path, e.g. messages.0.content)."""
+    by_field: dict[str, str] = {}
+    for err in exc.errors():
+        path = _field_path(tuple(err.get("loc", ())))
+        if path in by_field:  # a union reports once per member type; the first says enough
+            continue
+        value = err.get("input")
+        got = f" (got {value!r})" if "input" in err and not isinstance(value, dict | list) else ""
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        by_field[path] = f"{msg}{got}"
+        if len(by_field) == 3:
+            break
+    message = "; ".join(
+        f"{path}: {msg}" if path and not msg.startswith(path.split(".")[0]) else msg for path, msg in by_field.items()
+    )
+    return OpenAIServingError(message or "invalid request", param=next(iter(by_field), None) or None)
+
+
+def value_error_to_serving_error(exc: ValueError, fields: set[str]) -> OpenAIServingError:
+    """SamplingParams / engine messages start with the field name ("top_p must be in (0, 1], got 2.0")."""
+    msg = str(exc)
+    head = msg.split(" ", 1)[0] if msg else ""
+    return OpenAIServingError(msg or "invalid request", param=head if head in fields else None)
+
+
+# ---------------------------------------------------------------------------------------------------- requests
+
+
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Lenient):
+    include_usage: bool | None = False
+
+
+class _SamplingRequest(_Lenient):
+    """Fields shared by chat and completions, including vLLM's extra sampling knobs at the top level."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    def _logit_bias_ids(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        ids: dict[int, float] = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                ids[int(key)] = bias
+            except ValueError:
+                raise OpenAIServingError(
+                    f"logit_bias keys must be token ids (integers as strings), got {key!r}", param="logit_bias"
+                ) from None
+        return ids
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, stream: bool) -> SamplingParams:
+        def pick(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        try:
+            return SamplingParams(
+                n=self.n,
+                temperature=pick(self.temperature, 1.0),
+                top_p=pick(self.top_p, 1.0),
+                top_k=pick(self.top_k, 0),
+                min_p=pick(self.min_p, 0.0),
+                seed=self.seed,
+                presence_penalty=pick(self.presence_penalty, 0.0),
+                frequency_penalty=pick(self.frequency_penalty, 0.0),
+                repetition_penalty=pick(self.repetition_penalty, 1.0),
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+                stop_token_ids=list(self.stop_token_ids or []),
+                ignore_eos=self.ignore_eos,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                logprobs=logprobs,
+                logit_bias=self._logit_bias_ids(),
+                allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words,
+                skip_special_tokens=self.skip_special_tokens,
+                spaces_between_special_tokens=self.spaces_between_special_tokens,
+                output_kind=kind,
+            )
+        except ValueError as e:
+            raise value_error_to_serving_error(e, set(type(self).model_fields)) from None
+
+
+class ContentPart(_Lenient):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(_Lenient):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+_CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # vLLM extras
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """Messages as the chat template wants them: content flattened to a string."""
+        if not self.messages:
+            raise OpenAIServingError("messages must be a non-empty list", param="messages")
+        out = []
+        for i, msg in enumerate(self.messages):
+            if msg.role not in _CHAT_ROLES:
+                raise OpenAIServingError(
+                    f"messages.{i}.role must be one of {', '.join(_CHAT_ROLES)}, got {msg.role!r}",
+                    param=f"messages.{i}.role",
+                )
+            if isinstance(msg.content, list):
+                texts = []
+                for j, part in enumerate(msg.content):
+                    if part.type != "text" or part.text is None:
+                        raise OpenAIServingError(
+                            f"messages.{i}.content.{j}: only parts of type 'text' with a 'text' field are supported, "
+                            f"got type {part.type!r}",
+                            param=f"messages.{i}.content.{j}",
+                        )
+                    texts.append(part.text)
+                content = "\n".join(texts)
+            else:
+                content = msg.content or ""
+            # Templates know "system" but rarely OpenAI's newer "developer" role, which means the same thing.
+            entry = {"role": "system" if msg.role == "developer" else msg.role, "content": content}
+            if msg.name is not None:
+                entry["name"] = msg.name
+            out.append(entry)
+        return out
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
+            raise OpenAIServingError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        use_completion = self.max_completion_tokens is not None
+        try:
+            return self._sampling_params(
+                self.max_completion_tokens if use_completion else self.max_tokens, logprobs, bool(self.stream)
+            )
+        except OpenAIServingError as e:
+            if use_completion and e.param == "max_tokens":  # name the field the client actually sent
+                e.param, e.message = "max_completion_tokens", e.message.replace("max_tokens", "max_completion_tokens")
+                e.args = (e.message,)
+            raise
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: list[int] | list[list[int]] | list[str] | str
+    max_tokens: int | None = 16  # OpenAI's legacy default
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_shape(cls, v: Any) -> Any:
+        def is_ids(x: Any) -> bool:
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        if isinstance(v, str) or (isinstance(v, list) and (is_ids(v) or all(isinstance(x, str) for x in v)
+                                                           or all(is_ids(x) for x in v))):
+            return v
+        raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of such lists")
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            prompts: list[str | list[int]] = [p]
+        elif p and all(isinstance(t, int) for t in p):
+            prompts = [list(p)]  # one prompt given as token ids
+        else:
+            prompts = list(p)
+        if not prompts or any(isinstance(x, list) and not x for x in prompts):
+            raise OpenAIServingError("prompt must not be empty", param="prompt")
+        return prompts
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.suffix:
+            raise OpenAIServingError("suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise OpenAIServingError("best_of is not supported (it must equal n)", param="best_of")
+        return self._sampling_params(self.max_tokens, self.logprobs, bool(self.stream))
+
+
+def to_sampling_params(request: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
+    """DELTA for streams (each chunk carries only what is new), FINAL_ONLY otherwise (one output at the end)."""
+    return request.to_sampling_params()
+
+
+# ---------------------------------------------------------------------------------------------------- responses
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+    system_fingerprint: str | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):  # OpenAI's deltas carry only the keys that changed
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatCompletionStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy format.  Echoed prompt tokens have null logprobs (prompt logprobs are not computed)."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "tokenspout"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)

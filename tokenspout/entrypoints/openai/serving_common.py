@@ -1,0 +1,234 @@
+"""What chat and completions serving share: the engine contract, error mapping, merging the output streams of
+several prompts, per-request accounting (usage + metrics) and token strings for logprobs."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import uuid
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+from typing import Any, Protocol
+
+import anyio
+
+from tokenspout.engine.exceptions import EngineDeadError
+from tokenspout.entrypoints.openai.protocol import OpenAIServingError, UsageInfo
+from tokenspout.metrics import RequestTimer, ServerMetrics
+from tokenspout.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from tokenspout.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# JSON has no -inf; OpenAI-compatible servers send a large negative number instead.
+_MIN_LOGPROB = -9999.0
+_VALUE_ERROR_FIELDS = {"prompt", "messages", "max_tokens", "logit_bias", "allowed_token_ids", "stop_token_ids",
+                       "bad_words", "n", "logprobs"}
+
+
+class EngineClient(Protocol):
+    """The part of AsyncLLM the server uses (and nothing else)."""
+
+    model_name: str
+    max_model_len: int
+    tokenizer: Any
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kw: Any) -> str: ...
+
+    def generate(
+        self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    @property
+    def errored(self) -> bool: ...
+
+    async def check_health(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def check_model(engine: EngineClient, requested: str | None) -> None:
+    if requested is not None and requested != engine.model_name:
+        raise OpenAIServingError(
+            f"The model `{requested}` does not exist; this server serves `{engine.model_name}`.",
+            status=HTTPStatus.NOT_FOUND,
+            param="model",
+        )
+
+
+def to_serving_error(exc: BaseException) -> OpenAIServingError:
+    """Maps what the engine raises to the HTTP error the client sees."""
+    if isinstance(exc, OpenAIServingError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        logger.error("engine died during a request: %s", exc)
+        return OpenAIServingError(f"The engine is dead: {exc}", status=HTTPStatus.INTERNAL_SERVER_ERROR)
+    if isinstance(exc, ValueError):  # bad input found by the engine: prompt too long, id outside the vocabulary
+        msg = str(exc) or "invalid request"
+        head = msg.split(" ", 1)[0]
+        return OpenAIServingError(msg, param=head if head in _VALUE_ERROR_FIELDS else None)
+    logger.exception("request failed", exc_info=exc)
+    return OpenAIServingError(f"internal server error: {type(exc).__name__}", status=HTTPStatus.INTERNAL_SERVER_ERROR)
+
+
+async def merge_outputs(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Yields (prompt index, output) from several engine generators as outputs arrive.
+
+    Nothing is yielded until every generator has produced its first output (or ended): the engine reports bad
+    input at the first output, and any prompt's bad input must fail the whole request before a byte is sent.
+    Closing this generator closes every engine generator (so the engine aborts them)."""
+    if len(gens) == 1:  # the common case, without tasks
+        gen = gens[0]
+        try:
+            async for out in gen:
+                yield 0, out
+        finally:
+            with anyio.CancelScope(shield=True):
+                await gen.aclose()  # type: ignore[attr-defined]
+        return
+
+    queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in gen:
+                queue.put_nowait((i, out, None))
+            queue.put_nowait((i, None, None))
+        except Exception as e:  # noqa: BLE001 -- handed to the consumer, which maps it; cancellation is not caught
+            queue.put_nowait((i, None, e))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    try:
+        pending: list[tuple[int, RequestOutput]] = []
+        unprimed, live = set(range(len(gens))), len(gens)
+        while live:
+            i, out, err = await queue.get()
+            if err is not None:
+                raise err
+            unprimed.discard(i)
+            if out is None:
+                live -= 1
+            else:
+                pending.append((i, out))
+            if not unprimed:
+                for item in pending:
+                    yield item
+                pending.clear()
+    finally:
+        with anyio.CancelScope(shield=True):
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for g in gens:
+                await g.aclose()  # type: ignore[attr-defined]
+
+
+class ChoiceState:
+    """One choice of one prompt, accumulated from the engine's outputs (text only when asked to keep it)."""
+
+    __slots__ = ("finish_reason", "logprobs", "num_tokens", "stop_reason", "text_parts")
+
+    def __init__(self) -> None:
+        self.text_parts: list[str] = []
+        self.num_tokens = 0
+        self.logprobs: list[PositionLogprobs] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_parts)
+
+
+class PromptState:
+    """Accounting for one engine request (one prompt with its n choices): usage and metrics, ended exactly once."""
+
+    def __init__(self, n: int, kind: RequestOutputKind, metrics: ServerMetrics | None, keep_text: bool) -> None:
+        self.choices = [ChoiceState() for _ in range(n)]
+        self.kind = kind
+        self.keep_text = keep_text
+        self.prompt_token_ids: list[int] | None = None
+        self.prompt: str | None = None
+        self.timer = RequestTimer(metrics)
+
+    def observe(self, out: RequestOutput) -> None:
+        if self.prompt_token_ids is None:
+            self.prompt_token_ids, self.prompt = out.prompt_token_ids, out.prompt
+        any_tokens = False
+        for c in out.outputs:
+            self._add(self.choices[c.index], c)
+            any_tokens = any_tokens or bool(c.token_ids)
+        if any_tokens:
+            # Only a stream's outputs are timed per token; FINAL_ONLY's single output says nothing about TTFT.
+            self.timer.on_tokens(timed=self.kind == RequestOutputKind.DELTA)
+        if out.finished:
+            self.finish("abort")
+
+    def _add(self, st: ChoiceState, c: CompletionOutput) -> None:
+        if self.kind == RequestOutputKind.DELTA:
+            st.num_tokens += len(c.token_ids)
+            if self.keep_text:
+                st.text_parts.append(c.text)
+                st.logprobs.extend(c.logprobs or ())
+        else:  # CUMULATIVE / FINAL_ONLY carry everything so far
+            st.num_tokens = len(c.token_ids)
+            if self.keep_text:
+                st.text_parts = [c.text]
+                st.logprobs = list(c.logprobs or ())
+        if c.finish_reason is not None:
+            st.finish_reason, st.stop_reason = c.finish_reason, c.stop_reason
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids or ())
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices)
+
+    def finish(self, default_reason: str) -> None:
+        """Records the request in the metrics; choices without a finish reason get `default_reason`."""
+        self.timer.finish(
+            [c.finish_reason or default_reason for c in self.choices], self.prompt_tokens, self.completion_tokens
+        )
+
+    def discard(self) -> None:
+        """The engine rejected the request: it never ran, so it is not a finished request."""
+        self.timer.finished = True
+
+
+def usage_of(states: list[PromptState]) -> UsageInfo:
+    prompt = sum(s.prompt_tokens for s in states)
+    completion = sum(s.completion_tokens for s in states)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def safe_logprob(x: float) -> float:
+    return _MIN_LOGPROB if math.isnan(x) or x < _MIN_LOGPROB else float(x)
+
+
+def token_str(engine: EngineClient, token_id: int, lp: Logprob) -> str:
+    if lp.decoded_token is not None:
+        return lp.decoded_token
+    tok = getattr(engine, "tokenizer", None)
+    if tok is not None:
+        try:
+            return tok.decode([token_id])
+        except (ValueError, TypeError, KeyError, IndexError, OverflowError):
+            logger.debug("tokenizer cannot decode token id %d alone", token_id)
+    return f"token_id:{token_id}"
+
+
+def prompt_text(engine: EngineClient, prompt: str | list[int], state: PromptState) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if state.prompt is not None:
+        return state.prompt
+    return engine.tokenizer.decode(prompt)

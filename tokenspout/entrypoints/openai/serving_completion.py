@@ -1,0 +1,186 @@
+"""POST /v1/completions: one or several prompts (text or token ids) → engine → one response or an SSE stream.
+
+Choices are indexed prompt-major: prompt p, choice j → index p * n + j.  Every prompt is its own engine request
+(`<id>-<p>`), all submitted at once and merged as their outputs arrive.
+
+echo prepends the prompt text.  Prompt logprobs are not computed: with echo + logprobs the prompt's tokens are listed
+with null logprobs (as OpenAI reports the first prompt token), so `tokens` still lines up with the returned text.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from tokenspout.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    OpenAIServingError,
+)
+from tokenspout.entrypoints.openai.serving_common import (
+    EngineClient,
+    PromptState,
+    check_model,
+    merge_outputs,
+    prompt_text,
+    random_id,
+    safe_logprob,
+    to_serving_error,
+    token_str,
+    usage_of,
+)
+from tokenspout.entrypoints.openai.sse import DONE_FRAME, ChunkEnvelope, error_frame, sse_frame
+from tokenspout.metrics import ServerMetrics
+from tokenspout.outputs import Logprob, PositionLogprobs
+from tokenspout.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class CompletionJob:
+    request: CompletionRequest
+    request_id: str
+    prompts: list[str | list[int]]
+    params: SamplingParams
+    created: int
+
+
+class OpenAIServingCompletion:
+    def __init__(self, engine: EngineClient, metrics: ServerMetrics | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics
+
+    def prepare(self, req: CompletionRequest) -> CompletionJob:
+        check_model(self.engine, req.model)
+        prompts = req.prompts()
+        params = req.to_sampling_params()
+        return CompletionJob(req, random_id("cmpl"), prompts, params, int(time.time()))
+
+    def _start(self, job: CompletionJob, keep_text: bool) -> tuple[list[PromptState], AsyncIterator]:
+        states = [PromptState(job.params.n, job.params.output_kind, self.metrics, keep_text) for _ in job.prompts]
+        gens = [self.engine.generate(p, job.params, f"{job.request_id}-{i}") for i, p in enumerate(job.prompts)]
+        return states, merge_outputs(gens)
+
+    @staticmethod
+    def _fail(states: list[PromptState], exc: Exception, started: bool) -> OpenAIServingError:
+        err = to_serving_error(exc)
+        for s in states:
+            if err.status < 500 and not started:
+                s.discard()  # rejected input: the request never ran
+            else:
+                s.finish("error")
+        return err
+
+    # ------------------------------------------------------------------------------------------ non-streaming
+    async def complete(self, job: CompletionJob) -> CompletionResponse:
+        states, merged = self._start(job, keep_text=True)
+        try:
+            async with aclosing(merged) as outs:
+                async for p, out in outs:
+                    states[p].observe(out)
+        except Exception as e:
+            raise self._fail(states, e, started=False) from e
+        finally:
+            for s in states:
+                s.finish("abort")  # no-op unless cancelled (client gone)
+        req, n, top_n = job.request, job.params.n, job.params.logprobs
+        choices = []
+        for p, (prompt, state) in enumerate(zip(job.prompts, states, strict=True)):
+            echo = prompt_text(self.engine, prompt, state) if req.echo else ""
+            for j, c in enumerate(state.choices):
+                logprobs = None
+                if top_n is not None:
+                    logprobs = CompletionLogprobs()
+                    offset = self._echo_logprobs(logprobs, state) if req.echo else 0
+                    self._extend_logprobs(logprobs, c.logprobs, offset)
+                choices.append(CompletionChoice(index=p * n + j, text=echo + c.text, logprobs=logprobs,
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        return CompletionResponse(id=job.request_id, created=job.created, model=self.engine.model_name,
+                                  choices=choices, usage=usage_of(states))
+
+    # ------------------------------------------------------------------------------------------ streaming
+    async def stream(self, job: CompletionJob) -> AsyncIterator[bytes]:
+        req, n, top_n, model = job.request, job.params.n, job.params.logprobs, self.engine.model_name
+        states, merged = self._start(job, keep_text=False)
+        offsets = [0] * (len(job.prompts) * n)  # text_offset of the next token, per choice
+        started = False
+
+        envelope = ChunkEnvelope(CompletionResponse(id=job.request_id, created=job.created, model=model, choices=[]))
+
+        def chunk(index: int, text: str, logprobs: CompletionLogprobs | None = None, finish: str | None = None,
+                  stop_reason: int | str | None = None) -> bytes:
+            return envelope.frame(CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish,
+                                                   stop_reason=stop_reason))
+
+        try:
+            async with aclosing(merged) as outs:  # leaving early (client gone) closes every engine generator now
+                async for p, out in outs:
+                    started = True
+                    state = states[p]
+                    first = state.prompt_token_ids is None
+                    state.observe(out)
+                    if first and req.echo:
+                        text = prompt_text(self.engine, job.prompts[p], state)
+                        for j in range(n):
+                            lp = None
+                            if top_n is not None:
+                                lp = CompletionLogprobs()
+                                offsets[p * n + j] = self._echo_logprobs(lp, state)
+                            else:
+                                offsets[p * n + j] = len(text)
+                            yield chunk(p * n + j, text, lp)
+                    for c in out.outputs:
+                        index = p * n + c.index
+                        if c.text or c.token_ids:
+                            lp = None
+                            if top_n is not None:
+                                lp = CompletionLogprobs()
+                                offsets[index] = self._extend_logprobs(lp, c.logprobs or [], offsets[index])
+                            yield chunk(index, c.text, lp)
+                        if c.finish_reason is not None:
+                            yield chunk(index, "", None, c.finish_reason, c.stop_reason)
+            if req.include_usage:
+                yield sse_frame(CompletionResponse(id=job.request_id, created=job.created, model=model, choices=[],
+                                                   usage=usage_of(states)))
+        except Exception as e:
+            err = self._fail(states, e, started)
+            if not started:
+                raise err from e
+            yield error_frame(err)
+        finally:
+            for s in states:
+                s.finish("abort")  # no-op unless the client went away mid-stream
+        yield DONE_FRAME
+
+    # ------------------------------------------------------------------------------------------ legacy logprobs
+    def _echo_logprobs(self, out: CompletionLogprobs, state: PromptState) -> int:
+        """Prompt tokens with null logprobs; returns the text offset after them."""
+        offset = 0
+        tok = self.engine.tokenizer
+        for token_id in state.prompt_token_ids or ():
+            text = tok.decode([token_id])
+            out.tokens.append(text)
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            out.text_offset.append(offset)
+            offset += len(text)
+        return offset
+
+    def _extend_logprobs(self, out: CompletionLogprobs, positions: list[PositionLogprobs], offset: int) -> int:
+        """Appends generated positions (sampled token + its alternatives); returns the next text offset."""
+        for pos in positions:
+            items: list[tuple[int, Logprob]] = list(pos.items())
+            token_id, lp = items[0]  # the sampled token comes first
+            text = token_str(self.engine, token_id, lp)
+            out.tokens.append(text)
+            out.token_logprobs.append(safe_logprob(lp.logprob))
+            out.top_logprobs.append({token_str(self.engine, t, tl): safe_logprob(tl.logprob) for t, tl in items})
+            out.text_offset.append(offset)
+            offset += len(text)
+        return offset

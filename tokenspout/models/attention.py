@@ -1,0 +1,81 @@
+"""Attention over the paged KV cache for one flat batch (prefill and decode tokens mixed).
+
+The KV cache of a layer is one tensor [2, num_slots, num_kv_heads, head_dim] (num_slots = num_blocks * block_size);
+a token's slot is block_table[pos // block_size] * block_size + pos % block_size.  The model runner builds an
+AttentionMetadata once per step; every layer reuses it:
+
+* all decode requests (query length 1) are batched into one SDPA call: their keys are gathered through a padded
+  [num_decodes, max_len] slot index with a validity mask;
+* each request with a longer query (prefill chunk) gets its own SDPA call with a causal mask offset by the tokens
+  already in its cache.  Prefills are few per step (the token budget bounds them), so this loop is short.
+
+GQA without repeating K/V: the query heads that share a KV head are folded into the query-length axis
+([.., num_kv_heads, group * q_len, head_dim]), so SDPA sees plain multi-head attention against num_kv_heads heads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    token_start: int  # first row of this request's tokens in the flat batch
+    token_end: int
+    kv_slots: torch.Tensor  # [ctx_len] slot of every cached position 0..ctx_len-1 (ctx_len includes this chunk)
+    mask: torch.Tensor  # [group * q_len, ctx_len] bool, True = attend (causal, offset by ctx_len - q_len)
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V is written
+    num_decode_tokens: int  # decode tokens come first in the flat batch, one per request
+    decode_kv_slots: torch.Tensor | None  # [num_decodes, max_len]
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_len] bool
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    kv_cache[0].index_copy_(0, slot_mapping, k)
+    kv_cache[1].index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    kv_cache: torch.Tensor,  # [2, slots, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    _, num_heads, head_dim = q.shape
+    num_kv = kv_cache.shape[2]
+    group = num_heads // num_kv
+    out = torch.empty_like(q)
+    nd = meta.num_decode_tokens
+    if nd:
+        k = kv_cache[0][meta.decode_kv_slots].transpose(1, 2)  # [R, Hkv, L, D]
+        v = kv_cache[1][meta.decode_kv_slots].transpose(1, 2)
+        qd = q[:nd].view(nd, num_kv, group, head_dim)  # [R, Hkv, G, D]
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale)
+        out[:nd] = o.reshape(nd, num_heads, head_dim)
+    for p in meta.prefills:
+        ql = p.token_end - p.token_start
+        k = kv_cache[0][p.kv_slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
+        v = kv_cache[1][p.kv_slots].transpose(0, 1).unsqueeze(0)
+        # [ql, H, D] -> [Hkv, G*ql, D]: head h = kv*G + g
+        qp = q[p.token_start : p.token_end].view(ql, num_kv, group, head_dim).permute(1, 2, 0, 3)
+        qp = qp.reshape(1, num_kv, group * ql, head_dim)
+        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=p.mask, scale=scale)
+        o = o.view(num_kv, group, ql, head_dim).permute(2, 0, 1, 3).reshape(ql, num_heads, head_dim)
+        out[p.token_start : p.token_end] = o
+    return out
+
+
+def causal_mask(q_len: int, ctx_len: int, group: int, device: torch.device) -> torch.Tensor:
+    """[group * q_len, ctx_len]: query i (absolute position ctx_len - q_len + i) sees keys 0..its position."""
+    qpos = torch.arange(ctx_len - q_len, ctx_len, device=device)
+    kpos = torch.arange(ctx_len, device=device)
+    m = kpos[None, :] <= qpos[:, None]
+    return m.repeat(group, 1)

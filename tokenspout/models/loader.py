@@ -1,0 +1,174 @@
+"""Loads a local Hugging Face folder (safetensors, single or sharded) into the flat-batch model.
+
+Never downloads: the folder must exist and hold config.json, tokenizer files and *.safetensors.  Q/K/V and gate/up
+weights are concatenated here so the model runs one GEMM for each.  Every failure names the file or tensor at fault.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from tokenspout.config import ModelConfig, read_hf_config
+from tokenspout.models.default_model import DEFAULT_MODEL_NAME, default_model_path
+from tokenspout.models.llama import LlamaArch, LlamaForCausalLM, Rotary
+from tokenspout.models.registry import model_class
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: LlamaForCausalLM
+    path: Path
+    name: str
+    arch: LlamaArch
+    hf_config: object  # transformers PretrainedConfig (for rope parameters, eos ids)
+    max_model_len: int
+    dtype: torch.dtype
+
+
+def resolve_model_path(model: str | None) -> tuple[Path, str]:
+    if model is None:
+        return default_model_path(), DEFAULT_MODEL_NAME
+    path = Path(model).expanduser()
+    return path, path.name
+
+
+def resolve_dtype(dtype: str) -> torch.dtype:
+    if dtype == "float32":
+        return torch.float32
+    if dtype == "bfloat16":
+        return torch.bfloat16
+    if dtype == "auto":
+        from tokenspout.platform import has_native_bf16
+
+        return torch.bfloat16 if has_native_bf16() else torch.float32
+    raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'auto', got {dtype!r}")
+
+
+def load_hf_config(path: Path):
+    from transformers import AutoConfig
+
+    read_hf_config(path)  # clear errors for missing folder / file / unsupported architecture first
+    return AutoConfig.from_pretrained(str(path), local_files_only=True)
+
+
+def rope_inv_freq(hf, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling, computed by transformers' own RoPE functions (parity)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = getattr(hf, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
+        return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)), 1.0
+    if rope_type not in ("linear", "llama3", "dynamic", "yarn"):
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported (default, linear, llama3, yarn)")
+    if rope_type == "dynamic":
+        logger.warning("dynamic RoPE scaling is applied statically (as at the original context length)")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
+    return inv_freq, float(scaling)
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index} is corrupt: {e}") from e
+        files = sorted({path / f for f in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise FileNotFoundError(f"{f} (named in {index.name}) is missing")
+        return files
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path} (only safetensors are loaded)")
+    return files
+
+
+def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    state: dict[str, torch.Tensor] = {}
+    for f in _safetensors_files(path):
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for k in sf.keys():  # noqa: SIM118 - safe_open is not iterable
+                    state[k] = sf.get_tensor(k)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise ValueError(f"cannot read weights file {f}: {e} (corrupt or truncated?)") from e
+    return state
+
+
+def _take(state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    try:
+        return state.pop(name)
+    except KeyError:
+        raise ValueError(f"weights are missing tensor {name!r}") from None
+
+
+def load_weights(model: LlamaForCausalLM, state: dict[str, torch.Tensor]) -> None:
+    a = model.arch
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    params: dict[str, torch.Tensor] = {"embed_tokens.weight": _take(state, "embed_tokens.weight"),
+                                       "norm.weight": _take(state, "norm.weight")}
+    if not a.tie_word_embeddings:
+        params["lm_head.weight"] = _take(state, "lm_head.weight")
+    else:
+        state.pop("lm_head.weight", None)
+    for i in range(a.num_layers):
+        p = f"layers.{i}."
+        params[p + "self_attn.qkv_proj.weight"] = torch.cat(
+            [_take(state, p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        if a.qkv_bias:
+            params[p + "self_attn.qkv_proj.bias"] = torch.cat(
+                [_take(state, p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+        params[p + "self_attn.o_proj.weight"] = _take(state, p + "self_attn.o_proj.weight")
+        if a.qk_norm:
+            params[p + "self_attn.q_norm.weight"] = _take(state, p + "self_attn.q_norm.weight")
+            params[p + "self_attn.k_norm.weight"] = _take(state, p + "self_attn.k_norm.weight")
+        params[p + "mlp.gate_up_proj.weight"] = torch.cat(
+            [_take(state, p + "mlp.gate_proj.weight"), _take(state, p + "mlp.up_proj.weight")])
+        params[p + "mlp.down_proj.weight"] = _take(state, p + "mlp.down_proj.weight")
+        params[p + "input_layernorm.weight"] = _take(state, p + "input_layernorm.weight")
+        params[p + "post_attention_layernorm.weight"] = _take(state, p + "post_attention_layernorm.weight")
+    leftover = [k for k in state if "rotary_emb" not in k]
+    if leftover:
+        logger.warning("ignoring %d unexpected tensors, e.g. %s", len(leftover), leftover[:3])
+    own = dict(model.named_parameters())
+    for name, value in params.items():
+        if name not in own:
+            raise ValueError(f"internal: no parameter {name}")
+        if own[name].shape != value.shape:
+            raise ValueError(f"tensor {name} has shape {tuple(value.shape)}, expected {tuple(own[name].shape)}")
+        with torch.no_grad():
+            own[name].copy_(value)
+
+
+def load_model(cfg: ModelConfig) -> LoadedModel:
+    path, name = resolve_model_path(cfg.model)
+    hf = load_hf_config(path)
+    arch = LlamaArch.from_hf(hf)
+    dtype = resolve_dtype(cfg.dtype)
+    max_len = cfg.max_model_len or arch.max_position_embeddings
+    if max_len > arch.max_position_embeddings:
+        logger.warning("max_model_len %d exceeds the model's %d positions", max_len, arch.max_position_embeddings)
+    inv_freq, scaling = rope_inv_freq(hf, arch.head_dim)
+    with torch.device("meta"):
+        model = model_class(arch.architecture)(arch)
+    model = model.to_empty(device="cpu")
+    # to_empty left the rotary buffers uninitialised and untied the embeddings: rebuild / retie them.
+    model.rotary = Rotary(inv_freq, scaling, max_len)
+    if arch.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    load_weights(model, read_state_dict(path))
+    model = model.to(dtype).eval()
+    model.requires_grad_(False)
+    return LoadedModel(model=model, path=path, name=cfg.served_model_name or name, arch=arch,
+                       hf_config=hf, max_model_len=max_len, dtype=dtype)

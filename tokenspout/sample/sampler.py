@@ -1,0 +1,151 @@
+"""The sampler: logits [B, V] + SamplingMetadata -> one token id per row (and logprobs if asked).
+
+Order (DESIGN invariant 2): raw logprobs -> float32 -> allowed / bad-word / grammar masks -> min_tokens,
+logit_bias, penalties -> greedy argmax (an all-greedy batch stops here: no top-k, no sort, no noise) ->
+temperature -> min_p -> top-k / top-p on a candidate set (ops/topk_topp.py) -> two-level Gumbel-max
+draw from counter-based noise (ops/draw.py, ops/noise.py) -> torch.where(is_greedy, argmax, drawn).
+
+The sampler owns the logits it is given: float32 logits are modified in place (penalties, masks), which
+saves a [B, V] copy per step.  Callers that need them afterwards pass a clone.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tokenspout.sample.metadata import SamplingMetadata
+from tokenspout.sample.ops.draw import draw_dense, draw_sparse
+from tokenspout.sample.ops.logprobs import gather_logprobs
+from tokenspout.sample.ops.noise import row_keys
+from tokenspout.sample.ops.penalties import (
+    apply_allowed,
+    apply_bans,
+    apply_bias,
+    apply_grammar_bitmask,
+    apply_penalties,
+)
+from tokenspout.sample.ops.topk_topp import Kept, TierConfig, materialize, truncate
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class LogprobsTensors:
+    token_ids: torch.Tensor  # [B, N+1] int64: column 0 the sampled token, then the top-N, best first
+    logprobs: torch.Tensor  # [B, N+1] float32
+    ranks: torch.Tensor  # [B] int64, rank of the sampled token (1 = best)
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    sampled_token_ids: torch.Tensor  # [B] int64
+    logprobs: LogprobsTensors | None  # rows that did not ask hold zeros
+
+
+def apply_logits_processors(x: torch.Tensor, meta: SamplingMetadata) -> None:
+    """Masks, then the argmax-changing processors, in place on float32 logits x [B, V]."""
+    if meta.allowed is not None:
+        apply_allowed(x, *meta.allowed)
+    if meta.grammar_bitmask is not None:
+        apply_grammar_bitmask(x, meta.grammar_bitmask)
+    if meta.banned is not None:  # bad words and min_tokens: both are plain -inf, so one scatter
+        apply_bans(x, *meta.banned)
+    if meta.bias is not None:
+        apply_bias(x, *meta.bias)
+    if meta.penalties is not None:
+        apply_penalties(x, meta.penalties)
+
+
+def draw(kept: Kept, meta: SamplingMetadata, vocab: int, block_size: int) -> torch.Tensor:
+    """One drawn token per row [B] (rows without a kept distribution -- greedy ones -- get 0)."""
+    keys = row_keys(meta.seeds, meta.positions)
+    drawn = torch.zeros(meta.num_rows, dtype=torch.int64, device=keys.device)
+    for part in kept.sparse:
+        tok = draw_sparse(part.ids, part.logits, keys.index_select(0, part.rows), vocab, block_size)
+        drawn.index_copy_(0, part.rows, tok)
+    if kept.dense is not None:
+        d = kept.dense
+        tok = draw_dense(d.logits, d.mass, keys.index_select(0, d.rows), block_size)
+        drawn.index_copy_(0, d.rows, tok)
+    return drawn
+
+
+def _float32(logits: torch.Tensor) -> torch.Tensor:
+    x = logits if logits.dtype == torch.float32 else logits.float()
+    return x.contiguous()
+
+
+def compute_processed_logits(
+    logits: torch.Tensor, metadata: SamplingMetadata, tiers: TierConfig | None = None
+) -> torch.Tensor:
+    """The logits of each row's processed distribution [B, V] float32: after masks, penalties,
+    temperature, min_p, top-k and top-p, -inf where dropped; softmax gives what the sampler draws from.
+    Greedy rows get the logits after masks and penalties (temperature 1, no truncation).
+    Does not modify `logits`."""
+    x = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
+    apply_logits_processors(x, metadata)
+    if metadata.all_greedy:
+        return x
+    return materialize(x, truncate(x, metadata, tiers or TierConfig()))
+
+
+class Sampler(torch.nn.Module):
+    def __init__(self, tiers: TierConfig | None = None) -> None:
+        super().__init__()
+        self.tiers = tiers or TierConfig()
+
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        meta = metadata
+        batch, vocab = logits.shape
+        raw = None
+        if meta.raw_logprob_rows.numel():
+            rows = meta.raw_logprob_rows
+            src = logits if rows.numel() == batch else logits.index_select(0, rows)
+            raw = src.float().log_softmax(-1)
+        x = _float32(logits)
+        apply_logits_processors(x, meta)
+
+        kept = None
+        if meta.all_greedy:
+            sampled = x.argmax(-1)
+        else:
+            greedy = torch.zeros(batch, dtype=torch.int64, device=x.device)
+            if meta.any_greedy:
+                greedy.index_copy_(0, meta.greedy_rows, x.index_select(0, meta.greedy_rows).argmax(-1))
+            kept = truncate(x, meta, self.tiers)
+            drawn = draw(kept, meta, vocab, self.tiers.block_size)
+            sampled = torch.where(meta.is_greedy, greedy, drawn)
+
+        lp_out = None
+        if meta.max_num_logprobs >= 0:
+            lp_out = self._logprobs(x, kept, raw, sampled, meta)
+        return SamplerOutput(sampled, lp_out)
+
+    @staticmethod
+    def _logprobs(
+        x: torch.Tensor, kept: Kept | None, raw: torch.Tensor | None, sampled: torch.Tensor,
+        meta: SamplingMetadata,
+    ) -> LogprobsTensors:
+        parts, rows = [], []
+        if raw is not None:
+            parts.append(raw)
+            rows.append(meta.raw_logprob_rows)
+        if meta.processed_logprob_rows.numel():
+            prows = meta.processed_logprob_rows
+            processed = x if kept is None else materialize(x, kept)
+            parts.append(processed.index_select(0, prows).log_softmax(-1))
+            rows.append(prows)
+        lp = parts[0] if len(parts) == 1 else torch.cat(parts)
+        lp_rows = rows[0] if len(rows) == 1 else torch.cat(rows)
+        n = meta.max_num_logprobs
+        ids, vals, ranks = gather_logprobs(lp, sampled.index_select(0, lp_rows), n)
+        batch = meta.num_rows
+        if lp_rows.numel() == batch and bool((lp_rows == torch.arange(batch, device=lp_rows.device)).all()):
+            return LogprobsTensors(ids, vals, ranks)
+        out_ids = torch.zeros(batch, n + 1, dtype=torch.int64, device=x.device).index_copy_(0, lp_rows, ids)
+        out_vals = torch.zeros(batch, n + 1, dtype=torch.float32, device=x.device).index_copy_(0, lp_rows, vals)
+        out_ranks = torch.zeros(batch, dtype=torch.int64, device=x.device).index_copy_(0, lp_rows, ranks)
+        return LogprobsTensors(out_ids, out_vals, out_ranks)

@@ -1,0 +1,169 @@
+"""Runs one scheduled step: flat batch in, sampled tokens out.
+
+Per step it builds the flat inputs (input ids, positions, slot mapping, query_start_loc, attention metadata) from
+the persistent per-row block table, runs the model, projects only the last position of each sampling request
+(logits_indices = query_start_loc[1:] - 1, DESIGN invariant 1), samples, and brings the results to Python with one
+.tolist() (invariant 6).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tokenspout.config import CacheConfig, SchedulerConfig
+from tokenspout.core.kv_cache_manager import KVCacheManager
+from tokenspout.core.scheduler import ModelRunnerOutput, SchedulerOutput
+from tokenspout.engine.messages import TokenLogprobs
+from tokenspout.models.attention import AttentionMetadata, PrefillChunk, causal_mask
+from tokenspout.models.loader import LoadedModel
+from tokenspout.sample.metadata import SamplingState
+from tokenspout.sample.sampler import Sampler, SamplerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def kv_block_bytes(loaded: LoadedModel, block_size: int) -> int:
+    a = loaded.arch
+    return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * loaded.dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, cache: CacheConfig, sched: SchedulerConfig):
+        self.loaded = loaded
+        self.model = loaded.model
+        a = loaded.arch
+        self.device = torch.device("cpu")
+        self.block_size = cache.block_size
+        self.num_blocks = cache.num_gpu_blocks_override or int(
+            cache.kv_cache_memory_gib * (1 << 30) // kv_block_bytes(loaded, cache.block_size))
+        slots = self.num_blocks * self.block_size
+        self.kv_caches = [torch.zeros(2, slots, a.num_kv_heads, a.head_dim, dtype=loaded.dtype)
+                          for _ in range(a.num_layers)]
+        self.group = a.num_heads // a.num_kv_heads
+        self.max_num_seqs = sched.max_num_seqs
+        max_blocks = -(-loaded.max_model_len // self.block_size)
+        # Persistent per-row state: block table rows are filled incrementally as requests gain blocks.
+        self.block_table = torch.zeros(sched.max_num_seqs, max_blocks, dtype=torch.int64)
+        self._num_blocks_in_row = [0] * sched.max_num_seqs
+        self.row_of: dict[str, int] = {}
+        self._free_rows = list(range(sched.max_num_seqs - 1, -1, -1))
+        self.sampling = SamplingState(sched.max_num_seqs, a.vocab_size, self.device)
+        self.sampler = Sampler()
+        # Tests and debugging: called with (request ids, float32 logits) of every sampling step when set.
+        self.logits_hook = None
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
+                    self.num_blocks * kv_block_bytes(loaded, self.block_size) / (1 << 30))
+
+    # ---- persistent rows -----------------------------------------------------------------------------------
+    def _release(self, request_id: str) -> None:
+        row = self.row_of.pop(request_id, None)
+        if row is not None:
+            self.sampling.remove_request(row)
+            self._num_blocks_in_row[row] = 0
+            self._free_rows.append(row)
+
+    def _ensure_row(self, req) -> int:
+        row = self.row_of.get(req.request_id)
+        if row is None:
+            row = self._free_rows.pop()
+            self.row_of[req.request_id] = row
+            self.sampling.add_request(row, req.params, req.prompt_token_ids, req.output_token_ids, req.seed)
+        return row
+
+    def _sync_blocks(self, row: int, blocks: list[int]) -> None:
+        have = self._num_blocks_in_row[row]
+        if len(blocks) > have:
+            self.block_table[row, have : len(blocks)] = torch.tensor(blocks[have:], dtype=torch.int64)
+            self._num_blocks_in_row[row] = len(blocks)
+
+    # ---- one step ------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> ModelRunnerOutput:
+        for rid in sched.removed_request_ids:
+            self._release(rid)
+        if sched.is_empty:
+            return ModelRunnerOutput(sampled={})
+        # Decodes (query length 1) first: they share one batched attention call.
+        entries = sorted(sched.scheduled, key=lambda e: e.num_new_tokens != 1)
+        rows, starts, lens, tokens = [], [], [], []
+        for e in entries:
+            req = e.request
+            row = self._ensure_row(req)
+            self._sync_blocks(row, kv.blocks_of(req.request_id))
+            nc = req.num_computed_tokens
+            rows.append(row)
+            starts.append(nc)
+            lens.append(e.num_new_tokens)
+            tokens.extend(req.token_ids[nc : nc + e.num_new_tokens])
+        input_ids = torch.tensor(tokens, dtype=torch.int64)
+        rows_t = torch.tensor(rows, dtype=torch.int64)
+        starts_t = torch.tensor(starts, dtype=torch.int64)
+        lens_t = torch.tensor(lens, dtype=torch.int64)
+        qsl = torch.zeros(len(entries) + 1, dtype=torch.int64)
+        torch.cumsum(lens_t, 0, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+        # position of every token = its request's computed count + offset within this step's chunk
+        tok_req = torch.repeat_interleave(torch.arange(len(entries)), lens_t)
+        positions = starts_t[tok_req] + (torch.arange(num_tokens) - qsl[:-1][tok_req])
+        bs = self.block_size
+        tok_rows = rows_t[tok_req]
+        slot_mapping = self.block_table[tok_rows, positions // bs] * bs + positions % bs
+        meta = self._attention_metadata(entries, rows_t, starts_t, lens_t, qsl, slot_mapping)
+
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+
+        sample_idx = [i for i, e in enumerate(entries) if e.samples]
+        if not sample_idx:
+            return ModelRunnerOutput(sampled={})
+        sel = torch.tensor(sample_idx, dtype=torch.int64)
+        logits_indices = qsl[1:][sel] - 1
+        logits = self.model.compute_logits(hidden[logits_indices])
+        sample_rows = [rows[i] for i in sample_idx]
+        req_ids = [entries[i].request.request_id for i in sample_idx]
+        if self.logits_hook is not None:
+            self.logits_hook(req_ids, logits)
+        out = self.sampler(logits, self.sampling.metadata(sample_rows))
+        result = self._to_python(out, req_ids, [entries[i].request.params.logprobs for i in sample_idx])
+        self.sampling.append_tokens(sample_rows, [result.sampled[r] for r in req_ids])
+        return result
+
+    def _attention_metadata(self, entries, rows_t, starts_t, lens_t, qsl, slot_mapping) -> AttentionMetadata:
+        bs = self.block_size
+        nd = sum(1 for e in entries if e.num_new_tokens == 1)
+        dec_slots = dec_mask = None
+        if nd:
+            seq_lens = starts_t[:nd] + 1
+            max_len = int(seq_lens.max())
+            pos = torch.arange(max_len)
+            blocks = self.block_table[rows_t[:nd]][:, pos // bs]
+            dec_slots = blocks * bs + pos % bs
+            dec_mask = (pos[None, :] < seq_lens[:, None])[:, None, None, :]
+        prefills = []
+        for i in range(nd, len(entries)):
+            ctx = int(starts_t[i] + lens_t[i])
+            pos = torch.arange(ctx)
+            kv_slots = self.block_table[rows_t[i], pos // bs] * bs + pos % bs
+            prefills.append(PrefillChunk(int(qsl[i]), int(qsl[i + 1]), kv_slots,
+                                         causal_mask(int(lens_t[i]), ctx, self.group, self.device)))
+        return AttentionMetadata(slot_mapping, nd, dec_slots, dec_mask, prefills)
+
+    @staticmethod
+    def _to_python(out: SamplerOutput, req_ids: list[str], want: list[int | None]) -> ModelRunnerOutput:
+        if out.logprobs is None or all(w is None for w in want):
+            ids = out.sampled_token_ids.tolist()  # the one device->host transfer of the step
+            return ModelRunnerOutput(sampled={r: [t] for r, t in zip(req_ids, ids)})
+        lp = out.logprobs
+        # One transfer for ids, ranks and logprobs together (float64 holds token ids exactly).
+        packed = torch.cat([out.sampled_token_ids[:, None].double(), lp.ranks[:, None].double(),
+                            lp.token_ids.double(), lp.logprobs.double()], dim=1).tolist()
+        n = lp.token_ids.shape[1]
+        sampled, logprobs = {}, {}
+        for r, w, row in zip(req_ids, want, packed):
+            sampled[r] = [int(row[0])]
+            if w is not None:
+                ids = [int(x) for x in row[2 : 2 + n]]
+                lps = row[2 + n :]
+                logprobs[r] = [TokenLogprobs(lps[0], int(row[1]), ids[1 : 1 + w], lps[1 : 1 + w])]
+        return ModelRunnerOutput(sampled=sampled, logprobs=logprobs)
