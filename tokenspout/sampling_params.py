@@ -23,6 +23,27 @@ class RequestOutputKind(enum.IntEnum):
 
 
 @dataclass(slots=True)
+class StructuredOutputsParams:
+    """Constrains the output to a grammar; exactly one field is set.  `json` is a JSON-schema document serialised
+    as a string (so it crosses the process boundary as plain data)."""
+
+    json: str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark / EBNF as llguidance accepts
+    json_object: bool = False  # any JSON object
+
+    def __post_init__(self) -> None:
+        set_fields = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        set_fields += ["json_object"] if self.json_object else []
+        if len(set_fields) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of json, regex, choice, grammar, json_object; "
+                             f"got {set_fields or 'none'}")
+        if self.choice is not None and (not self.choice or any(not isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+
+
+@dataclass(slots=True)
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0
@@ -48,6 +69,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled by the frontend Processor from the tokenizer (never by users):
     bad_words_token_ids: list[list[int]] | None = None
     eos_token_id: int | None = None
