@@ -51,16 +51,38 @@ class SchedulerConfig:
 
 
 @dataclass(slots=True)
+class SpeculativeConfig:
+    method: str | None = None  # None (off) | "ngram"
+    num_speculative_tokens: int = 4
+    ngram_min: int = 2
+    ngram_max: int = 4
+    # Per request: stop drafting once, after `min_rounds` verifications, fewer than this fraction of drafted
+    # tokens were accepted (speculation then costs more than it saves).
+    min_acceptance: float = 0.2
+    min_rounds: int = 8
+
+    def validate(self) -> None:
+        if self.method not in (None, "ngram"):
+            raise ValueError(f"speculative method must be 'ngram' (or None), got {self.method!r}")
+        if self.method and not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
+        if self.method == "ngram" and not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+
+
+@dataclass(slots=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     num_threads: int | None = None  # torch intra-op threads in the engine process (None: all cores)
 
     def validate(self) -> None:
         self.model.validate()
         self.cache.validate()
         self.scheduler.validate()
+        self.speculative.validate()
 
 
 def read_hf_config(path: Path) -> dict:

@@ -72,6 +72,11 @@ class ServerMetrics:
                                           registry=r)
         self._spec_accepted = Counter(_PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens accepted.", m,
                                       registry=r)
+        self._spec_emitted = Counter(_PREFIX + "spec_decode_num_emitted_tokens",
+                                     "Tokens emitted by verification rounds (accepted drafts + 1 each).", m,
+                                     registry=r)
+        self._spec_mean_len = Gauge(_PREFIX + "spec_decode_mean_acceptance_length",
+                                    "Mean tokens emitted per verification round since start.", m, registry=r)
 
         # Bind the model label once: `labels()` is a locked dict lookup, too slow for a per-token path.  Binding also
         # exports every series from the start (at 0), not only after its first event.
@@ -79,7 +84,8 @@ class ServerMetrics:
             id(metric): metric.labels(model_name=model_name)
             for metric in (self._prompt_tokens, self._generation_tokens, self._ttft, self._itl, self._e2e,
                            self._running, self._waiting, self._kv_usage, self._preemptions, self._wasted,
-                           self._spec_drafts, self._spec_draft_tokens, self._spec_accepted)
+                           self._spec_drafts, self._spec_draft_tokens, self._spec_accepted, self._spec_emitted,
+                           self._spec_mean_len)
         }
         self._by_reason = {r: self._requests.labels(model_name=model_name, finished_reason=r)
                            for r in ("stop", "length", "abort", "error")}
@@ -145,6 +151,7 @@ class ServerMetrics:
             ("spec_num_drafts", self._spec_drafts),
             ("spec_num_draft_tokens", self._spec_draft_tokens),
             ("spec_num_accepted_tokens", self._spec_accepted),
+            ("spec_num_emitted_tokens", self._spec_emitted),
         ):
             if key in snapshot:
                 total = float(snapshot[key])
@@ -152,6 +159,9 @@ class ServerMetrics:
                 if delta > 0:  # a restarted engine resets its totals: never decrease a counter
                     self._l(counter).inc(delta)
                 self._snapshot_totals[key] = total
+        drafts = self._snapshot_totals.get("spec_num_drafts", 0.0)
+        if drafts > 0:
+            self._l(self._spec_mean_len).set(self._snapshot_totals.get("spec_num_emitted_tokens", 0.0) / drafts)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -15,7 +15,9 @@ from tokenspout.core.request import Request
 from tokenspout.core.scheduler import Scheduler
 from tokenspout.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from tokenspout.models.loader import LoadedModel, load_model
+from tokenspout.spec_decode.ngram_proposer import NgramProposer
 from tokenspout.worker.model_runner import ModelRunner
+from tokenspout.worker.spec_verify import spec_eligible
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +33,9 @@ class EngineCore:
         self.runner = ModelRunner(self.loaded, config.cache, config.scheduler)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        spec = config.speculative
+        self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
+                         if spec.method == "ngram" else None)
 
     def add_request(self, req: EngineCoreRequest) -> None:
         if req.request_id in self.scheduler.requests:
@@ -50,8 +55,24 @@ class EngineCore:
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched, self.kv)  # also releases rows of removed requests when empty
         outputs = self.scheduler.update_from_output(sched, result)
+        if self.proposer is not None:
+            self._propose()
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.stats(),
                                  timestamp=time.monotonic())
+
+    def _propose(self) -> None:
+        """Drafts for the next step of every decoding request that speculation may serve (n-gram lookup)."""
+        spec = self.config.speculative
+        for req in self.scheduler.running:
+            req.spec_token_ids = []
+            if req.num_computed_tokens != req.num_tokens - 1 or not spec_eligible(req):
+                continue
+            if req.spec_rounds >= spec.min_rounds and req.spec_accepted < spec.min_acceptance * req.spec_drafted:
+                req.spec_enabled = False  # drafts keep failing for this request: plain decoding is cheaper
+                continue
+            room = min(spec.num_speculative_tokens, req.max_len - req.num_tokens - 1)
+            if room > 0:
+                req.spec_token_ids = self.proposer.propose(req.token_ids)[:room]
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

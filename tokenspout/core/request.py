@@ -33,6 +33,11 @@ class Request:
         "params",
         "request_id",
         "seed",
+        "spec_accepted",
+        "spec_drafted",
+        "spec_enabled",
+        "spec_rounds",
+        "spec_token_ids",
         "status",
         "stop_ids",
         "stop_reason",
@@ -54,6 +59,12 @@ class Request:
         self.max_len = total  # the request ends ("length") when it holds this many tokens
         self.stop_ids = self.params.all_stop_token_ids
         self.num_preemptions = 0
+        # Speculative decoding: drafts proposed for the next step, and this request's acceptance so far.
+        self.spec_token_ids: list[int] = []
+        self.spec_enabled = True
+        self.spec_rounds = 0
+        self.spec_drafted = 0
+        self.spec_accepted = 0
 
     @property
     def num_tokens(self) -> int:

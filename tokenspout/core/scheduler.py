@@ -27,6 +27,7 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens whose KV this step computes: token_ids[num_computed : num_computed + num_new]
     samples: bool  # True when this step reaches the end of the known tokens, so a token is sampled
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts verified this step (after the known tokens)
 
 
 @dataclass(slots=True)
@@ -61,6 +62,10 @@ class Scheduler:
         self._removed: list[str] = []
         self._early_outputs: list[EngineCoreOutput] = []  # requests ended by the scheduler itself
         self.num_preemptions = 0
+        self.spec_num_drafts = 0  # verification rounds
+        self.spec_num_draft_tokens = 0
+        self.spec_num_accepted_tokens = 0
+        self.spec_num_emitted_tokens = 0  # tokens emitted by verification rounds (accepted + 1 each)
 
     # ---- requests in and out -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -98,6 +103,7 @@ class Scheduler:
         self.kv.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self._removed.append(req.request_id)
@@ -122,6 +128,11 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            drafts: list[int] = []
+            if req.spec_token_ids and num_new == req.num_tokens - req.num_computed_tokens == 1:
+                drafts = req.spec_token_ids[: budget - 1]
+                num_new += len(drafts)
+            req.spec_token_ids = []
             while self.kv.allocate(req.request_id, req.num_computed_tokens + num_new) is None:
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -129,11 +140,11 @@ class Scheduler:
                 if victim is req:
                     break
             if req.status is not RequestStatus.RUNNING:
-                if not self.running:
+                if not self.running and req.status is RequestStatus.PREEMPTED and self._alone_too_big(req):
                     # It was alone and the whole cache cannot hold it: it can never grow, so it ends here.
                     self._cannot_fit(req)
                 break  # req preempted itself: nothing after it in running can be served either
-            scheduled.append(self._entry(req, num_new))
+            scheduled.append(self._entry(req, num_new, drafts))
             budget -= num_new
             i += 1
 
@@ -160,9 +171,13 @@ class Scheduler:
         self._removed = []
         return out
 
+    def _alone_too_big(self, req: Request) -> bool:
+        return self.kv.blocks_needed(req.request_id, req.num_tokens) > self.kv.num_blocks
+
     @staticmethod
-    def _entry(req: Request, num_new: int) -> ScheduledRequest:
-        return ScheduledRequest(req, num_new, req.num_computed_tokens + num_new == req.num_tokens)
+    def _entry(req: Request, num_new: int, drafts: list[int] | None = None) -> ScheduledRequest:
+        known = num_new - len(drafts or ())
+        return ScheduledRequest(req, num_new, req.num_computed_tokens + known == req.num_tokens, drafts or [])
 
     # ---- after the model ran -------------------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -175,6 +190,8 @@ class Scheduler:
             new_ids = result.sampled.get(req.request_id)
             if not new_ids:
                 continue
+            if entry.spec_token_ids:
+                self._record_spec(req, len(entry.spec_token_ids), len(new_ids) - 1)
             accepted: list[int] = []
             status = None
             for tok in new_ids:
@@ -183,6 +200,9 @@ class Scheduler:
                 status = self._check_stop(req, tok)
                 if status is not None:
                     break
+            if entry.spec_token_ids:
+                # KV written for rejected drafts is garbage; the next step overwrites those slots.
+                req.num_computed_tokens = req.num_tokens - 1
             lps = result.logprobs.get(req.request_id)
             out = EngineCoreOutput(req.request_id, accepted,
                                    new_logprobs=lps[: len(accepted)] if lps else None)
@@ -192,6 +212,15 @@ class Scheduler:
                 self._finish(req, status)
             outputs.append(out)
         return outputs
+
+    def _record_spec(self, req: Request, drafted: int, accepted: int) -> None:
+        req.spec_rounds += 1
+        req.spec_drafted += drafted
+        req.spec_accepted += accepted
+        self.spec_num_drafts += 1
+        self.spec_num_draft_tokens += drafted
+        self.spec_num_accepted_tokens += accepted
+        self.spec_num_emitted_tokens += accepted + 1
 
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
         if tok in req.stop_ids and req.num_output_tokens > req.params.min_tokens - 1:
@@ -205,4 +234,8 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
                               kv_cache_usage=self.kv.usage, num_preemptions=self.num_preemptions,
-                              num_free_blocks=self.kv.num_free_blocks, num_total_blocks=self.kv.num_blocks)
+                              num_free_blocks=self.kv.num_free_blocks, num_total_blocks=self.kv.num_blocks,
+                              spec_num_drafts=self.spec_num_drafts,
+                              spec_num_draft_tokens=self.spec_num_draft_tokens,
+                              spec_num_accepted_tokens=self.spec_num_accepted_tokens,
+                              spec_num_emitted_tokens=self.spec_num_emitted_tokens)

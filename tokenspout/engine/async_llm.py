@@ -90,7 +90,10 @@ class AsyncLLM:
         """Engine-side gauges and totals for /metrics (request-level metrics are recorded by the serving layer)."""
         st = self.scheduler_stats
         return {"num_running": st.num_running, "num_waiting": st.num_waiting, "kv_cache_usage": st.kv_cache_usage,
-                "num_preemptions": st.num_preemptions,
+                "num_preemptions": st.num_preemptions, "spec_num_drafts": st.spec_num_drafts,
+                "spec_num_draft_tokens": st.spec_num_draft_tokens,
+                "spec_num_accepted_tokens": st.spec_num_accepted_tokens,
+                "spec_num_emitted_tokens": st.spec_num_emitted_tokens,
                 "num_wasted_tokens": self.output_processor.stats.num_wasted_tokens}
 
     def get_num_unfinished_requests(self) -> int:

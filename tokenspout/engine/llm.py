@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Self
 
-from tokenspout.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tokenspout.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from tokenspout.engine.core_client import InprocClient, SyncMPClient
 from tokenspout.engine.output_processor import OutputProcessor
 from tokenspout.engine.processor import Processor
@@ -26,7 +26,9 @@ Prompt = str | list[int]
 def build_engine_config(model: str | None = None, *, dtype: str = "float32", max_model_len: int | None = None,
                         kv_cache_memory: float = 1.0, block_size: int = 16, max_num_seqs: int = 64,
                         max_num_batched_tokens: int = 512, num_kv_blocks: int | None = None,
-                        served_model_name: str | None = None, num_threads: int | None = None) -> EngineConfig:
+                        served_model_name: str | None = None, num_threads: int | None = None,
+                        speculative: str | None = None, num_speculative_tokens: int = 4, ngram_min: int = 2,
+                        ngram_max: int = 4) -> EngineConfig:
     path, _ = resolve_model_path(model)  # converts the default model here, once, before any engine starts
     cfg = EngineConfig(
         model=ModelConfig(model=str(path), dtype=dtype, max_model_len=max_model_len,
@@ -34,6 +36,8 @@ def build_engine_config(model: str | None = None, *, dtype: str = "float32", max
         cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory,
                           num_gpu_blocks_override=num_kv_blocks),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+        speculative=SpeculativeConfig(method=speculative, num_speculative_tokens=num_speculative_tokens,
+                                      ngram_min=ngram_min, ngram_max=ngram_max),
         num_threads=num_threads)
     cfg.validate()
     return cfg

@@ -20,6 +20,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--num-threads", type=int, default=None, help="torch threads in the engine process")
+    p.add_argument("--speculative", default=None, choices=["ngram"], help="speculative decoding proposer")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--ngram-min", type=int, default=2)
+    p.add_argument("--ngram-max", type=int, default=4)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

@@ -20,6 +20,7 @@ from tokenspout.models.attention import AttentionMetadata, PrefillChunk, causal_
 from tokenspout.models.loader import LoadedModel
 from tokenspout.sample.metadata import SamplingState
 from tokenspout.sample.sampler import Sampler, SamplerOutput
+from tokenspout.worker.spec_verify import verify_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,8 @@ class ModelRunner:
             rows.append(row)
             starts.append(nc)
             lens.append(e.num_new_tokens)
-            tokens.extend(req.token_ids[nc : nc + e.num_new_tokens])
+            tokens.extend(req.token_ids[nc : nc + e.num_new_tokens - len(e.spec_token_ids)])
+            tokens.extend(e.spec_token_ids)
         input_ids = torch.tensor(tokens, dtype=torch.int64)
         rows_t = torch.tensor(rows, dtype=torch.int64)
         starts_t = torch.tensor(starts, dtype=torch.int64)
@@ -114,9 +116,11 @@ class ModelRunner:
 
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
-        sample_idx = [i for i, e in enumerate(entries) if e.samples]
+        spec_idx = [i for i, e in enumerate(entries) if e.samples and e.spec_token_ids]
+        sample_idx = [i for i, e in enumerate(entries) if e.samples and not e.spec_token_ids]
+        spec_result = self._verify(entries, spec_idx, rows, qsl, hidden) if spec_idx else {}
         if not sample_idx:
-            return ModelRunnerOutput(sampled={})
+            return ModelRunnerOutput(sampled=spec_result)
         sel = torch.tensor(sample_idx, dtype=torch.int64)
         logits_indices = qsl[1:][sel] - 1
         logits = self.model.compute_logits(hidden[logits_indices])
@@ -127,7 +131,20 @@ class ModelRunner:
         out = self.sampler(logits, self.sampling.metadata(sample_rows))
         result = self._to_python(out, req_ids, [entries[i].request.params.logprobs for i in sample_idx])
         self.sampling.append_tokens(sample_rows, [result.sampled[r] for r in req_ids])
+        result.sampled.update(spec_result)
         return result
+
+    def _verify(self, entries, spec_idx: list[int], rows: list[int], qsl: torch.Tensor,
+                hidden: torch.Tensor) -> dict[str, list[int]]:
+        """Logits of every drafted position (+ the bonus one) of each speculating request, verified exactly."""
+        drafts = [entries[i].spec_token_ids for i in spec_idx]
+        ends = qsl[1:][torch.tensor(spec_idx, dtype=torch.int64)]
+        idx = torch.cat([torch.arange(int(e) - len(d) - 1, int(e)) for e, d in zip(ends, drafts)])
+        logits = self.model.compute_logits(hidden[idx])
+        spec_rows = [rows[i] for i in spec_idx]
+        emitted = verify_drafts(logits, spec_rows, drafts, self.sampling)
+        self.sampling.append_tokens(spec_rows, emitted)
+        return {entries[i].request.request_id: toks for i, toks in zip(spec_idx, emitted)}
 
     def _attention_metadata(self, entries, rows_t, starts_t, lens_t, qsl, slot_mapping) -> AttentionMetadata:
         bs = self.block_size

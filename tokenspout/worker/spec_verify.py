@@ -1,0 +1,47 @@
+"""Verification of drafted tokens inside the model runner (speculative decoding).
+
+A request with d drafts ran d + 1 query positions this step (its last known token, then the drafts); the logits of
+all d + 1 positions go through the same processing as ordinary sampling (masks, logit_bias, temperature, min_p,
+top-k, top-p), position by position with the output position advanced by one each (so seeded noise stays a pure
+function of seed and position), and then through the exact rejection sampler.  Requests whose processing depends
+on the tokens generated so far (penalties, bad words, min_tokens not reached), and requests asking for logprobs
+or a grammar, are never given drafts (see `spec_eligible`), which keeps this per-position processing exact.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenspout.core.request import Request
+from tokenspout.sample.metadata import SamplingState
+from tokenspout.sample.rejection_sampler import pack_drafts, pad_positions, probs_from_logits, rejection_sample
+from tokenspout.sample.sampler import compute_processed_logits
+
+
+def spec_eligible(req: Request) -> bool:
+    p = req.params
+    return (req.spec_enabled and p.logprobs is None and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+            and p.repetition_penalty == 1.0 and not p.bad_words_token_ids and p.structured_outputs is None
+            and req.num_output_tokens >= p.min_tokens)
+
+
+def verify_drafts(logits: torch.Tensor, rows: list[int], drafts: list[list[int]],
+                  sampling: SamplingState) -> list[list[int]]:
+    """logits: [sum(len(d) + 1), V] in request order (each request's drafted positions, then its bonus position).
+    Returns the tokens each request emits (accepted drafts + one recovered or bonus token)."""
+    k = max(len(d) for d in drafts)
+    counts = [len(d) + 1 for d in drafts]
+    expanded = [r for r, c in zip(rows, counts) for _ in range(c)]
+    md = sampling.metadata(expanded)
+    first = torch.tensor([0] + counts[:-1], dtype=torch.int64).cumsum(0)
+    base_positions = md.positions[first].clone()
+    md.positions = md.positions + torch.cat([torch.arange(c) for c in counts])
+    processed = compute_processed_logits(logits, md)
+    draft_ids, num_draft = pack_drafts(drafts, k)
+    target = pad_positions(probs_from_logits(processed), num_draft, k)
+    argmax = pad_positions(processed.argmax(-1, keepdim=True), num_draft, k).squeeze(-1)
+    out, num_emitted = rejection_sample(target, draft_ids, None, num_draft, md.is_greedy[first],
+                                        (md.seeds[first], base_positions), any_greedy=md.any_greedy,
+                                        all_greedy=md.all_greedy, target_argmax=argmax)
+    packed = torch.cat([num_emitted[:, None], out], dim=1).tolist()
+    return [row[1 : 1 + row[0]] for row in packed]
