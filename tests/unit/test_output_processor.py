@@ -20,6 +20,7 @@ DELTA, CUMULATIVE, FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.CUMUL
 
 def _add(op, tokenizer, rid="r", kind=CUMULATIVE, prompt="Prompt:", queue=None, arrival_time=0.0, **params):
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
+    params.setdefault("eos_token_id", tokenizer.eos_token_id)  # as the Processor fills it in
     sp = SamplingParams(output_kind=kind, max_tokens=None, **params)
     op.add_request(EngineCoreRequest(rid, prompt_ids, sp, arrival_time), prompt, queue=queue)
     return prompt_ids
@@ -188,6 +189,7 @@ def test_duplicate_request_id_rejected(tokenizer):
 
 
 def _add_parent(op, tokenizer, n=3, kind=CUMULATIVE, queue=None, **params):
+    params.setdefault("eos_token_id", tokenizer.eos_token_id)
     sp = SamplingParams(n=n, output_kind=kind, max_tokens=None, seed=5, **params)
     parent = ParentRequest("p", sp)
     prompt_ids = tokenizer.encode("Prompt:", add_special_tokens=False)

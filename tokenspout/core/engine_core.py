@@ -43,6 +43,8 @@ class EngineCore:
         seed = req.sampling_params.seed
         if seed is None:
             seed = secrets.randbits(63)  # unseeded: a fresh random stream per request
+        if req.sampling_params.structured_outputs is not None:
+            self._structured().submit(req.request_id, req.sampling_params.structured_outputs)
         self.scheduler.add_request(Request(req, seed, self.max_model_len))
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -59,6 +61,19 @@ class EngineCore:
             self._propose()
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.stats(),
                                  timestamp=time.monotonic())
+
+    def _structured(self):
+        """The grammar manager, created on the first structured request (engines without one pay nothing)."""
+        if self.scheduler.structured is None:
+            from tokenspout.engine.tokenizer import load_tokenizer
+            from tokenspout.structured_output.manager import StructuredOutputManager
+
+            tok = load_tokenizer(self.loaded.path)
+            mgr = StructuredOutputManager(tok, self.loaded.arch.vocab_size,
+                                          max_num_rows=self.config.scheduler.max_num_seqs)
+            self.scheduler.structured = mgr
+            self.runner.structured = mgr
+        return self.scheduler.structured
 
     def _propose(self) -> None:
         """Drafts for the next step of every decoding request that speculation may serve (n-gram lookup)."""
@@ -78,4 +93,5 @@ class EngineCore:
         return self.scheduler.stats()
 
     def shutdown(self) -> None:
-        pass
+        if self.scheduler.structured is not None:
+            self.scheduler.structured.shutdown()

@@ -62,6 +62,9 @@ class Scheduler:
         self._removed: list[str] = []
         self._early_outputs: list[EngineCoreOutput] = []  # requests ended by the scheduler itself
         self.num_preemptions = 0
+        # Set by the engine core when structured output is in use: a waiting request whose grammar is still
+        # compiling is skipped (others go ahead), and grammars are advanced / ended with the tokens.
+        self.structured = None
         self.spec_num_drafts = 0  # verification rounds
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
@@ -97,6 +100,8 @@ class Scheduler:
                 pass
         self.kv.free(req.request_id)
         self.requests.pop(req.request_id, None)
+        if self.structured is not None and req.params.structured_outputs is not None:
+            self.structured.remove(req.request_id)
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -149,8 +154,16 @@ class Scheduler:
             i += 1
 
         if not preempted:
+            skipped: list[Request] = []
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 req = self.waiting[0]
+                if req.params.structured_outputs is not None:
+                    ready = self._grammar_ready(req)
+                    if req.status.finished:
+                        continue  # its grammar failed: already removed from the queue
+                    if not ready:
+                        skipped.append(self.waiting.popleft())  # still compiling: do not stall the batch
+                        continue
                 num_new = req.num_tokens - req.num_computed_tokens
                 if not self.config.enable_chunked_prefill and num_new > budget:
                     break
@@ -165,11 +178,24 @@ class Scheduler:
                 self.running.append(req)
                 scheduled.append(self._entry(req, num_new))
                 budget -= num_new
+            self.waiting.extendleft(reversed(skipped))
 
         out = SchedulerOutput(scheduled=scheduled, removed_request_ids=self._removed,
                               total_num_tokens=self.config.max_num_batched_tokens - budget)
         self._removed = []
         return out
+
+    def _grammar_ready(self, req: Request) -> bool:
+        so = self.structured
+        if so is None or not so.is_ready(req.request_id):
+            return False
+        err = so.error(req.request_id)
+        if err is not None:
+            logger.warning("request %s: grammar failed to compile: %s", req.request_id, err)
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            self._early_outputs.append(EngineCoreOutput(req.request_id, [], finish_reason="error"))
+            return False
+        return True
 
     def _alone_too_big(self, req: Request) -> bool:
         return self.kv.blocks_needed(req.request_id, req.num_tokens) > self.kv.num_blocks
@@ -200,6 +226,8 @@ class Scheduler:
                 status = self._check_stop(req, tok)
                 if status is not None:
                     break
+            if self.structured is not None and req.params.structured_outputs is not None:
+                status = self._advance_grammar(req, accepted, status)
             if entry.spec_token_ids:
                 # KV written for rejected drafts is garbage; the next step overwrites those slots.
                 req.num_computed_tokens = req.num_tokens - 1
@@ -212,6 +240,15 @@ class Scheduler:
                 self._finish(req, status)
             outputs.append(out)
         return outputs
+
+    def _advance_grammar(self, req: Request, accepted: list[int], status: RequestStatus | None):
+        so = self.structured
+        if not so.accept(req.request_id, accepted):
+            logger.error("request %s: sampled a token its grammar refuses (engine bug)", req.request_id)
+            return status or RequestStatus.FINISHED_ABORTED
+        if status is None and so.should_end(req.request_id):
+            return RequestStatus.FINISHED_STOPPED  # the grammar is complete: nothing else may follow
+        return status
 
     def _record_spec(self, req: Request, drafted: int, accepted: int) -> None:
         req.spec_rounds += 1

@@ -157,6 +157,10 @@ class Processor:
         params.validate_for_vocab(self.vocab_size)
         if params.stop and not params.detokenize:
             raise ValueError("stop strings need detokenize=True (they are matched on the decoded text)")
+        if params.structured_outputs is not None:
+            from tokenspout.structured_output import validate as validate_grammar
+
+            validate_grammar(params.structured_outputs)  # an invalid schema/regex/grammar is the user's 400
         room = self.max_model_len - prompt_len
         max_tokens = params.max_tokens
         if max_tokens is None or max_tokens > room:

@@ -35,6 +35,7 @@ class RequestState:
         self.output_kind = params.output_kind
         self.min_tokens = params.min_tokens
         self.include_stop_str_in_output = params.include_stop_str_in_output
+        self.stop_token_ids = params.all_stop_token_ids  # EOS (unless ignore_eos) and stop_token_ids
         self.detokenizer: IncrementalDetokenizer | None = None
         if params.detokenize:
             self.detokenizer = IncrementalDetokenizer.from_request(tokenizer, request.prompt_token_ids, params,
@@ -73,7 +74,9 @@ class RequestState:
         lps = out.new_logprobs
         # The engine ended on a stop token (EOS or stop_token_ids): like vLLM, that token's text is not part of the
         # output unless include_stop_str_in_output; its id still is.
-        skip_last_text = out.finish_reason == "stop" and not self.include_stop_str_in_output
+        # (A request can also stop on an ordinary token, e.g. the one completing its grammar: that text stays.)
+        skip_last_text = (out.finish_reason == "stop" and not self.include_stop_str_in_output and bool(ids)
+                          and ids[-1] in self.stop_token_ids)
         last = len(ids) - 1
         for j, tid in enumerate(ids):
             self.token_ids.append(tid)

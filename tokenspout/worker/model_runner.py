@@ -52,6 +52,7 @@ class ModelRunner:
         self._free_rows = list(range(sched.max_num_seqs - 1, -1, -1))
         self.sampling = SamplingState(sched.max_num_seqs, a.vocab_size, self.device)
         self.sampler = Sampler()
+        self.structured = None  # StructuredOutputManager, set by the engine core on the first grammar request
         # Tests and debugging: called with (request ids, float32 logits) of every sampling step when set.
         self.logits_hook = None
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
@@ -128,7 +129,12 @@ class ModelRunner:
         req_ids = [entries[i].request.request_id for i in sample_idx]
         if self.logits_hook is not None:
             self.logits_hook(req_ids, logits)
-        out = self.sampler(logits, self.sampling.metadata(sample_rows))
+        md = self.sampling.metadata(sample_rows)
+        if self.structured is not None and self.structured.num_requests:
+            md.grammar_bitmask = self.structured.grammar_bitmask(
+                [r if entries[i].request.params.structured_outputs is not None else None
+                 for i, r in zip(sample_idx, req_ids)])
+        out = self.sampler(logits, md)
         result = self._to_python(out, req_ids, [entries[i].request.params.logprobs for i in sample_idx])
         self.sampling.append_tokens(sample_rows, [result.sampled[r] for r in req_ids])
         result.sampled.update(spec_result)

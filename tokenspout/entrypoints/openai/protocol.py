@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
 
+from tokenspout.entrypoints.openai.structured import structured_outputs_from_request
 from tokenspout.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
 
 # ---------------------------------------------------------------------------------------------------- errors
@@ -123,6 +124,13 @@ class _SamplingRequest(_Lenient):
     spaces_between_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # structured output (see structured.py)
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -170,6 +178,7 @@ class _SamplingRequest(_Lenient):
                 skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 output_kind=kind,
+                structured_outputs=structured_outputs_from_request(self),
             )
         except ValueError as e:
             raise value_error_to_serving_error(e, set(type(self).model_fields)) from None
