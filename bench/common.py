@@ -17,8 +17,8 @@ _TOPICS = ["the history of the printing press", "how vaccines train the immune s
            "the architecture of Gothic cathedrals", "why leaves change colour in autumn",
            "how the internet routes packets", "the theory of plate tectonics"]
 _STYLES = ["Explain {t} to a curious twelve-year-old, with one everyday analogy and one surprising fact.",
-           "Write a detailed, well-structured essay about {t}. Start with an overview, then cover the key ideas "
-           "in order, and end with open questions that researchers still argue about today.",
+           ("Write a detailed, well-structured essay about {t}. Start with an overview, then cover the key ideas "
+           "in order, and end with open questions that researchers still argue about today."),
            "You are a patient teacher. A student asks about {t}. Answer step by step and check understanding.",
            "Summarise what an educated adult should know about {t}, in plain words, in several paragraphs."]
 
@@ -47,7 +47,7 @@ def percentile(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
     s = sorted(xs)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+    return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
 
 
 def write_json(name: str, data: dict) -> Path:

@@ -16,12 +16,12 @@ PROMPTS = [
     "Write a haiku about the sea.",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
     "1, 2, 3, 4, 5,",
-    "Once upon a time, in a land far away, there lived a king who had three daughters. The eldest was wise, "
-    "the second was brave, and the youngest was kind. One day the king fell ill and",
+    ("Once upon a time, in a land far away, there lived a king who had three daughters. The eldest was wise, "
+    "the second was brave, and the youngest was kind. One day the king fell ill and"),
     "Translate to French: The weather is nice today and I would like to go for a walk in the park with my dog.",
-    "Explain in detail why the sky is blue, covering Rayleigh scattering, the wavelength dependence of scattering, "
+    ("Explain in detail why the sky is blue, covering Rayleigh scattering, the wavelength dependence of scattering, "
     "why sunsets are red, and why the sky is not violet even though violet light scatters more than blue light. "
-    "Give the physical intuition first, then the formula.",
+    "Give the physical intuition first, then the formula."),
 ]
 NEW_TOKENS = 32
 NEAR_TIE = 1e-4

@@ -12,8 +12,8 @@ from tokenspout.config import ModelConfig
 from tokenspout.models.loader import load_model
 from tokenspout.sampling_params import SamplingParams
 
-COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.3, rms_norm_eps=1e-6)
+COMMON = {"vocab_size": 300, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "max_position_embeddings": 256, "initializer_range": 0.3, "rms_norm_eps": 1e-6}
 
 
 def _configs():
