@@ -155,22 +155,19 @@ class ModelRunner:
     def _attention_metadata(self, entries, rows_t, starts_t, lens_t, qsl, slot_mapping) -> AttentionMetadata:
         bs = self.block_size
         nd = sum(1 for e in entries if e.num_new_tokens == 1)
-        dec_slots = dec_mask = None
+        dec_blocks = dec_mask = None
         if nd:
             seq_lens = starts_t[:nd] + 1
-            max_len = int(seq_lens.max())
-            pos = torch.arange(max_len)
-            blocks = self.block_table[rows_t[:nd]][:, pos // bs]
-            dec_slots = blocks * bs + pos % bs
+            nb = -(-int(seq_lens.max()) // bs)
+            dec_blocks = self.block_table[rows_t[:nd], :nb].reshape(-1)
+            pos = torch.arange(nb * bs)
             dec_mask = (pos[None, :] < seq_lens[:, None])[:, None, None, :]
         prefills = []
         for i in range(nd, len(entries)):
             ctx = int(starts_t[i] + lens_t[i])
-            pos = torch.arange(ctx)
-            kv_slots = self.block_table[rows_t[i], pos // bs] * bs + pos % bs
-            prefills.append(PrefillChunk(int(qsl[i]), int(qsl[i + 1]), kv_slots,
-                                         causal_mask(int(lens_t[i]), ctx, self.group, self.device)))
-        return AttentionMetadata(slot_mapping, nd, dec_slots, dec_mask, prefills)
+            prefills.append(PrefillChunk(int(qsl[i]), int(qsl[i + 1]), self.block_table[rows_t[i], : -(-ctx // bs)],
+                                         ctx, causal_mask(int(lens_t[i]), ctx, self.group, self.device)))
+        return AttentionMetadata(slot_mapping, bs, nd, dec_blocks, dec_mask, prefills)
 
     @staticmethod
     def _to_python(out: SamplerOutput, req_ids: list[str], want: list[int | None]) -> ModelRunnerOutput:
