@@ -70,6 +70,11 @@ class SamplingParams:
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    # Classifier-free guidance: logits = uncond + guidance_scale * (cond - uncond), where uncond comes from the
+    # negative prompt (default: the chat template with an empty user message for chat, BOS for completions).
+    guidance_scale: float = 1.0
+    negative_prompt: str | None = None
+    negative_prompt_token_ids: list[int] | None = None  # filled by the frontend Processor
     # Filled by the frontend Processor from the tokenizer (never by users):
     bad_words_token_ids: list[list[int]] | None = None
     eos_token_id: int | None = None
@@ -127,6 +132,8 @@ class SamplingParams:
             raise bad("stop_token_ids", "a list of non-negative token ids", self.stop_token_ids)
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if not 0.0 <= self.guidance_scale <= 100.0 or self.guidance_scale != self.guidance_scale:
+            raise bad("guidance_scale", "in [0, 100] (1 = off)", self.guidance_scale)
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
             raise bad("allowed_token_ids", "a non-empty list", self.allowed_token_ids)
 
@@ -140,6 +147,10 @@ class SamplingParams:
             for t in ids:
                 if not 0 <= t < vocab_size:
                     raise ValueError(f"{name} has token id {t}, outside the vocabulary [0, {vocab_size})")
+
+    @property
+    def uses_guidance(self) -> bool:
+        return self.guidance_scale != 1.0
 
     @property
     def all_stop_token_ids(self) -> set[int]:

@@ -107,6 +107,13 @@ def test_openai_response_format_end_to_end():
             max_tokens=10, extra_body={"guided_choice": ["alpha", "beta"]})
         text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
         assert text in ("alpha", "beta")
+        # classifier-free guidance through the API (default negative prompt: the template with an empty message)
+        g = c.chat.completions.create(model=engine.model_name, messages=[{"role": "user", "content": "Hi"}],
+                                      temperature=0.0, max_tokens=8, extra_body={"guidance_scale": 2.0})
+        assert g.usage.completion_tokens >= 1 and g.choices[0].finish_reason in ("stop", "length")
+        with pytest.raises(openai.BadRequestError):
+            c.chat.completions.create(model=engine.model_name, messages=[{"role": "user", "content": "x"}],
+                                      extra_body={"guidance_scale": -1})
         with pytest.raises(openai.BadRequestError) as e:
             c.chat.completions.create(model=engine.model_name, messages=[{"role": "user", "content": "x"}],
                                       extra_body={"guided_regex": "(unclosed"})

@@ -45,7 +45,16 @@ class EngineCore:
             seed = secrets.randbits(63)  # unseeded: a fresh random stream per request
         if req.sampling_params.structured_outputs is not None:
             self._structured().submit(req.request_id, req.sampling_params.structured_outputs)
-        self.scheduler.add_request(Request(req, seed, self.max_model_len))
+        request = Request(req, seed, self.max_model_len)
+        if req.sampling_params.uses_guidance:
+            neg = req.sampling_params.negative_prompt_token_ids
+            if not neg:
+                raise ValueError("guidance_scale needs negative_prompt_token_ids (the frontend fills them)")
+            companion = Request(EngineCoreRequest(f"{req.request_id}#cfg", list(neg), req.sampling_params,
+                                                  req.arrival_time), seed, self.max_model_len)
+            companion.is_companion = True
+            request.companion = companion
+        self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)

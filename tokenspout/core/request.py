@@ -25,6 +25,8 @@ class Request:
     """A sequence in the engine: its tokens (prompt then output), how many have KV computed, and its status."""
 
     __slots__ = (
+        "companion",
+        "is_companion",
         "arrival_time",
         "max_len",
         "num_computed_tokens",
@@ -60,6 +62,10 @@ class Request:
         self.stop_ids = self.params.all_stop_token_ids
         self.num_preemptions = 0
         # Speculative decoding: drafts proposed for the next step, and this request's acceptance so far.
+        # Classifier-free guidance: the unconditional companion sequence (its own tokens and KV blocks), scheduled
+        # together with this request; it never samples and takes this request's tokens.
+        self.companion: Request | None = None
+        self.is_companion = False
         self.spec_token_ids: list[int] = []
         self.spec_enabled = True
         self.spec_rounds = 0

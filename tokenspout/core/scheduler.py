@@ -89,6 +89,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        if req.companion is not None:
+            self._release_companion(req.companion, req in self.running)
+            req.companion.status = status
         req.status = status
         if req in self.running:
             self.running.remove(req)
@@ -103,7 +106,16 @@ class Scheduler:
         if self.structured is not None and req.params.structured_outputs is not None:
             self.structured.remove(req.request_id)
 
+    def _release_companion(self, comp: Request, had_row: bool) -> None:
+        self.kv.free(comp.request_id)
+        comp.num_computed_tokens = 0
+        if had_row:
+            self._removed.append(comp.request_id)
+
     def _preempt(self, req: Request) -> None:
+        if req.companion is not None:
+            self._release_companion(req.companion, True)
+            req.companion.status = RequestStatus.PREEMPTED
         self.running.remove(req)
         self.kv.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
@@ -129,8 +141,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if num_new <= 0:
+            num_new, comp_new = self._plan(req, budget)
+            if num_new + comp_new <= 0:
                 i += 1
                 continue
             drafts: list[int] = []
@@ -138,7 +150,7 @@ class Scheduler:
                 drafts = req.spec_token_ids[: budget - 1]
                 num_new += len(drafts)
             req.spec_token_ids = []
-            while self.kv.allocate(req.request_id, req.num_computed_tokens + num_new) is None:
+            while not self._allocate(req, num_new, comp_new):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -149,14 +161,16 @@ class Scheduler:
                     # It was alone and the whole cache cannot hold it: it can never grow, so it ends here.
                     self._cannot_fit(req)
                 break  # req preempted itself: nothing after it in running can be served either
-            scheduled.append(self._entry(req, num_new, drafts))
-            budget -= num_new
+            scheduled += self._entries(req, num_new, comp_new, drafts)
+            budget -= num_new + comp_new
             i += 1
 
         if not preempted:
             skipped: list[Request] = []
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            while self.waiting and budget > 0:
                 req = self.waiting[0]
+                if self.num_seqs + (2 if req.companion else 1) > self.config.max_num_seqs:
+                    break
                 if req.params.structured_outputs is not None:
                     ready = self._grammar_ready(req)
                     if req.status.finished:
@@ -164,26 +178,68 @@ class Scheduler:
                     if not ready:
                         skipped.append(self.waiting.popleft())  # still compiling: do not stall the batch
                         continue
-                num_new = req.num_tokens - req.num_computed_tokens
-                if not self.config.enable_chunked_prefill and num_new > budget:
+                num_new, comp_new = self._plan(req, budget)
+                if num_new + comp_new <= 0:
                     break
-                num_new = min(num_new, budget)
-                if self.kv.allocate(req.request_id, req.num_computed_tokens + num_new) is None:
+                if not self.config.enable_chunked_prefill and (
+                        num_new < req.num_tokens - req.num_computed_tokens):
+                    break
+                if not self._allocate(req, num_new, comp_new):
                     if not self.running and self.kv.num_free_blocks == self.kv.num_blocks:
                         self._cannot_fit(req)
                         continue
                     break
                 self.waiting.popleft()
                 req.status = RequestStatus.RUNNING
+                if req.companion is not None:
+                    req.companion.status = RequestStatus.RUNNING
                 self.running.append(req)
-                scheduled.append(self._entry(req, num_new))
-                budget -= num_new
+                scheduled += self._entries(req, num_new, comp_new)
+                budget -= num_new + comp_new
             self.waiting.extendleft(reversed(skipped))
 
         out = SchedulerOutput(scheduled=scheduled, removed_request_ids=self._removed,
                               total_num_tokens=self.config.max_num_batched_tokens - budget)
         self._removed = []
         return out
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences holding rows: a guided request and its companion count as two."""
+        return len(self.running) + sum(1 for r in self.running if r.companion is not None)
+
+    def _plan(self, req: Request, budget: int) -> tuple[int, int]:
+        """Tokens to compute this step for the request and for its CFG companion (0 without one).  A pair only
+        samples when both reach the end of their known tokens in the same step, so while they cannot both finish,
+        each keeps its last token for that step."""
+        rem = req.num_tokens - req.num_computed_tokens
+        comp = req.companion
+        if comp is None:
+            return min(rem, budget), 0
+        rem_c = comp.num_tokens - comp.num_computed_tokens
+        if rem + rem_c <= budget:
+            return rem, rem_c
+        m = min(max(rem - 1, 0), budget)
+        return m, min(max(rem_c - 1, 0), budget - m)
+
+    def _allocate(self, req: Request, num_new: int, comp_new: int) -> bool:
+        if self.kv.allocate(req.request_id, req.num_computed_tokens + num_new) is None:
+            return False
+        comp = req.companion
+        return comp is None or self.kv.allocate(comp.request_id, comp.num_computed_tokens + comp_new) is not None
+
+    def _entries(self, req: Request, num_new: int, comp_new: int,
+                 drafts: list[int] | None = None) -> list[ScheduledRequest]:
+        comp = req.companion
+        entries = [self._entry(req, num_new, drafts)] if num_new else []
+        if comp is not None:
+            both_done = (req.num_computed_tokens + num_new == req.num_tokens
+                         and comp.num_computed_tokens + comp_new == comp.num_tokens)
+            if entries:
+                entries[0].samples = both_done
+            if comp_new:
+                entries.append(ScheduledRequest(comp, comp_new, False))
+        return entries
 
     def _grammar_ready(self, req: Request) -> bool:
         so = self.structured
@@ -213,6 +269,8 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted while the step ran
             req.num_computed_tokens += entry.num_new_tokens
+            if req.is_companion:
+                continue  # it takes the tokens its guided request samples (below)
             new_ids = result.sampled.get(req.request_id)
             if not new_ids:
                 continue
@@ -231,6 +289,8 @@ class Scheduler:
             if entry.spec_token_ids:
                 # KV written for rejected drafts is garbage; the next step overwrites those slots.
                 req.num_computed_tokens = req.num_tokens - 1
+            if req.companion is not None and status is None:
+                req.companion.token_ids.extend(accepted)  # both sequences advance with the pair's token
             lps = result.logprobs.get(req.request_id)
             out = EngineCoreOutput(req.request_id, accepted,
                                    new_logprobs=lps[: len(accepted)] if lps else None)

@@ -6,6 +6,7 @@ there; `multiprocess=False` keeps it in this process (InprocClient).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterator, Sequence
@@ -79,7 +80,12 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.processor.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
                    for c in convs]
-        return self.generate(prompts, sampling_params)
+        params = sampling_params or SamplingParams()
+        if params.uses_guidance and params.negative_prompt is None:
+            # CFG's default unconditional prompt for chat: the template around an empty user message.
+            params = dataclasses.replace(params, negative_prompt=self.processor.apply_chat_template(
+                [{"role": "user", "content": ""}], add_generation_prompt=add_generation_prompt))
+        return self.generate(prompts, params)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yields the new text of one request as it is produced."""
@@ -104,8 +110,6 @@ class LLM:
 
     # ---- internals -----------------------------------------------------------------------------------------
     def _add(self, prompt: Prompt, params: SamplingParams, kind: RequestOutputKind) -> str:
-        import dataclasses
-
         rid = str(next(self._ids))
         params = dataclasses.replace(params, output_kind=kind)
         self.processor.add_to(self.output_processor, self.client, rid, prompt, params, time.time())

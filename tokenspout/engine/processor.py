@@ -179,7 +179,25 @@ class Processor:
             stop_token_ids=stop_token_ids,
             eos_token_id=self.eos_token_id,
             bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
+            negative_prompt_token_ids=self._negative_prompt_ids(params),
         )
+
+    def _negative_prompt_ids(self, params: SamplingParams) -> list[int] | None:
+        """CFG's unconditional prompt: the negative prompt if given, else BOS (EOS if the model has no BOS)."""
+        if not params.uses_guidance:
+            return None
+        if params.negative_prompt is not None:
+            if not params.negative_prompt or self.tokenizer is None:
+                raise ValueError("negative_prompt must be a non-empty string")
+            ids = list(self.tokenizer.encode(params.negative_prompt, add_special_tokens=True))
+            if len(ids) >= self.max_model_len:
+                raise ValueError(f"negative_prompt has {len(ids)} tokens; the model's limit is {self.max_model_len}")
+            return ids
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        first = bos if bos is not None else self.eos_token_id
+        if first is None:
+            raise ValueError("guidance_scale needs a negative_prompt for a model without BOS/EOS tokens")
+        return [first]
 
     def _bad_words_token_ids(self, bad_words: Sequence[str] | None) -> list[list[int]] | None:
         if not bad_words:

@@ -125,6 +125,8 @@ class ModelRunner:
         sel = torch.tensor(sample_idx, dtype=torch.int64)
         logits_indices = qsl[1:][sel] - 1
         logits = self.model.compute_logits(hidden[logits_indices])
+        if any(entries[i].request.companion is not None for i in sample_idx):
+            self._apply_guidance(logits, entries, sample_idx, qsl, hidden)
         sample_rows = [rows[i] for i in sample_idx]
         req_ids = [entries[i].request.request_id for i in sample_idx]
         if self.logits_hook is not None:
@@ -139,6 +141,23 @@ class ModelRunner:
         self.sampling.append_tokens(sample_rows, [result.sampled[r] for r in req_ids])
         result.sampled.update(spec_result)
         return result
+
+    def _apply_guidance(self, logits, entries, sample_idx: list[int], qsl: torch.Tensor,
+                        hidden: torch.Tensor) -> None:
+        """Classifier-free guidance, in place: cond rows become uncond + s * (cond - uncond), one fused lerp over
+        every guided row; the companions' logits come from their own last positions in this step."""
+        pos = {e.request.request_id: j for j, e in enumerate(entries)}
+        rows, comp_pos, scales = [], [], []
+        for r, i in enumerate(sample_idx):
+            comp = entries[i].request.companion
+            if comp is not None:
+                rows.append(r)
+                comp_pos.append(int(qsl[pos[comp.request_id] + 1]) - 1)
+                scales.append(entries[i].request.params.guidance_scale)
+        uncond = self.model.compute_logits(hidden[torch.tensor(comp_pos, dtype=torch.int64)])
+        rows_t = torch.tensor(rows, dtype=torch.int64)
+        scale = torch.tensor(scales, dtype=logits.dtype)[:, None]
+        logits[rows_t] = torch.lerp(uncond, logits[rows_t], scale)
 
     def _verify(self, entries, spec_idx: list[int], rows: list[int], qsl: torch.Tensor,
                 hidden: torch.Tensor) -> dict[str, list[int]]:

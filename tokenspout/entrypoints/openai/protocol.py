@@ -131,6 +131,9 @@ class _SamplingRequest(_Lenient):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    # classifier-free guidance
+    guidance_scale: float = 1.0
+    negative_prompt: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -179,6 +182,8 @@ class _SamplingRequest(_Lenient):
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 output_kind=kind,
                 structured_outputs=structured_outputs_from_request(self),
+                guidance_scale=self.guidance_scale,
+                negative_prompt=self.negative_prompt,
             )
         except ValueError as e:
             raise value_error_to_serving_error(e, set(type(self).model_fields)) from None

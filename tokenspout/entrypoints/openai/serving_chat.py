@@ -74,6 +74,9 @@ class OpenAIServingChat:
         except (ValueError, TypeError) as e:
             raise OpenAIServingError(f"messages could not be rendered with the chat template: {e}",
                                      param="messages") from None
+        if params.uses_guidance and params.negative_prompt is None:
+            # CFG's default unconditional prompt for chat: the template around an empty user message.
+            params.negative_prompt = self.engine.apply_chat_template([{"role": "user", "content": ""}])
         return ChatJob(req, random_id("chatcmpl"), prompt, params, int(time.time()))
 
     # ------------------------------------------------------------------------------------------ non-streaming
