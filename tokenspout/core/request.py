@@ -25,9 +25,9 @@ class Request:
     """A sequence in the engine: its tokens (prompt then output), how many have KV computed, and its status."""
 
     __slots__ = (
+        "arrival_time",
         "companion",
         "is_companion",
-        "arrival_time",
         "max_len",
         "num_computed_tokens",
         "num_preemptions",
