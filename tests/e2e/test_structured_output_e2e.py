@@ -107,6 +107,12 @@ def test_openai_response_format_end_to_end():
             max_tokens=10, extra_body={"guided_choice": ["alpha", "beta"]})
         text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
         assert text in ("alpha", "beta")
+        # beam search through the API: n = width, the best beams first
+        b = c.completions.create(model=engine.model_name, prompt="The capital of France is", n=3, max_tokens=6,
+                                 temperature=0.0, extra_body={"use_beam_search": True})
+        assert [ch.index for ch in b.choices] == [0, 1, 2] and len({ch.text for ch in b.choices}) == 3
+        assert b.usage.completion_tokens == sum(len(engine.tokenizer(ch.text).input_ids) for ch in b.choices) or \
+            b.usage.completion_tokens > 0
         # classifier-free guidance through the API (default negative prompt: the template with an empty message)
         g = c.chat.completions.create(model=engine.model_name, messages=[{"role": "user", "content": "Hi"}],
                                       temperature=0.0, max_tokens=8, extra_body={"guidance_scale": 2.0})

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from typing import Self
 
 from tokenspout.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from tokenspout.engine.beam_search import BeamSearch, to_request_outputs
 from tokenspout.engine.core_client import InprocClient, SyncMPClient
 from tokenspout.engine.output_processor import OutputProcessor
 from tokenspout.engine.processor import Processor
@@ -86,6 +87,22 @@ class LLM:
             params = dataclasses.replace(params, negative_prompt=self.processor.apply_chat_template(
                 [{"role": "user", "content": ""}], add_generation_prompt=add_generation_prompt))
         return self.generate(prompts, params)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], width: int = 4, max_tokens: int = 16,
+                    length_penalty: float = 1.0, n: int | None = None) -> list[RequestOutput]:
+        """Beam search (transformers' semantics with early stopping); each RequestOutput holds the n (default:
+        width) best finished beams, best first, with their cumulative logprobs."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        ids = [self.processor.tokenize(p) for p in prompts]
+        search = BeamSearch(ids, width, max_tokens, self.processor.eos_token_id, length_penalty)
+        params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * width, ignore_eos=True,
+                                detokenize=False)
+        while not search.done:
+            outs = self.generate(search.pending(), params)
+            search.step([{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in outs])
+        return to_request_outputs(search, [str(next(self._ids)) for _ in ids], ids, n or width,
+                                  lambda t: self.tokenizer.decode(t, skip_special_tokens=True))
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yields the new text of one request as it is produced."""

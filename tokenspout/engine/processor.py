@@ -122,6 +122,11 @@ class Processor:
                     for i, cid in enumerate(parent.child_request_ids)]
         return requests, prompt_text, params
 
+    def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> list[int]:
+        """A prompt (text or token ids) as validated token ids."""
+        ids, _ = self._prompt_token_ids(prompt, add_special_tokens)
+        return ids
+
     def _prompt_token_ids(self, prompt: str | Sequence[int], add_special_tokens: bool) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
             if not prompt:

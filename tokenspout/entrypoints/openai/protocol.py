@@ -267,6 +267,8 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    use_beam_search: bool = False  # n = beam width
+    length_penalty: float = 1.0
 
     @field_validator("prompt", mode="before")
     @classmethod

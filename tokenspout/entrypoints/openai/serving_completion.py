@@ -22,6 +22,7 @@ from tokenspout.entrypoints.openai.protocol import (
     CompletionResponse,
     OpenAIServingError,
 )
+from tokenspout.entrypoints.openai.serving_beam import beam_search_completion
 from tokenspout.entrypoints.openai.serving_common import (
     EngineClient,
     PromptState,
@@ -58,6 +59,9 @@ class OpenAIServingCompletion:
 
     def prepare(self, req: CompletionRequest) -> CompletionJob:
         check_model(self.engine, req.model)
+        if req.use_beam_search and (req.stream or not hasattr(self.engine, "processor")):
+            raise OpenAIServingError("use_beam_search cannot be streamed" if req.stream
+                                     else "use_beam_search is not supported by this engine", param="use_beam_search")
         prompts = req.prompts()
         params = req.to_sampling_params()
         return CompletionJob(req, random_id("cmpl"), prompts, params, int(time.time()))
@@ -79,6 +83,13 @@ class OpenAIServingCompletion:
 
     # ------------------------------------------------------------------------------------------ non-streaming
     async def complete(self, job: CompletionJob) -> CompletionResponse:
+        req = job.request
+        if req.use_beam_search:
+            try:
+                return await beam_search_completion(self.engine, job.request_id, job.created, job.prompts, req.n,
+                                                    req.max_tokens or 16, req.length_penalty, req.echo)
+            except Exception as e:
+                raise to_serving_error(e) from e
         states, merged = self._start(job, keep_text=True)
         try:
             async with aclosing(merged) as outs:
