@@ -91,7 +91,8 @@ class EngineCore:
             req.spec_token_ids = []
             if req.num_computed_tokens != req.num_tokens - 1 or not spec_eligible(req):
                 continue
-            if req.spec_rounds >= spec.min_rounds and req.spec_accepted < spec.min_acceptance * req.spec_drafted:
+            if (req.spec_rounds >= spec.min_rounds
+                    and req.spec_accepted + req.spec_rounds < spec.min_mean_emitted * req.spec_rounds):
                 req.spec_enabled = False  # drafts keep failing for this request: plain decoding is cheaper
                 continue
             room = min(spec.num_speculative_tokens, req.max_len - req.num_tokens - 1)
