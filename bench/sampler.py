@@ -21,7 +21,9 @@ tokens, so calls reuse one logits tensor.  Results go to bench/results/sampler.j
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import os
 import platform
 import random
 import statistics
@@ -34,7 +36,9 @@ import torch
 
 from tokenspout.sample.metadata import SamplingMetadata, SamplingState
 from tokenspout.sample.ops import noise
-from tokenspout.sample.ops.topk_topp import TierConfig, truncate
+from tokenspout.sample.ops.candidates import candidates, topk_values
+from tokenspout.sample.ops.draw import block_mass, draw_dense, draw_sparse
+from tokenspout.sample.ops.topk_topp import TierConfig, dense_probs, truncate
 from tokenspout.sample.sampler import Sampler, apply_logits_processors
 from tokenspout.sampling_params import SamplingParams
 
@@ -44,14 +48,70 @@ RANDOM = {"temperature": 0.8, "top_p": 0.95, "top_k": 50}
 
 def timeit(fn: Callable[[], object], budget_s: float = 0.4, min_reps: int = 3, max_reps: int = 25) -> float:
     """Median ms per call after one warm-up; repeats until `budget_s` is spent (at least min_reps)."""
-    fn()
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() - start < budget_s):
-        t0 = time.perf_counter()
+    return interleaved({"f": fn}, budget_s, min_reps, max_reps)["f"]
+
+
+def interleaved(
+    fns: dict[str, Callable[[], object]], budget_s: float = 0.6, min_rounds: int = 5, max_rounds: int = 40
+) -> dict[str, float]:
+    """Median ms per call of each function, measured in alternating rounds (one call of each per round)
+    after a warm-up, so that a slow spell on this shared machine hits all of them alike."""
+    for fn in fns.values():
         fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    start = time.perf_counter()
+    rounds = 0
+    while rounds < max_rounds and (rounds < min_rounds or time.perf_counter() - start < budget_s):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+        rounds += 1
+    out = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    out.update({f"{k}_min": min(v) * 1e3 for k, v in times.items()})  # the least disturbed call
+    return out
+
+
+def keep_freed_memory() -> bool:
+    """Asks glibc to keep freed blocks instead of returning each block over 32 MiB to the OS.
+
+    By default every [256, 128k] float32 temporary (131 MB) is a fresh mmap whose pages fault in one by
+    one on first touch -- ~100 ms per tensor on this VM, more than the arithmetic.  Ours, HF's and the
+    model runner's temporaries all pay it, so a server should run like this (MALLOC_MMAP_THRESHOLD_ /
+    MALLOC_TRIM_THRESHOLD_ in the environment, or this call at start-up); `--default-malloc` measures
+    without it."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(libc.mallopt(m_mmap_threshold, 1 << 30) and libc.mallopt(m_trim_threshold, 1 << 31))
+
+
+def cpu_idle(interval: float = 1.0) -> float | None:
+    """Fraction of CPU time idle over `interval` seconds (Linux /proc/stat), None elsewhere."""
+    def snap() -> tuple[int, int] | None:
+        try:
+            vals = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        except (OSError, ValueError):
+            return None
+        return sum(vals), vals[3] + vals[4]
+
+    a = snap()
+    time.sleep(interval)
+    b = snap()
+    if a is None or b is None or b[0] == a[0]:
+        return None
+    return (b[1] - a[1]) / (b[0] - a[0])
+
+
+def wait_idle(max_wait_s: float, need: float = 0.85) -> float | None:
+    """Waits (up to max_wait_s) until the machine is mostly idle: other engineers share it."""
+    deadline = time.monotonic() + max_wait_s
+    idle = cpu_idle()
+    while idle is not None and idle < need and time.monotonic() < deadline:
+        idle = cpu_idle()
+    return idle
 
 
 def llm_like_logits(batch: int, vocab: int, gen: torch.Generator) -> torch.Tensor:
@@ -106,9 +166,9 @@ def tier_counts(logits: torch.Tensor, meta: SamplingMetadata, tiers: TierConfig)
     counts: Counter[str] = Counter()
     if kept is not None:
         for part in kept.sparse:
-            counts[("first", "second", "sort")[part.tier]] += part.rows.numel()
-        if kept.dense is not None:
-            counts["dense"] += kept.dense.rows.numel()
+            counts["sort" if part.k >= logits.shape[1] else f"k{part.k}"] += part.rows.numel()
+        for part in kept.dense:
+            counts["nucleus" if part.wide_top_p else "dense"] += part.rows.numel()
     return dict(counts)
 
 
@@ -123,39 +183,54 @@ def bench_case(case: str, batch: int, vocab: int, sampler: Sampler, with_hf: boo
         state.add_request(i, p, [], history[i].tolist(), p.seed if p.seed is not None else rng.randrange(1 << 62))
     slots = list(range(batch))
     meta = state.metadata(slots)
+    times = interleaved({"ours": lambda: sampler(logits, meta), "floor": lambda: logits.argmax(-1)})
     row = {
         "case": case,
         "batch": batch,
         "vocab": vocab,
-        "ours_ms": timeit(lambda: sampler(logits, meta)),
-        "floor_ms": timeit(lambda: logits.argmax(-1)),
+        "ours_ms": times["ours"],
+        "floor_ms": times["floor"],
+        "ours_min_ms": times["ours_min"],
+        "floor_min_ms": times["floor_min"],
         "metadata_ms": timeit(lambda: state.metadata(slots), budget_s=0.1),
         "tiers": tier_counts(logits, meta, sampler.tiers),
+        "loadavg_1min": os.getloadavg()[0],
     }
     if with_hf and case != "greedy":
         hf = hf_pipeline(case, history)
-        row["hf_ms"] = timeit(lambda: hf(logits), budget_s=0.3)
+        row["hf_ms"] = timeit(lambda: hf(logits), budget_s=0.3, min_reps=3, max_reps=10)
         row["speedup_vs_hf"] = row["hf_ms"] / row["ours_ms"]
     row["x_floor"] = row["ours_ms"] / row["floor_ms"]
     return row
 
 
 def components(vocab: int = 128_256) -> dict[str, float]:
-    """Costs behind the design choices, [64, vocab] float32 unless said otherwise."""
+    """Costs behind the design choices, [64, vocab] float32 rows unless the name says otherwise."""
     gen = torch.Generator().manual_seed(0)
     x = llm_like_logits(64, vocab, gen)
     keys = noise.row_keys(torch.arange(64), torch.zeros(64, dtype=torch.int64))
     ids = torch.arange(vocab).expand(1, vocab)
     nb = -(-vocab // 256)
+    temp = torch.full((64,), 0.8)
+    y, p = dense_probs(x, temp, None)
+    mass = block_mass(p, 256)
+    cand_y, cand_ids = candidates(x, 128, temp)
     return {
         "argmax": timeit(lambda: x.argmax(-1)),
-        "topk128": timeit(lambda: x.topk(128, -1)),
+        "amax": timeit(lambda: x.amax(-1)),
+        "torch_topk128": timeit(lambda: x.topk(128, -1)),
+        "pooled_topk128": timeit(lambda: topk_values(x, 128)),
         "softmax": timeit(lambda: x.softmax(-1)),
+        "dense_probs+block_mass": timeit(lambda: block_mass(dense_probs(x, temp, None)[1], 256)),
+        "draw_dense": timeit(lambda: draw_dense(y, mass, keys, 256)),
+        "draw_sparse_128cands": timeit(lambda: draw_sparse(cand_ids, cand_y, keys, vocab, 256)),
         "sort_1row": timeit(lambda: x[:1].sort(dim=-1, descending=True)),
+        "topk1024_1row": timeit(lambda: topk_values(x[:1], 1024)),
         "topk8192_1row": timeit(lambda: x[:1].topk(8192, -1)),
         "hash_full_vocab_1row": timeit(lambda: noise.gumbel(keys[:1], ids, noise.SALT_TOKEN)),
         "hash_blocks_64rows": timeit(lambda: noise.gumbel(keys, torch.arange(nb).expand(64, nb), noise.SALT_BLOCK)),
         "hash_128cands_64rows": timeit(lambda: noise.gumbel(keys, torch.arange(128).expand(64, 128), 1)),
+        "torch_exponential_": timeit(lambda: torch.empty(64, vocab).exponential_()),
         "rand_log_neg": timeit(lambda: torch.rand(64, vocab).log_().neg_()),
     }
 
@@ -164,35 +239,49 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="batch 1 and 64, vocab 128,256 only")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--default-malloc", action="store_true", help="leave glibc's allocator thresholds alone")
+    ap.add_argument("--wait-idle", type=float, default=0.0, metavar="S",
+                    help="before each case wait up to S seconds for the shared CPU to be >= 85%% idle")
+    ap.add_argument("--batches", type=int, nargs="+", help="override the batch sizes")
+    ap.add_argument("--out", type=Path, default=RESULTS, help=f"JSON results (default {RESULTS})")
+    ap.add_argument("--vocabs", type=int, nargs="+", help="override the vocabulary sizes")
     args = ap.parse_args()
     torch.set_num_threads(2)
-    batches = (1, 64) if args.quick else (1, 16, 64, 256)
-    vocabs = (128_256,) if args.quick else (49_152, 128_256)
+    tuned = False if args.default_malloc else keep_freed_memory()
+    batches = args.batches or ((1, 64) if args.quick else (1, 16, 64, 256))
+    vocabs = args.vocabs or ((128_256,) if args.quick else (49_152, 128_256))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, glibc keeps freed memory: {tuned}")
     sampler = Sampler()
     rows = []
     print(f"{'case':>7} {'batch':>5} {'vocab':>7} {'ours ms':>8} {'floor ms':>8} {'x floor':>7} "
-          f"{'hf ms':>8} {'hf/ours':>7} {'meta ms':>7}  tiers")
+          f"{'hf ms':>8} {'hf/ours':>7} {'meta ms':>7} {'load':>5}  tiers")
     for vocab in vocabs:
         for batch in batches:
             cases = ["greedy", "random", "top_p", "mixed"]
             if batch == 16 and vocab == 128_256:
                 cases.append("flat")
             for case in cases:
+                idle = wait_idle(args.wait_idle) if args.wait_idle else None
                 r = bench_case(case, batch, vocab, sampler, not args.no_hf)
+                r["idle_before"] = idle
                 rows.append(r)
                 hf = f"{r['hf_ms']:8.2f} {r['speedup_vs_hf']:7.1f}" if "hf_ms" in r else f"{'-':>8} {'-':>7}"
                 print(f"{case:>7} {batch:>5} {vocab:>7} {r['ours_ms']:8.2f} {r['floor_ms']:8.2f} "
-                      f"{r['x_floor']:7.2f} {hf} {r['metadata_ms']:7.3f}  {r['tiers']}", flush=True)
+                      f"{r['x_floor']:7.2f} {hf} {r['metadata_ms']:7.3f} {r['loadavg_1min']:5.2f}  {r['tiers']}",
+                      flush=True)
+    if args.wait_idle:
+        wait_idle(args.wait_idle)
     comp = components()
     print("components (ms, [64, 128256] unless noted):", {k: round(v, 3) for k, v in comp.items()})
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps({
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
         "machine": {"platform": platform.platform(), "threads": torch.get_num_threads(), "torch": torch.__version__},
         "quick": args.quick,
+        "malloc_keeps_freed_memory": tuned,
         "results": rows,
         "components": comp,
     }, indent=1))
-    print(f"wrote {RESULTS}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ LOGITS = torch.tensor([2.1, 0.3, -1.0, 1.7, 0.9, -0.4, 1.2, 0.0, -2.0, 0.6, 1.9,
 PROMPT = [0, 3, 3, 7]
 OUTPUT = [10, 10, 10, 4, 0]
 BLOCKS = TierConfig(block_size=4)
-FALLBACK = TierConfig(first_k=2, first_cap=2, second_k=4, block_size=4)  # forces the later tiers
+FALLBACK = TierConfig(first_k=2, first_cap=2, later_k=(4,), block_size=4)  # forces the later tiers
 
 
 def target(p: SamplingParams, penalised: bool = False) -> np.ndarray:

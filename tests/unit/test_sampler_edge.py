@@ -148,7 +148,7 @@ def test_every_row_different_settings_matches_brute_force() -> None:
     prompts = [[1, 2, 3, 4, 5, 6]] * rows
     outputs = [[6, 7, 9, 10, 3, 3, 3, 5]] * rows
     meta = build_metadata(params, V, prompts=prompts, outputs=outputs)
-    for tiers in (None, TierConfig(first_k=2, first_cap=4, second_k=8, block_size=16)):
+    for tiers in (None, TierConfig(first_k=2, first_cap=4, later_k=(8,), block_size=16)):
         got = compute_processed_logits(x, meta, tiers)
         for r, p in enumerate(params):
             ref = reference_processed(x[r], p, prompts[r], outputs[r])
@@ -223,7 +223,8 @@ def test_grammar_bitmask() -> None:
 
 def test_all_masked_row_does_not_crash() -> None:
     p = SamplingParams(allowed_token_ids=[5], bad_words_token_ids=[[5]], top_p=0.9)
-    out = Sampler()(logits_for(2), build_metadata([p, SamplingParams(allowed_token_ids=[5], bad_words_token_ids=[[5]])], V))
+    q = SamplingParams(allowed_token_ids=[5], bad_words_token_ids=[[5]])
+    out = Sampler()(logits_for(2), build_metadata([p, q], V))
     assert out.sampled_token_ids.shape == (2,)
 
 

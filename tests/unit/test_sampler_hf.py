@@ -28,7 +28,7 @@ from tokenspout.sample.ops.topk_topp import TierConfig
 from tokenspout.sample.sampler import compute_processed_logits
 from tokenspout.sampling_params import SamplingParams
 
-SMALL_TIERS = TierConfig(first_k=4, first_cap=8, second_k=16, block_size=8)
+SMALL_TIERS = TierConfig(first_k=4, first_cap=8, later_k=(16,), block_size=8)
 
 
 def hf_probs(logits: torch.Tensor, p: SamplingParams, input_ids: list[int], min_p_last: bool = False) -> torch.Tensor:
@@ -88,14 +88,14 @@ def test_topk_ties_match_hf() -> None:
     logits[:, 5] = 2.0
     logits[:, 6] = 1.5
     params = [SamplingParams(top_k=k) for k in (2, 3, 4, 6)]
-    for tiers in (None, TierConfig(first_k=3, first_cap=4, second_k=5, block_size=4)):
+    for tiers in (None, TierConfig(first_k=3, first_cap=4, later_k=(5,), block_size=4)):
         ours = compute_processed_logits(logits, build_metadata(params, vocab), tiers).softmax(-1)
         for r, p in enumerate(params):
             torch.testing.assert_close(ours[r], hf_probs(logits[r], p, []), atol=1e-6, rtol=0)
     assert int((ours[1] > 0).sum()) == 6  # k=3 keeps 2.0, 1.5 and all four 1.0s
 
 
-@pytest.mark.parametrize("tiers", [None, TierConfig(first_k=2, first_cap=4, second_k=4, block_size=4)])
+@pytest.mark.parametrize("tiers", [None, TierConfig(first_k=2, first_cap=4, later_k=(4,), block_size=4)])
 def test_topp_ties_match_hf(tiers: TierConfig | None) -> None:
     """Ties straddling the top-p boundary: HF keeps exactly enough tied tokens to cross top_p; which of
     the equal tokens it keeps follows torch.sort's unstable order, so compare the kept probabilities as

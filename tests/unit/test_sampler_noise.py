@@ -37,8 +37,10 @@ def test_uniform_matches_python_reference_and_is_open_interval() -> None:
     pos = torch.tensor([rng.randrange(10_000) for _ in range(8)])
     ids = torch.randint(0, 200_000, (8, 50))
     keys = noise.row_keys(seeds, pos)
+    assert torch.equal(keys, noise.keys_from_seed_keys(torch.tensor([noise.seed_key(int(s)) for s in seeds]), pos))
     u = noise.uniform(keys, ids, noise.SALT_TOKEN)
     for r in range(8):
+        assert noise.seed_key(int(seeds[r])) == to_signed(py_mix64(int(seeds[r])))
         k = py_mix64(py_mix64(int(seeds[r])) + (int(pos[r]) + 1) * 0x9E3779B97F4A7C15)
         assert to_signed(k) == int(keys[r])
         for c in (0, 17, 49):

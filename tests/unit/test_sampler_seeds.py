@@ -12,10 +12,10 @@ from tokenspout.sample.sampler import Sampler, compute_processed_logits
 from tokenspout.sampling_params import SamplingParams
 
 V = 8192
-STEPS = 6
+STEPS = 4
 # Small tiers, so that at this vocabulary the targets and their neighbours go through every path
 # (first candidate set with batch-dependent K, second set, full sort, dense).
-TIERS = TierConfig(first_k=32, first_cap=256, second_k=1024, block_size=64)
+TIERS = TierConfig(first_k=32, first_cap=256, later_k=(1024,), block_size=64)
 
 
 def step_logits(req: int, pos: int, scale: float) -> torch.Tensor:

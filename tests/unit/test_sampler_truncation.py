@@ -59,7 +59,7 @@ def make_rows(rng: random.Random, rows: int, vocab: int, bf16: bool) -> tuple[to
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-ties"])
 @pytest.mark.parametrize(
-    "tiers", [TierConfig(), TierConfig(first_k=8, first_cap=16, second_k=64, block_size=64)], ids=["default", "small"]
+    "tiers", [TierConfig(), TierConfig(first_k=8, first_cap=16, later_k=(64,), block_size=64)], ids=["default", "small"]
 )
 def test_truncation_equals_full_sort(tiers: TierConfig, bf16: bool) -> None:
     rng = random.Random(7 + bf16)
@@ -72,11 +72,12 @@ def test_truncation_equals_full_sort(tiers: TierConfig, bf16: bool) -> None:
         ref = reference(x[r], params[r])
         assert torch.equal(got[r] > NEG_INF, ref > NEG_INF), f"row {r} {params[r]}"
         torch.testing.assert_close(got[r], ref, rtol=0, atol=0)
-    used = Counter(part.tier for part in kept.sparse for _ in range(part.rows.numel()))
-    if kept.dense is not None:
-        used["dense"] = kept.dense.rows.numel()
-    if tiers.first_k == 8:  # the small tiers must have exercised every path
-        assert set(used) == {0, 1, 2, "dense"}, used
+    used = Counter(part.k for part in kept.sparse for _ in range(part.rows.numel()))
+    for part in kept.dense:
+        used["nucleus" if part.wide_top_p else "dense"] += part.rows.numel()
+    if tiers.first_k == 8:  # the small tiers must have exercised every path: first (<= 16), 64, V, dense
+        assert {64, vocab, "dense", "nucleus"} <= set(used), used
+        assert min(k for k in used if isinstance(k, int)) <= 16, used
 
 
 def test_pooled_topk_equals_topk() -> None:
@@ -97,3 +98,24 @@ def test_pooled_topk_is_a_valid_candidate_set_with_ties() -> None:
     vals, ids = topk_values(x, 64)
     left_out = torch.ones_like(x, dtype=torch.bool).scatter_(1, ids, False)
     assert bool((x.masked_fill(~left_out, NEG_INF).amax(-1) <= vals[:, -1]).all())
+
+
+def test_wide_nucleus_without_sort_equals_full_sort() -> None:
+    """Flat rows at a real vocabulary size: the top-p set holds tens of thousands of tokens, far past
+    every candidate set, and is found by probability buckets instead of a sort."""
+    vocab = 49_152
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(6, vocab, generator=gen)
+    x[5] = x[5].bfloat16().float()  # heavy ties inside the boundary bucket
+    params = [SamplingParams(top_p=p, temperature=t, min_p=m)
+              for p, t, m in ((0.5, 1.0, 0.0), (0.9, 1.0, 0.0), (0.99, 0.7, 0.0), (0.9, 1.5, 0.05),
+                              (0.95, 1.0, 0.3), (0.9, 1.0, 0.0))]
+    kept = truncate(x, build_metadata(params, vocab), TierConfig())
+    wide = [part.rows.tolist() for part in kept.dense if part.wide_top_p]
+    assert wide == [[1, 2, 3, 5]], kept  # row 0's nucleus fits 8192 candidates, row 4's min_p set is small
+    got = materialize(x, kept)
+    for r, p in enumerate(params):
+        ref = reference(x[r], p)
+        assert torch.equal(got[r] > NEG_INF, ref > NEG_INF), f"row {r} {p}"
+        torch.testing.assert_close(got[r], ref, rtol=0, atol=0)
+        assert r not in wide[0] or int((ref > NEG_INF).sum()) > 8192

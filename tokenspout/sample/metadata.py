@@ -1,9 +1,11 @@
 """Sampling state per slot (persistent for the whole run) and the per-step SamplingMetadata.
 
-SamplingState lives in the model runner.  Knobs that never change for a request sit in [max_num_reqs]
-tensors filled once in `add_request`; the step's [num_rows] tensors are one index_select away.  Host-side
-per-slot records hold what the step plan needs without reading tensors back (row classes, max top_k,
-which rows ask for logprobs), so building the metadata never synchronises with the device.
+SamplingState lives in the model runner.  Knobs that never change for a request sit in two host tables
+[max_num_reqs, F] written once in `add_request`; a step's [num_rows] tensors are one index_select of each
+and one copy to the device.  Host-side per-slot records hold what the step plan needs without reading
+tensors back (row classes, top_k, which rows ask for logprobs, bans due this step), so building the
+metadata never synchronises with the device.  Token counts for the penalties are kept incrementally
+(ops/token_counts.py).
 """
 
 from __future__ import annotations
@@ -12,12 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenspout.sample.ops.noise import seed_key
 from tokenspout.sample.ops.penalties import PenaltyBatch
 from tokenspout.sample.ops.token_counts import SeenTokens
 from tokenspout.sampling_params import LOGIT_BIAS_CLAMP, SamplingParams
 
 _F = ("temperature", "top_p", "min_p", "repetition", "presence", "frequency")  # columns of the float table
-_I = ("top_k", "seed", "num_logprobs", "greedy")  # columns of the int table
+_I = ("top_k", "seed", "num_logprobs", "greedy", "seed_key")  # columns of the int table
 
 
 @dataclass(slots=True)
@@ -31,6 +34,7 @@ class SamplingMetadata:
     top_p: torch.Tensor  # float32; 1.0 = off
     min_p: torch.Tensor  # float32; 0.0 = off
     seeds: torch.Tensor  # int64, the effective 63-bit seed of each row's request
+    seed_keys: torch.Tensor  # int64, noise.seed_key(seed), hashed once per request (noise.keys_from_seed_keys)
     positions: torch.Tensor  # int64, output tokens generated so far (the draw's counter)
     num_logprobs: torch.Tensor  # int64; -1 = no logprobs
     # Row classes (index tensors into the batch, ascending), decided on the host.
@@ -40,6 +44,9 @@ class SamplingMetadata:
     all_greedy: bool
     any_greedy: bool
     max_top_k: int  # largest top_k over the truncated rows (0 if none)
+    truncated_top_k: list[int]  # host copy of top_k of the truncated rows (plans candidate-set sizes)
+    any_top_p: bool  # some truncated row has top_p < 1
+    any_min_p: bool  # some truncated row has min_p > 0
     # Sparse edits; None when no row has any.
     allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, local row, id) allowed pairs
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (row, id) pairs forced to -inf: bad words, min_tokens
@@ -67,6 +74,8 @@ class _Slot:
     greedy: bool
     truncated: bool
     top_k: int
+    top_p_on: bool
+    min_p_on: bool
     penalties: bool
     repetition: bool
     additive: bool
@@ -112,7 +121,8 @@ class SamplingState:
         n_lp = -1 if params.logprobs is None else params.logprobs
         self._fv[slot] = (1.0 if greedy else params.temperature, top_p, params.min_p, params.repetition_penalty,
                           params.presence_penalty, params.frequency_penalty)
-        self._iv[slot] = (top_k, seed & ((1 << 63) - 1), n_lp, greedy)
+        seed &= (1 << 63) - 1
+        self._iv[slot] = (top_k, seed, n_lp, greedy, seed_key(seed))
         bad = params.bad_words_token_ids or []
         bias_ids = bias_vals = allowed = None
         if params.logit_bias:
@@ -123,7 +133,8 @@ class SamplingState:
             allowed = torch.tensor(sorted(set(params.allowed_token_ids)), dtype=torch.int64, device=self.device)
         bad_multi = [list(w) for w in bad if len(w) > 1]
         self._slots[slot] = _Slot(
-            greedy=greedy, truncated=truncated, top_k=top_k, penalties=rep_on or add_on, repetition=rep_on,
+            greedy=greedy, truncated=truncated, top_k=top_k, top_p_on=top_p < 1.0, min_p_on=params.min_p > 0.0,
+            penalties=rep_on or add_on, repetition=rep_on,
             additive=add_on, stop_ids=sorted(params.all_stop_token_ids), min_tokens=params.min_tokens,
             bad_single=sorted({w[0] for w in bad if len(w) == 1}), bad_multi=bad_multi, allowed=allowed,
             bias_ids=bias_ids, bias_vals=bias_vals, num_logprobs=n_lp,
@@ -162,6 +173,8 @@ class SamplingState:
         bias_r, bias_t, bias_v, allow_rows, allow_local, allow_ids = [], [], [], [], [], []
         raw_rows, proc_rows = [], []
         max_top_k = 0
+        trunc_k: list[int] = []
+        any_top_p = any_min_p = False
         max_lp = -1
         for row, info in enumerate(infos):
             assert info is not None
@@ -169,7 +182,10 @@ class SamplingState:
                 greedy.append(row)
             elif info.truncated:
                 trunc.append(row)
+                trunc_k.append(info.top_k)
                 max_top_k = max(max_top_k, info.top_k)
+                any_top_p |= info.top_p_on
+                any_min_p |= info.min_p_on
             else:
                 plain.append(row)
             if info.penalties:
@@ -202,11 +218,12 @@ class SamplingState:
         def rows_t(rows: list[int]) -> torch.Tensor:
             return torch.tensor(rows, dtype=torch.int64, device=dev)
 
+        positions = [info.position for info in infos]  # type: ignore[union-attr]
         cpu_idx = torch.tensor(slots, dtype=torch.int64)
         floats = self._f.index_select(0, cpu_idx).t().to(dev).contiguous()
         ints = self._i.index_select(0, cpu_idx).t().to(dev).contiguous()
         temperature, top_p, min_p, rep, pres, freq = floats.unbind(0)
-        top_k, seeds, num_logprobs, greedy_flag = ints.unbind(0)
+        top_k, seeds, num_logprobs, greedy_flag, seed_keys = ints.unbind(0)
         penalties = None
         if pen_rows:
             pslots = [slots[r] for r in pen_rows]
@@ -225,7 +242,8 @@ class SamplingState:
             top_p=top_p,
             min_p=min_p,
             seeds=seeds,
-            positions=torch.tensor([i.position for i in infos], dtype=torch.int64, device=dev),  # type: ignore[union-attr]
+            seed_keys=seed_keys,
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
             num_logprobs=num_logprobs,
             greedy_rows=rows_t(greedy),
             truncated_rows=rows_t(trunc),
@@ -233,6 +251,9 @@ class SamplingState:
             all_greedy=len(greedy) == len(slots),
             any_greedy=bool(greedy),
             max_top_k=max_top_k,
+            truncated_top_k=trunc_k,
+            any_top_p=any_top_p,
+            any_min_p=any_min_p,
             allowed=(rows_t(allow_rows), torch.cat(allow_local), torch.cat(allow_ids)) if allow_rows else None,
             banned=(rows_t(ban_r), rows_t(ban_t)) if ban_r else None,
             bias=(torch.cat(bias_r), torch.cat(bias_t), torch.cat(bias_v)) if bias_r else None,

@@ -19,7 +19,7 @@ import torch
 from tokenspout.sample.metadata import SamplingMetadata
 from tokenspout.sample.ops.draw import draw_dense, draw_sparse
 from tokenspout.sample.ops.logprobs import gather_logprobs
-from tokenspout.sample.ops.noise import row_keys
+from tokenspout.sample.ops.noise import keys_from_seed_keys
 from tokenspout.sample.ops.penalties import (
     apply_allowed,
     apply_bans,
@@ -27,7 +27,7 @@ from tokenspout.sample.ops.penalties import (
     apply_grammar_bitmask,
     apply_penalties,
 )
-from tokenspout.sample.ops.topk_topp import Kept, TierConfig, materialize, truncate
+from tokenspout.sample.ops.topk_topp import DenseKept, Kept, SparseKept, TierConfig, materialize, truncate
 
 logger = logging.getLogger(__name__)
 
@@ -61,15 +61,19 @@ def apply_logits_processors(x: torch.Tensor, meta: SamplingMetadata) -> None:
 
 def draw(kept: Kept, meta: SamplingMetadata, vocab: int, block_size: int) -> torch.Tensor:
     """One drawn token per row [B] (rows without a kept distribution -- greedy ones -- get 0)."""
-    keys = row_keys(meta.seeds, meta.positions)
+    keys = keys_from_seed_keys(meta.seed_keys, meta.positions)
+    parts: list[SparseKept | DenseKept] = [*kept.sparse, *kept.dense]
+
+    def one(part: SparseKept | DenseKept, k: torch.Tensor) -> torch.Tensor:
+        if isinstance(part, SparseKept):
+            return draw_sparse(part.ids, part.logits, k, vocab, block_size)
+        return draw_dense(part.logits, part.mass, k, block_size)
+
+    if len(parts) == 1 and parts[0].rows.numel() == meta.num_rows:  # one part holding every row, in order
+        return one(parts[0], keys)
     drawn = torch.zeros(meta.num_rows, dtype=torch.int64, device=keys.device)
-    for part in kept.sparse:
-        tok = draw_sparse(part.ids, part.logits, keys.index_select(0, part.rows), vocab, block_size)
-        drawn.index_copy_(0, part.rows, tok)
-    if kept.dense is not None:
-        d = kept.dense
-        tok = draw_dense(d.logits, d.mass, keys.index_select(0, d.rows), block_size)
-        drawn.index_copy_(0, d.rows, tok)
+    for part in parts:
+        drawn.index_copy_(0, part.rows, one(part, keys.index_select(0, part.rows)))
     return drawn
 
 
@@ -112,12 +116,14 @@ class Sampler(torch.nn.Module):
         if meta.all_greedy:
             sampled = x.argmax(-1)
         else:
-            greedy = torch.zeros(batch, dtype=torch.int64, device=x.device)
-            if meta.any_greedy:
+            greedy = None
+            if meta.any_greedy:  # argmax of the greedy rows only; the others' entries are never read
+                greedy = torch.zeros(batch, dtype=torch.int64, device=x.device)
                 greedy.index_copy_(0, meta.greedy_rows, x.index_select(0, meta.greedy_rows).argmax(-1))
             kept = truncate(x, meta, self.tiers)
-            drawn = draw(kept, meta, vocab, self.tiers.block_size)
-            sampled = torch.where(meta.is_greedy, greedy, drawn)
+            sampled = draw(kept, meta, vocab, self.tiers.block_size)
+            if greedy is not None:
+                sampled = torch.where(meta.is_greedy, greedy, sampled)
 
         lp_out = None
         if meta.max_num_logprobs >= 0:

@@ -194,6 +194,8 @@ class ModelRunner:
             ids = out.sampled_token_ids.tolist()  # the one device->host transfer of the step
             return ModelRunnerOutput(sampled={r: [t] for r, t in zip(req_ids, ids)})
         lp = out.logprobs
+        # Processed logprobs are -inf for dropped tokens; JSON has no -inf, so report vLLM's -9999 floor.
+        lp.logprobs.clamp_(min=-9999.0)
         # One transfer for ids, ranks and logprobs together (float64 holds token ids exactly).
         packed = torch.cat([out.sampled_token_ids[:, None].double(), lp.ranks[:, None].double(),
                             lp.token_ids.double(), lp.logprobs.double()], dim=1).tolist()

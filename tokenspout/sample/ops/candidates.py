@@ -14,6 +14,8 @@ K-th value may be split arbitrarily, which the coverage tests in topk_topp.py ne
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 POOL = 8  # slabs per row; 8 keeps the second top-k small (8 * K) while the pooled row is V / 8
@@ -29,10 +31,14 @@ def topk_values(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     width = vocab // POOL
     pooled = x.view(rows, POOL, width).amax(1)
     cols = pooled.topk(k, -1).indices  # [R, k]
-    ids = (torch.arange(POOL, device=x.device) * width).view(1, POOL, 1) + cols.unsqueeze(1)
-    ids = ids.view(rows, POOL * k)
+    ids = (_slab_starts(width, x.device) + cols.unsqueeze(1)).view(rows, POOL * k)
     vals, pick = x.gather(1, ids).topk(k, -1)
     return vals, ids.gather(1, pick)
+
+
+@functools.lru_cache(maxsize=16)
+def _slab_starts(width: int, device: torch.device) -> torch.Tensor:
+    return (torch.arange(POOL, device=device) * width).view(1, POOL, 1)
 
 
 def order_ties(y: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,4 +60,9 @@ def order_ties(y: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.
 def candidates(x: torch.Tensor, k: int, temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest logits of each row of x, scaled by 1 / temperature, sorted by (value desc, id asc)."""
     vals, ids = topk_values(x, k)
-    return order_ties(vals / temperature.unsqueeze(-1), ids)
+    y = vals / temperature.unsqueeze(-1)
+    if k >= x.shape[1]:
+        # A stable full sort already lists equal logits by id.  (Dividing by T can round two different
+        # logits to one value; those keep logit order, a difference no distribution can see.)
+        return y, ids
+    return order_ties(y, ids)

@@ -16,6 +16,8 @@ distribution -- not on the batch, the row index, or whether the kept set was fou
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tokenspout.sample.ops.noise import SALT_BLOCK, SALT_TOKEN, gumbel
@@ -82,12 +84,20 @@ def draw_sparse(
         tok_ids = chosen * block_size + torch.arange(block_size, device=ids.device)
         score = buf[:, :block_size] + gumbel(keys, tok_ids.clamp(max=vocab - 1), SALT_TOKEN)
         return tok_ids.gather(1, score.argmax(-1, keepdim=True)).squeeze(-1)
-    block_score = mass.gather(1, bid).log() + gumbel(keys, bid, SALT_BLOCK)
+    # Few candidates: hash each candidate's block and the candidate itself, both in one pass.
+    g = gumbel(keys, torch.cat([bid, ids], 1), _two_salts(k, ids.device))
+    block_score = mass.gather(1, bid).log_().add_(g[:, :k])
     block_score.masked_fill_(~kept, NEG_INF)
     chosen = bid.gather(1, block_score.argmax(-1, keepdim=True))  # [R, 1]
-    tok_score = (logits - row_max) + gumbel(keys, ids, SALT_TOKEN)
+    tok_score = (logits - row_max) + g[:, k:]
     tok_score.masked_fill_(~kept | (bid != chosen), NEG_INF)
     return ids.gather(1, tok_score.argmax(-1, keepdim=True)).squeeze(-1)
+
+
+@functools.lru_cache(maxsize=64)
+def _two_salts(k: int, device: torch.device) -> torch.Tensor:
+    """[1, 2k]: SALT_BLOCK for the first k columns, SALT_TOKEN for the rest (cached: built per shape)."""
+    return torch.tensor([SALT_BLOCK, SALT_TOKEN], device=device).repeat_interleave(k).unsqueeze(0)
 
 
 def _arange(rows: int, n: int, device: torch.device) -> torch.Tensor:

@@ -47,20 +47,35 @@ def mix64(z: torch.Tensor) -> torch.Tensor:
     return z
 
 
+def seed_key(seed: int) -> int:
+    """mix64 of a seed, in Python (done once per request, not per step): hashing the seed first keeps
+    nearby seeds (0, 1, 2, ...) from giving correlated streams."""
+    z = seed % _U64
+    z ^= z >> 30
+    z = (z * (_M1 % _U64)) % _U64
+    z ^= z >> 27
+    z = (z * (_M2 % _U64)) % _U64
+    return _i64(z ^ (z >> 31))
+
+
+def keys_from_seed_keys(seed_keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """row_keys with the seed hash precomputed (SamplingMetadata.seed_keys): one mix64 instead of two."""
+    return mix64(seed_keys + (positions.to(torch.int64) + 1) * GOLDEN)
+
+
 def row_keys(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """One 64-bit key per row from (seed, output position): [R] int64.
-
-    Hashing the seed first keeps nearby seeds (0, 1, 2, ...) from giving correlated streams."""
-    return mix64(mix64(seeds.to(torch.int64)) + (positions.to(torch.int64) + 1) * GOLDEN)
+    """One 64-bit key per (seed, output position), elementwise: mix64(mix64(seed) + (pos + 1) * GOLDEN)."""
+    return keys_from_seed_keys(mix64(seeds.to(torch.int64)), positions)
 
 
-def uniform(keys: torch.Tensor, ids: torch.Tensor, salt: int) -> torch.Tensor:
-    """U(0, 1) float64 for each (row key, id): keys [R], ids [R, K] -> [R, K], never 0 or 1."""
+def uniform(keys: torch.Tensor, ids: torch.Tensor, salt: int | torch.Tensor) -> torch.Tensor:
+    """U(0, 1) float64 for each (row key, id): keys [R], ids [R, K] -> [R, K], never 0 or 1.
+    `salt` (the domain) may be a tensor broadcasting against ids, to hash two domains in one pass."""
     z = mix64(ids * _M_ID + keys.unsqueeze(-1) + salt)
     # The top 53 bits are an exact float64 integer; the +0.5 keeps u strictly inside (0, 1).
     return (_srl(z, 11).to(torch.float64) + 0.5) * _TWO_POW_M53
 
 
-def gumbel(keys: torch.Tensor, ids: torch.Tensor, salt: int) -> torch.Tensor:
+def gumbel(keys: torch.Tensor, ids: torch.Tensor, salt: int | torch.Tensor) -> torch.Tensor:
     """Gumbel(0, 1) noise, float64: argmax(log w + G) draws index i with probability w_i / sum(w)."""
     return uniform(keys, ids, salt).log_().neg_().log_().neg_()

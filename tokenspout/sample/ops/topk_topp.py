@@ -18,26 +18,30 @@ K-th value.  Every token outside C has y <= y_last.  A row is *covered* -- its k
   (c) w_last == 0: tokens at or below y_last carry no mass at all (everything else is masked);
   (d) top-p: S = mass of the survivors strictly above y_last satisfies S >= top_p * Z_A (Z_A over the
       whole row): every token at or below y_last has at least S ahead of it, so top-p drops it.
-Z_A comes from C in (a)-(c); in (d) it is a dense sum over the row (exp + block sums, no sort).
-Rows not covered by K candidates retry with `second_k` candidates and finally with a full sort (K = V,
-trivially covered); rows with neither top-k nor top-p (temperature and maybe min_p) whose min_p set is not
-covered are drawn densely.  Coverage is decided per row with a K that depends only on the row's own
+Z_A comes from C in (a)-(c); in (d) from one dense softmax over the row (no sort).  Rows not covered by
+K candidates retry with the larger candidate sets of `later_k` and finally with a full sort (K = V,
+trivially covered); rows with neither top-k nor top-p (temperature and maybe min_p) whose min_p set is
+not covered are drawn densely.  Coverage is decided per row with a K that depends only on the row's own
 top_k, so a row takes the same path, and draws the same token, in any batch.
+tests/unit/test_sampler_truncation.py checks every path against a full sort, token for token.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from tokenspout.sample.ops.candidates import candidates
-from tokenspout.sample.ops.draw import block_mass
+from tokenspout.sample.ops.draw import DEFAULT_BLOCK_SIZE, block_mass
+from tokenspout.sample.ops.nucleus import wide_top_p
 
 if TYPE_CHECKING:
     from tokenspout.sample.metadata import SamplingMetadata
 
+logger = logging.getLogger(__name__)
 NEG_INF = float("-inf")
 
 
@@ -48,29 +52,33 @@ class SparseKept:
     rows: torch.Tensor  # [Rs] rows of the batch
     ids: torch.Tensor  # [Rs, K] candidate token ids (distinct per row)
     logits: torch.Tensor  # [Rs, K] scaled logits, -inf where the token is dropped
-    tier: int  # 0: first candidate set, 1: second, 2: full sort (for stats and tests)
+    k: int  # the candidate set size that covered these rows (k == V: full sort), for stats and tests
 
 
 @dataclass(slots=True)
 class DenseKept:
-    """Rows without top-k / top-p whose min_p set (if any) did not fit the candidates: drawn densely."""
+    """Rows drawn densely: no top-k / top-p and a min_p set (if any) wider than the candidates, or a
+    top-p nucleus too wide for any candidate set (ops/nucleus.py)."""
 
     rows: torch.Tensor  # [Rd]
-    logits: torch.Tensor  # [Rd, V] scaled logits, -inf where min_p drops the token
+    logits: torch.Tensor  # [Rd, V] scaled logits, -inf where dropped
     mass: torch.Tensor  # [Rd, nb] block sums of the kept probabilities
+    wide_top_p: bool = False  # for stats and tests
 
 
 @dataclass(slots=True)
 class Kept:
     sparse: list[SparseKept] = field(default_factory=list)
-    dense: DenseKept | None = None
+    dense: list[DenseKept] = field(default_factory=list)
 
 
 @dataclass(slots=True)
 class TierConfig:
-    first_k: int = 128  # candidates per row in the first pass (raised to the row's top_k, up to first_cap)
-    first_cap: int = 1024  # rows with a larger top_k skip to the second pass
-    second_k: int = 8192  # a single-row topk(8192) costs ~1 ms on 128k logits; a full sort ~12 ms
+    first_k: int = 128  # first-pass candidates of rows without top_k (top-k rows take top_k + slack)
+    first_cap: int = 1024  # rows with a larger top_k start on the later candidate sets
+    # Retries for uncovered rows (wide top-p nuclei): a single-row topk(1024) costs ~0.3 ms on 128k
+    # logits, topk(8192) ~1-2 ms, a full sort ~12 ms.
+    later_k: tuple[int, ...] = (1024, 8192)
     block_size: int = 256
 
 
@@ -90,70 +98,162 @@ def dense_probs(
     return y, p
 
 
-def _dense_z(
-    x: torch.Tensor, rows: torch.Tensor, top_ids: torch.Tensor, temperature: torch.Tensor, min_p: torch.Tensor,
-    block_size: int,
-) -> torch.Tensor:
+def _dense_z(x: torch.Tensor, rows: torch.Tensor, top_ids: torch.Tensor, kn: RowKnobs) -> torch.Tensor:
     """Z_A of `rows` in the candidates' units (the top token weighs 1): sum(p over A) / p_top."""
     every = rows.numel() == x.shape[0]
-    xr, t, mp = (x, temperature, min_p) if every else (x[rows], temperature[rows], min_p[rows])
-    _, p = dense_probs(xr, t, mp if bool((mp > 0).any()) else None)
-    total = block_mass(p, block_size).sum(-1) if bool((mp > 0).any()) else 1.0
+    xr, t, mp = (x, kn.temperature, kn.min_p) if every else (x[rows], kn.temperature[rows], kn.min_p[rows])
+    use_min_p = kn.any_min_p and bool((mp > 0).any())
+    _, p = dense_probs(xr, t, mp if use_min_p else None)
+    # Without min_p the probabilities sum to 1 by construction: skip the extra pass.  (Block sums, not a
+    # row sum: torch splits long row sums across threads differently for different batch sizes.)
+    total = block_mass(p, DEFAULT_BLOCK_SIZE).sum(-1) if use_min_p else 1.0
     return total / p.gather(1, top_ids).squeeze(-1)
 
 
+@dataclass(slots=True)
+class RowKnobs:
+    """The truncated rows' settings, and host-side facts that let _resolve skip whole steps."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    any_top_k: bool
+    any_top_p: bool
+    any_min_p: bool
+
+    def select(self, idx: torch.Tensor) -> RowKnobs:
+        return RowKnobs(self.temperature[idx], self.top_k[idx], self.top_p[idx], self.min_p[idx],
+                        self.any_top_k, self.any_top_p, self.any_min_p)
+
+
+@dataclass(slots=True)
+class _Pending:
+    """Rows still looking for a covering candidate set, with what earlier passes learnt about them."""
+
+    rows: torch.Tensor  # batch rows
+    x: torch.Tensor  # their logits
+    kn: RowKnobs
+    z: torch.Tensor  # Z_A from the dense pass, NaN where not computed yet
+    need: torch.Tensor  # lower bound on the candidates that can cover the row (float)
+
+    def select(self, idx: torch.Tensor) -> _Pending:
+        return _Pending(self.rows[idx], self.x[idx], self.kn.select(idx), self.z[idx], self.need[idx])
+
+    def cat(self, other: _Pending) -> _Pending:
+        kn = RowKnobs(*(torch.cat([a, b]) for a, b in zip(
+            (self.kn.temperature, self.kn.top_k, self.kn.top_p, self.kn.min_p),
+            (other.kn.temperature, other.kn.top_k, other.kn.top_p, other.kn.min_p))),
+            self.kn.any_top_k, self.kn.any_top_p, self.kn.any_min_p)
+        return _Pending(torch.cat([self.rows, other.rows]), torch.cat([self.x, other.x]), kn,
+                        torch.cat([self.z, other.z]), torch.cat([self.need, other.need]))
+
+
 def _resolve(
-    x: torch.Tensor,
-    k_row: torch.Tensor,
-    k: int,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-    z_dense: torch.Tensor | None,
-    block_size: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One pass over rows x [R, V] with k candidates (row r looks only at its first k_row[r]).
+    p: _Pending, k_row: torch.Tensor | None, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One pass over the pending rows with k candidates (row r looks at its first k_row[r]; None: all k).
 
-    Returns (ids, kept logits, covered, plain, retry, z_dense): `plain` rows have no top-k/top-p and an
-    uncovered min_p set (draw them densely), `retry` rows need more candidates; z_dense caches Z_A of
-    rows that needed the dense sum (NaN elsewhere) for the next pass."""
+    Returns (ids, kept logits, covered, plain, retry); `plain` rows have no top-k/top-p and an uncovered
+    min_p set (draw them densely), `retry` rows need more candidates.  Updates p.z and p.need."""
+    x, kn = p.x, p.kn
     vocab = x.shape[1]
-    y, ids = candidates(x, k, temperature)
-    col = torch.arange(y.shape[1], device=y.device)
+    y, ids = candidates(x, k, kn.temperature)
     m = y[:, :1]
-    m = torch.where(torch.isfinite(m), m, 0.0)
+    m = torch.where(m > NEG_INF, m, 0.0)  # an all-masked row: weights 0, not NaN
     w = (y - m).exp_()
-    y_last = y.gather(1, (k_row - 1).unsqueeze(-1))
+    keep = w > 0
+    if k_row is None:
+        y_last = y[:, -1:]
+    else:
+        y_last = y.gather(1, (k_row - 1).unsqueeze(-1))
+        keep &= torch.arange(y.shape[1], device=y.device) < k_row.unsqueeze(-1)
     w_last = (y_last - m).exp_().squeeze(-1)
-
-    topk_on = top_k > 0
-    # A top_k beyond k_row keeps every candidate strictly above y_last, so it cannot bind inside C.
-    topk_fits = topk_on & (top_k <= k_row)
-    kth = y.gather(1, (top_k - 1).clamp(0, y.shape[1] - 1).unsqueeze(-1))
-    keep = (col < k_row.unsqueeze(-1)) & (w > 0) & (w >= min_p.unsqueeze(-1))
-    keep &= ~topk_fits.unsqueeze(-1) | (y >= kth)
-    in_c = (topk_fits & (kth > y_last).squeeze(-1)) | ((min_p > 0) & (w_last < min_p)) | (w_last == 0)
-    if k >= vocab:
-        in_c[:] = True
-    wa = w * keep
-    z = wa.sum(-1)
-    # (d) needs Z over the whole row; with top-k on but not covered, A reaches past C, so retry instead.
-    need_z = (top_p < 1) & ~in_c & ~topk_on
-    if bool(need_z.any()):
-        if z_dense is None:
-            z_dense = torch.full_like(z, float("nan"))
-        missing = (need_z & z_dense.isnan()).nonzero().squeeze(-1)
-        if missing.numel():
-            z_dense[missing] = _dense_z(x, missing, ids[missing, :1], temperature, min_p, block_size)
-        z = torch.where(need_z, z_dense, z)
-    ahead = wa.cumsum(-1) - wa
-    keep &= (top_p >= 1).unsqueeze(-1) | (ahead < (top_p * z).unsqueeze(-1))
-    above = (wa * (y > y_last)).sum(-1)
-    covered = in_c | (need_z & (above >= top_p * z))
-    plain = ~covered & (top_p >= 1) & ~topk_on
+    in_c = (w_last == 0) | (k >= vocab)  # (c), or the candidates are the whole row
+    if kn.any_min_p:
+        keep &= w >= kn.min_p.unsqueeze(-1)
+        in_c |= (kn.min_p > 0) & (w_last < kn.min_p)  # (b)
+    topk_on = kn.top_k > 0
+    if kn.any_top_k:
+        # A top_k beyond k_row keeps every candidate strictly above y_last, so it cannot bind inside C.
+        fits = topk_on & (kn.top_k <= (k if k_row is None else k_row))
+        kth = y.gather(1, (kn.top_k - 1).clamp(0, y.shape[1] - 1).unsqueeze(-1))
+        keep &= ~fits.unsqueeze(-1) | (y >= kth)
+        in_c |= fits & (kth > y_last).squeeze(-1)  # (a)
+    covered = in_c
+    need_z = short = None
+    if kn.any_top_p:
+        wa = w * keep
+        z = wa.sum(-1)
+        # (d) needs Z over the whole row; with top-k on but not covered, A reaches past C: retry instead.
+        need_z = (kn.top_p < 1) & ~in_c & ~topk_on
+        if bool(need_z.any()):
+            missing = (need_z & p.z.isnan()).nonzero().squeeze(-1)
+            if missing.numel():
+                p.z[missing] = _dense_z(x, missing, ids[missing, :1], kn)
+            z = torch.where(need_z, p.z, z)
+        ahead = wa.cumsum(-1) - wa
+        keep &= (kn.top_p >= 1).unsqueeze(-1) | (ahead < (kn.top_p * z).unsqueeze(-1))
+        above = (wa * (y > y_last)).sum(-1)
+        covered = in_c | (need_z & (above >= kn.top_p * z))
+        short = kn.top_p * z - above
+    plain = ~covered & (kn.top_p >= 1) & ~topk_on
     retry = ~covered & ~plain
-    return ids, y.masked_fill(~keep, NEG_INF), covered, plain, retry, z_dense
+    if bool(retry.any()):
+        # Lower bounds on the candidates a later pass needs, so that passes which cannot succeed are
+        # skipped: a top-k row needs top_k + 1; a top-p row needs the missing mass, and every token
+        # outside C weighs at most w_last, so at least (top_p * Z - above) / w_last more candidates.
+        need = torch.where(topk_on, (kn.top_k + 1).to(p.need.dtype), p.need)
+        if need_z is not None and short is not None:
+            more = (short / w_last).nan_to_num_(nan=0.0, posinf=float(vocab))
+            need = torch.where(need_z, (k if k_row is None else k_row) + more, need)
+        p.need = need
+    return ids, y.masked_fill_(~keep, NEG_INF), covered, plain, retry
+
+
+def _tiers(
+    p: _Pending, k_row: torch.Tensor | None, ladder: list[int], out: Kept, block_size: int
+) -> list[torch.Tensor]:
+    """Resolves every pending row on the candidate ladder; returns the rows to draw densely (plain)."""
+    plain_rows = []
+    pool: _Pending | None = None
+    vocab = p.x.shape[1]
+    for tier, k in enumerate(ladder):
+        if tier:  # later passes: only the rows whose lower bound fits k (the full sort takes all)
+            if pool is None:
+                break
+            go = torch.ones_like(pool.need, dtype=torch.bool) if k >= vocab else pool.need <= k
+            if not bool(go.any()):
+                continue
+            if bool(go.all()):
+                p, pool = pool, None
+            else:
+                p, pool = pool.select(go.nonzero().squeeze(-1)), pool.select((~go).nonzero().squeeze(-1))
+            if k >= 8 * ladder[0]:
+                logger.debug("%d rows need %d candidates", p.rows.numel(), k)
+        if tier and k >= vocab:
+            # Past the last candidate set: top-p rows go to the bucketed nucleus, top-k rows to a full sort.
+            wide = p.kn.top_k <= 0
+            if bool(wide.any()):
+                w = p if bool(wide.all()) else p.select(wide.nonzero().squeeze(-1))
+                y, probs = wide_top_p(w.x, w.kn)
+                out.dense.append(DenseKept(w.rows, y, block_mass(probs, block_size), wide_top_p=True))
+                if w is p:
+                    break
+                p = p.select((~wide).nonzero().squeeze(-1))
+        ids, kept, covered, plain, retry = _resolve(p, None if tier else k_row, k)
+        if bool(covered.all()):
+            out.sparse.append(SparseKept(p.rows, ids, kept, k))
+            continue
+        if bool(covered.any()):
+            sel = covered.nonzero().squeeze(-1)
+            out.sparse.append(SparseKept(p.rows[sel], ids[sel], kept[sel], k))
+        if bool(plain.any()):
+            plain_rows.append(p.rows[plain])
+        if bool(retry.any()):
+            again = p.select(retry.nonzero().squeeze(-1))
+            pool = again if pool is None else pool.cat(again)
+    return plain_rows
 
 
 def truncate(x: torch.Tensor, meta: SamplingMetadata, cfg: TierConfig) -> Kept:
@@ -163,39 +263,29 @@ def truncate(x: torch.Tensor, meta: SamplingMetadata, cfg: TierConfig) -> Kept:
     plain_rows = [meta.plain_rows]
     rows = meta.truncated_rows
     if rows.numel():
-        params = [t.index_select(0, rows) for t in (meta.temperature, meta.top_k, meta.top_p, meta.min_p)]
-        xr = x if rows.numel() == x.shape[0] else x.index_select(0, rows)
+        every = rows.numel() == x.shape[0]
+        kn = RowKnobs(*(t if every else t.index_select(0, rows)
+                      for t in (meta.temperature, meta.top_k, meta.top_p, meta.min_p)),
+                    meta.max_top_k > 0, meta.any_top_p, meta.any_min_p)
         # First pass: K per row from its own top_k only, so a row's path never depends on its neighbours.
-        # top_k + 1: covering a top-k needs one candidate past the k-th to show the k-th value is not tied.
-        first = min(vocab, max(cfg.first_k, min(meta.max_top_k + 1, cfg.first_cap)))
-        wanted = params[1] + 1
-        k_row = torch.where((wanted > cfg.first_k) & (wanted <= cfg.first_cap), wanted, cfg.first_k)
-        k_row = k_row.clamp_(max=first)
-        z_dense: torch.Tensor | None = None
-        for tier, k in enumerate((first, min(vocab, cfg.second_k), vocab)):
-            if tier and k <= first:
-                continue
-            if tier:
-                k_row = torch.full_like(params[1], k)
-            ids, kept, covered, plain, retry, z_dense = _resolve(xr, k_row, k, *params, z_dense, cfg.block_size)
-            if bool(covered.any()):
-                sel = covered.nonzero().squeeze(-1)
-                out.sparse.append(SparseKept(rows[sel], ids[sel], kept[sel], tier))
-            if bool(plain.any()):
-                plain_rows.append(rows[plain])
-            if not bool(retry.any()):
-                break
-            sel = retry.nonzero().squeeze(-1)
-            rows, xr = rows[sel], xr[sel]
-            params = [t[sel] for t in params]
-            z_dense = None if z_dense is None else z_dense[sel]
-    dense = torch.cat(plain_rows).sort().values  # ascending, so a full set of rows is the identity
+        # A top-k row needs candidates past the k-th to show the k-th value is not tied with the rest;
+        # bf16 logits tie often, so leave room for a tie group rather than retrying with 1024.
+        cap = cfg.first_cap
+        wanted = [min(vocab, min(cap, k + 16 + k // 4) if 0 < k < cap else cfg.first_k) for k in meta.truncated_top_k]
+        first = max(wanted)
+        k_row = None if min(wanted) == first else torch.tensor(wanted, device=x.device)
+        nan = torch.full((rows.numel(),), float("nan"), device=x.device)
+        pending = _Pending(rows, x if every else x.index_select(0, rows), kn, nan, torch.zeros_like(nan))
+        ladder = [first] + [k for k in cfg.later_k if first < k < vocab] + ([vocab] if first < vocab else [])
+        plain_rows += _tiers(pending, k_row, ladder, out, cfg.block_size)
+    # Ascending, so that a full set of rows is the identity.
+    dense = plain_rows[0] if len(plain_rows) == 1 else torch.cat(plain_rows).sort().values
     if dense.numel():
         temp = meta.temperature.index_select(0, dense)
         min_p = meta.min_p.index_select(0, dense)
         xd = x if dense.numel() == x.shape[0] else x.index_select(0, dense)
         y, p = dense_probs(xd, temp, min_p if bool((min_p > 0).any()) else None)
-        out.dense = DenseKept(dense, y, block_mass(p, cfg.block_size))
+        out.dense.append(DenseKept(dense, y, block_mass(p, cfg.block_size)))
     return out
 
 
@@ -206,6 +296,6 @@ def materialize(x: torch.Tensor, kept: Kept) -> torch.Tensor:
     for part in kept.sparse:
         rows = torch.full((part.rows.numel(), x.shape[1]), NEG_INF, dtype=x.dtype, device=x.device)
         out[part.rows] = rows.scatter_(1, part.ids, part.logits)
-    if kept.dense is not None:
-        out[kept.dense.rows] = kept.dense.logits
+    for part in kept.dense:
+        out[part.rows] = part.logits
     return out
