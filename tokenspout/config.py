@@ -56,10 +56,11 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     ngram_min: int = 2
     ngram_max: int = 4
-    # Per request: stop drafting once, after `min_rounds` verifications, a round emits fewer than
-    # `min_mean_emitted` tokens on average.  Measured on this CPU (bench/speculative.py): a k=4 verification step
+    # Per request: pause drafting (16, 32, ... 256 output tokens) whenever, over `min_rounds` verifications, a
+    # round emitted fewer than `min_mean_emitted` tokens on average.  Measured on this CPU (bench/speculative.py): a k=4 verification step
     # costs about two plain steps at batch 1 and more in a batch, so rounds that emit ~2 tokens lose.
     min_mean_emitted: float = 2.5
+    min_mean_emitted_batched: float = 3.2  # the same bar when more than one request is running
     min_rounds: int = 4
 
     def validate(self) -> None:

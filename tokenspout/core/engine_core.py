@@ -87,13 +87,22 @@ class EngineCore:
     def _propose(self) -> None:
         """Drafts for the next step of every decoding request that speculation may serve (n-gram lookup)."""
         spec = self.config.speculative
+        # In a batch a verification costs relatively more (drafted rows take the per-request attention path and
+        # add GEMM rows to a step that is no longer weight-bound), so it must emit more to pay (bench/speculative).
+        need = spec.min_mean_emitted if len(self.scheduler.running) <= 1 else spec.min_mean_emitted_batched
         for req in self.scheduler.running:
             req.spec_token_ids = []
             if req.num_computed_tokens != req.num_tokens - 1 or not spec_eligible(req):
                 continue
+            if req.num_output_tokens < req.spec_pause_until:
+                continue
             if (req.spec_rounds >= spec.min_rounds
-                    and req.spec_accepted + req.spec_rounds < spec.min_mean_emitted * req.spec_rounds):
-                req.spec_enabled = False  # drafts keep failing for this request: plain decoding is cheaper
+                    and req.spec_accepted + req.spec_rounds < need * req.spec_rounds):
+                # Drafts do not pay for this request right now: pause, doubling the pause each time it fails
+                # again (text often turns repetitive later, e.g. after a preamble, so never give up for good).
+                req.spec_backoff = min(2 * req.spec_backoff or 16, 256)
+                req.spec_pause_until = req.num_output_tokens + req.spec_backoff
+                req.spec_rounds = req.spec_drafted = req.spec_accepted = 0
                 continue
             room = min(spec.num_speculative_tokens, req.max_len - req.num_tokens - 1)
             if room > 0:
