@@ -19,11 +19,10 @@ Seeds are fixed, so the tests are deterministic.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
+from tests.stats.chi2 import gof
 from tokenspout.sample import rejection_sampler as rs
 from tokenspout.sample.ops.draw import block_mass
 from tokenspout.sample.rejection_sampler import rejection_sample
@@ -105,20 +104,6 @@ def run(p_tree: list[torch.Tensor], q_tree: list[torch.Tensor], mode: str, noise
         toks[rows, prefix_len] = o[:, 0]
         n[rows] += 1
     return toks
-
-
-def gof(observed: torch.Tensor, probs: np.ndarray) -> float:
-    """Chi-square p-value of flat cell ids against probs; expected < 5 pooled; zero-prob hits give 0."""
-    counts = np.bincount(observed.numpy(), minlength=probs.size)
-    if counts[probs == 0].sum():
-        return 0.0
-    expected = probs * counts.sum()
-    small = expected < 5
-    obs = np.append(counts[~small], counts[small].sum())
-    exp = np.append(expected[~small], expected[small].sum())
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    return float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
 
 
 def exact_joint(p_tree: list[torch.Tensor]) -> torch.Tensor:

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
+from tests.stats.chi2 import gof
 from tokenspout.sample.metadata import SamplingState
 from tokenspout.sample.ops.topk_topp import TierConfig
 from tokenspout.sample.sampler import Sampler
@@ -64,21 +64,6 @@ def draws(rows: list[SamplingParams], tiers: TierConfig = BLOCKS, *, one_seed: b
     if one_seed and penalised:
         raise ValueError("the extra output would change the penalties")
     return Sampler(tiers)(logits, state.metadata(list(range(len(rows))))).sampled_token_ids
-
-
-def gof(ids: torch.Tensor, probs: np.ndarray) -> float:
-    """Chi-square p-value; cells with expected count < 5 are pooled; a draw of a zero-probability
-    token gives 0."""
-    counts = np.bincount(ids.numpy(), minlength=V)
-    if counts[probs == 0].sum():
-        return 0.0
-    expected = probs * counts.sum()
-    small = expected < 5
-    obs = np.append(counts[~small], counts[small].sum())
-    exp = np.append(expected[~small], expected[small].sum())
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    return float(chisquare(obs, exp).pvalue)
 
 
 CASES = {
