@@ -102,7 +102,7 @@ class EngineCore:
                 # again (text often turns repetitive later, e.g. after a preamble, so never give up for good).
                 req.spec_backoff = min(2 * req.spec_backoff or 16, 256)
                 req.spec_pause_until = req.num_output_tokens + req.spec_backoff
-                req.spec_rounds = req.spec_drafted = req.spec_accepted = 0
+                req.spec_rounds = req.spec_accepted = 0
                 continue
             room = min(spec.num_speculative_tokens, req.max_len - req.num_tokens - 1)
             if room > 0:

@@ -37,8 +37,6 @@ class Request:
         "seed",
         "spec_accepted",
         "spec_backoff",
-        "spec_drafted",
-        "spec_enabled",
         "spec_pause_until",
         "spec_rounds",
         "spec_token_ids",
@@ -69,11 +67,9 @@ class Request:
         self.companion: Request | None = None
         self.is_companion = False
         self.spec_token_ids: list[int] = []
-        self.spec_enabled = True
         self.spec_rounds = 0  # verification rounds in the current window (reset after each back-off)
         self.spec_pause_until = 0  # no drafts until the output holds this many tokens
         self.spec_backoff = 0
-        self.spec_drafted = 0
         self.spec_accepted = 0
 
     @property

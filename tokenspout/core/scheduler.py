@@ -312,7 +312,6 @@ class Scheduler:
 
     def _record_spec(self, req: Request, drafted: int, accepted: int) -> None:
         req.spec_rounds += 1
-        req.spec_drafted += drafted
         req.spec_accepted += accepted
         self.spec_num_drafts += 1
         self.spec_num_draft_tokens += drafted

@@ -20,7 +20,7 @@ from tokenspout.sample.sampler import compute_processed_logits
 
 def spec_eligible(req: Request) -> bool:
     p = req.params
-    return (req.spec_enabled and p.logprobs is None and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+    return (p.logprobs is None and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
             and p.repetition_penalty == 1.0 and not p.bad_words_token_ids and p.structured_outputs is None
             and req.companion is None and req.num_output_tokens >= p.min_tokens)
 
