@@ -8,7 +8,8 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Respect CPU affinity (taskset): more threads than usable cores makes every OpenMP op crawl.
+torch.set_num_threads(max(1, min(2, len(os.sched_getaffinity(0)))))
 
 
 @pytest.fixture(scope="session")
