@@ -16,10 +16,13 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     served_model_name: str | None = None
     seed: int = 0  # seeds random choices the engine makes (e.g. seeds for unseeded requests)
+    quantization: str | None = None  # None | "int8" | "int4" (weight-only, groups of 32; see models/quantize.py)
 
     def validate(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "auto"):
             raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'auto', got {self.dtype!r}")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"quantization must be 'int8' or 'int4' (or None), got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -25,7 +25,8 @@ from tokenspout.sampling_params import RequestOutputKind, SamplingParams
 Prompt = str | list[int]
 
 
-def build_engine_config(model: str | None = None, *, dtype: str = "float32", max_model_len: int | None = None,
+def build_engine_config(model: str | None = None, *, dtype: str = "float32", quantization: str | None = None,
+                        max_model_len: int | None = None,
                         kv_cache_memory: float = 1.0, block_size: int = 16, max_num_seqs: int = 64,
                         max_num_batched_tokens: int = 512, num_kv_blocks: int | None = None,
                         served_model_name: str | None = None, num_threads: int | None = None,
@@ -33,7 +34,7 @@ def build_engine_config(model: str | None = None, *, dtype: str = "float32", max
                         ngram_max: int = 4) -> EngineConfig:
     path, _ = resolve_model_path(model)  # converts the default model here, once, before any engine starts
     cfg = EngineConfig(
-        model=ModelConfig(model=str(path), dtype=dtype, max_model_len=max_model_len,
+        model=ModelConfig(model=str(path), dtype=dtype, quantization=quantization, max_model_len=max_model_len,
                           served_model_name=served_model_name or (None if model else path.name.removesuffix("-f32"))),
         cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory,
                           num_gpu_blocks_override=num_kv_blocks),

@@ -13,7 +13,11 @@ from tokenspout.sampling_params import SamplingParams
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="local Hugging Face folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", default=None)
-    p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto: bfloat16 where the CPU has native bf16 matrix instructions, else float32")
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="weight-only, groups of 32 (int8 = Q8_0, int4 = Q4_1 layers + int8 LM head): 3.5-5x fewer "
+                        "weight bytes per decode step; lossless on the default model (its GGUF formats)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the paged KV cache")
     p.add_argument("--block-size", type=int, default=16)
@@ -27,7 +31,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {"dtype": args.dtype, "max_model_len": args.max_model_len, "kv_cache_memory": args.kv_cache_memory,
+    return {"dtype": args.dtype, "quantization": args.quantization, "max_model_len": args.max_model_len, "kv_cache_memory": args.kv_cache_memory,
                 "block_size": args.block_size, "max_num_seqs": args.max_num_seqs,
                 "max_num_batched_tokens": args.max_num_batched_tokens, "served_model_name": args.served_model_name,
                 "num_threads": args.num_threads}

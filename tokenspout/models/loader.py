@@ -31,6 +31,9 @@ class LoadedModel:
     hf_config: object  # transformers PretrainedConfig (for rope parameters, eos ids)
     max_model_len: int
     dtype: torch.dtype
+    # packed codes for the decode kernels when ModelConfig.quantization is set (the model itself then holds the
+    # dequantized weights)
+    quantized: dict | None = None  # module name -> models.quantize.PackedWeight
 
 
 def resolve_model_path(model: str | None) -> tuple[Path, str]:
@@ -170,5 +173,10 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     load_weights(model, read_state_dict(path))
     model = model.to(dtype).eval()
     model.requires_grad_(False)
+    quantized = None
+    if cfg.quantization is not None:
+        from tokenspout.models.quantize import quantize_model
+
+        quantized = quantize_model(model, cfg.quantization)
     return LoadedModel(model=model, path=path, name=cfg.served_model_name or name, arch=arch,
-                       hf_config=hf, max_model_len=max_len, dtype=dtype)
+                       hf_config=hf, max_model_len=max_len, dtype=dtype, quantized=quantized)

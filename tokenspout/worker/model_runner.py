@@ -50,6 +50,7 @@ class ModelRunner:
         self._num_blocks_in_row = [0] * sched.max_num_seqs
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(sched.max_num_seqs - 1, -1, -1))
+        self.decoder = self._cpu_decoder(loaded)
         self.sampling = SamplingState(sched.max_num_seqs, a.vocab_size, self.device)
         self.sampler = Sampler()
         self.structured = None  # StructuredOutputManager, set by the engine core on the first grammar request
@@ -57,6 +58,20 @@ class ModelRunner:
         self.logits_hook = None
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
                     self.num_blocks * kv_block_bytes(loaded, self.block_size) / (1 << 30))
+
+    def _cpu_decoder(self, loaded: LoadedModel):
+        """The C decode kernels for small decode-only steps, when this CPU and model can use them (else None)."""
+        from tokenspout.kernels import cpu, decoder
+
+        if self.device.type != "cpu" or not decoder.supported(loaded.model, loaded.dtype):
+            return None
+        lib = cpu.load()
+        if lib is None:
+            return None
+        return decoder.CpuDecoder(lib, loaded.model, self.kv_caches, self.block_size, loaded.quantized)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.decoder.logits(hidden) if self.decoder is not None else self.model.compute_logits(hidden)
 
     # ---- persistent rows -----------------------------------------------------------------------------------
     def _release(self, request_id: str) -> None:
@@ -113,9 +128,13 @@ class ModelRunner:
         bs = self.block_size
         tok_rows = rows_t[tok_req]
         slot_mapping = self.block_table[tok_rows, positions // bs] * bs + positions % bs
-        meta = self._attention_metadata(entries, rows_t, starts_t, lens_t, qsl, slot_mapping)
-
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if (self.decoder is not None and num_tokens == len(entries) and num_tokens <= self.decoder.max_tokens):
+            seq_lens = starts_t + 1  # decode-only step: one token per request, at position starts_t
+            block_ids = self.block_table[rows_t, : -(-int(seq_lens.max()) // bs)]
+            hidden = self.decoder.forward(input_ids, positions, slot_mapping, block_ids, seq_lens)
+        else:
+            meta = self._attention_metadata(entries, rows_t, starts_t, lens_t, qsl, slot_mapping)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
 
         spec_idx = [i for i, e in enumerate(entries) if e.samples and e.spec_token_ids]
         sample_idx = [i for i, e in enumerate(entries) if e.samples and not e.spec_token_ids]
@@ -124,7 +143,7 @@ class ModelRunner:
             return ModelRunnerOutput(sampled=spec_result)
         sel = torch.tensor(sample_idx, dtype=torch.int64)
         logits_indices = qsl[1:][sel] - 1
-        logits = self.model.compute_logits(hidden[logits_indices])
+        logits = self._logits(hidden[logits_indices])
         if any(entries[i].request.companion is not None for i in sample_idx):
             self._apply_guidance(logits, entries, sample_idx, qsl, hidden)
         sample_rows = [rows[i] for i in sample_idx]
@@ -154,7 +173,7 @@ class ModelRunner:
                 rows.append(r)
                 comp_pos.append(int(qsl[pos[comp.request_id] + 1]) - 1)
                 scales.append(entries[i].request.params.guidance_scale)
-        uncond = self.model.compute_logits(hidden[torch.tensor(comp_pos, dtype=torch.int64)])
+        uncond = self._logits(hidden[torch.tensor(comp_pos, dtype=torch.int64)])
         rows_t = torch.tensor(rows, dtype=torch.int64)
         scale = torch.tensor(scales, dtype=logits.dtype)[:, None]
         logits[rows_t] = torch.lerp(uncond, logits[rows_t], scale)
@@ -165,7 +184,7 @@ class ModelRunner:
         drafts = [entries[i].spec_token_ids for i in spec_idx]
         ends = qsl[1:][torch.tensor(spec_idx, dtype=torch.int64)]
         idx = torch.cat([torch.arange(int(e) - len(d) - 1, int(e)) for e, d in zip(ends, drafts)])
-        logits = self.model.compute_logits(hidden[idx])
+        logits = self._logits(hidden[idx])
         spec_rows = [rows[i] for i in spec_idx]
         emitted = verify_drafts(logits, spec_rows, drafts, self.sampling)
         self.sampling.append_tokens(spec_rows, emitted)

@@ -1,0 +1,85 @@
+"""The AVX2 decode kernels against torch references (skipped where the CPU or compiler cannot build them)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenspout.kernels import cpu
+from tokenspout.models.quantize import quantize_int4, quantize_int8
+
+lib = cpu.load()
+pytestmark = pytest.mark.skipif(lib is None, reason="decode kernels unavailable on this machine")
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 9])
+@pytest.mark.parametrize("n", [37, 96])
+def test_linear_float32_matches_torch(m, n):
+    g = torch.Generator().manual_seed(m * 100 + n)
+    x, w, b = torch.randn(m, 72, generator=g), torch.randn(n, 72, generator=g), torch.randn(n, generator=g)
+    torch.testing.assert_close(cpu.linear(lib, x, w), x @ w.T, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(cpu.linear(lib, x, w, bias=b), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+    y = torch.randn(m, n, generator=g)
+    torch.testing.assert_close(cpu.linear(lib, x, w, out=y.clone(), accumulate=True), y + x @ w.T, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fn,levels", [(quantize_int8, 254), (quantize_int4, 15)])
+@pytest.mark.parametrize("m", [1, 2, 4, 7])
+@pytest.mark.parametrize("n", [5, 64, 130])
+def test_linear_quantized_packed_matches_dequantized(fn, levels, m, n):
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    x, w = torch.randn(m, 96, generator=g), torch.randn(n, 96, generator=g)
+    w[0, :32] = 0.0  # an all-zero group must not divide by zero
+    packed, deq = fn(w)
+    span = w.view(n, 3, 32).amax(-1) - w.view(n, 3, 32).amin(-1)
+    err = (deq - w).abs().view(n, 3, 32).amax(-1)
+    assert (err <= span / levels / 2 * 1.0001 + 1e-7).all() if levels == 15 else (err <= span / levels + 1e-7).all()
+    b = torch.randn(n, generator=g)
+    torch.testing.assert_close(cpu.linear(lib, x, packed), x @ deq.T, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(cpu.linear(lib, x, packed, bias=b), F.linear(x, deq, b), atol=1e-4, rtol=1e-5)
+
+
+def test_quantization_reproduces_values_already_on_its_grid():
+    """Weights that are Q4_1 / Q8_0 values (like the default model's) come back exactly (up to float32 rounding)."""
+    g = torch.Generator().manual_seed(1)
+    d, lo = torch.rand(8, 4, 1, generator=g) * 0.1, torch.randn(8, 4, 1, generator=g)
+    q = torch.randint(0, 16, (8, 4, 32), generator=g)
+    q[..., 0], q[..., 1] = 0, 15  # Q4_1's min and max elements sit on the ends of the grid
+    w4 = (q * d + lo).view(8, 128)
+    torch.testing.assert_close(quantize_int4(w4)[1], w4, atol=1e-6, rtol=1e-6)
+    q8 = torch.randint(-127, 128, (8, 4, 32), generator=g)
+    q8[..., 0] = 127
+    w8 = (q8 * d).view(8, 128)
+    torch.testing.assert_close(quantize_int8(w8)[1], w8, atol=1e-6, rtol=1e-6)
+
+
+def test_rmsnorm_matches_reference():
+    x, w = torch.randn(3, 64), torch.randn(64)
+    out = torch.empty_like(x)
+    lib.ts_rmsnorm(x.data_ptr(), 3, 64, w.data_ptr(), ctypes.c_float(1e-5), out.data_ptr())
+    ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_paged_decode_attention_matches_sdpa():
+    """GQA over a shuffled block table, ragged lengths, a partial last block: reads the cache in place."""
+    g = torch.Generator().manual_seed(0)
+    bs, hkv, group, d, nblocks = 4, 2, 3, 16, 12
+    h = hkv * group
+    kv = torch.randn(2, nblocks * bs, hkv, d, generator=g)
+    lens = torch.tensor([1, 7, 13], dtype=torch.int64)
+    perm = torch.randperm(nblocks, generator=g)
+    table = torch.stack([perm[0:4], perm[4:8], perm[8:12]]).contiguous()
+    q = torch.randn(3, h, d, generator=g)
+    out = torch.empty_like(q)
+    lib.ts_attn_decode(q.data_ptr(), h * d, kv.data_ptr(), nblocks * bs, table.data_ptr(), 4, lens.data_ptr(), bs,
+                       3, h, hkv, d, ctypes.c_float(d**-0.5), out.data_ptr(), h * d)
+    for t in range(3):
+        slots = torch.cat([torch.arange(b * bs, b * bs + bs) for b in table[t].tolist()])[: lens[t]]
+        k = kv[0][slots].repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
+        v = kv[1][slots].repeat_interleave(group, dim=1).transpose(0, 1)
+        ref = F.scaled_dot_product_attention(q[t][:, None], k, v)[:, 0]
+        torch.testing.assert_close(out[t], ref, atol=1e-5, rtol=1e-4)

@@ -1,0 +1,113 @@
+"""Builds (once per machine, cached by source hash) and loads the AVX2 decode kernels in csrc/decode_cpu.c.
+
+The library is plain C called through ctypes: it compiles in about a second with the system gcc (no torch headers),
+so a fresh machine pays nothing noticeable and a warm start only dlopens it.  `load()` returns None, and the model
+keeps its torch path, when the CPU lacks AVX2/FMA, no C compiler is found, the build fails, or
+TOKENSPOUT_KERNELS=0 is set.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch  # noqa: F401 - loads torch's libgomp first, so the kernels share its OpenMP runtime
+
+from tokenspout.platform import cpu_flags
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "decode_cpu.c"
+WT_F32 = 0
+
+i64, f32, vp = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+class Weight(ctypes.Structure):
+    _fields_ = [("w", vp), ("scale", vp), ("min", vp), ("wt", i64)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("ln1", vp), ("ln2", vp), ("qkv", Weight), ("o", Weight), ("gate_up", Weight), ("down", Weight),
+                ("qkv_bias", vp), ("kv", vp)]
+
+
+class Model(ctypes.Structure):
+    _fields_ = [("num_layers", i64), ("hidden", i64), ("inter", i64), ("H", i64), ("Hkv", i64), ("D", i64),
+                ("slots", i64), ("block_size", i64), ("eps", f32), ("scale", f32),
+                ("layers", ctypes.POINTER(Layer)), ("cos", vp), ("sin", vp)]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("TOKENSPOUT_CACHE", Path.home() / ".cache" / "tokenspout")) / "kernels"
+
+
+def _build(out: Path) -> None:
+    cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
+    if cc is None:
+        raise RuntimeError("no C compiler (gcc/cc) on PATH")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        so = Path(tmp) / out.name
+        cmd = [cc, "-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-o", str(so), str(SOURCE)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
+        os.replace(so, out)  # atomic: concurrent builders each produce a complete file
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    if os.environ.get("TOKENSPOUT_KERNELS", "1") == "0":
+        return None
+    if not {"avx2", "fma"} <= cpu_flags():
+        logger.info("CPU lacks AVX2/FMA: decode kernels off, torch path only")
+        return None
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    so = cache_dir() / f"decode_cpu-{digest}.so"
+    try:
+        if not so.is_file():
+            _build(so)
+        lib = ctypes.CDLL(str(so))
+    except (OSError, RuntimeError) as e:
+        logger.warning("decode kernels unavailable, using the torch path: %s", e)
+        return None
+    lib.ts_linear.argtypes = [vp, i64, i64, ctypes.POINTER(Weight), vp, i64, i64, vp, i64, ctypes.c_int]
+    lib.ts_linear.restype = None
+    lib.ts_rmsnorm.argtypes = [vp, i64, i64, vp, f32, vp]
+    lib.ts_rmsnorm.restype = None
+    lib.ts_attn_decode.argtypes = [vp, i64, vp, i64, vp, i64, vp, i64, i64, i64, i64, i64, f32, vp, i64]
+    lib.ts_attn_decode.restype = None
+    lib.ts_decode_layers.argtypes = [ctypes.POINTER(Model), vp, i64, vp, vp, vp, i64, vp, vp]
+    lib.ts_decode_layers.restype = None
+    return lib
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def weight(w) -> tuple[Weight, int]:
+    """(the C descriptor, N) of a float32 [N, K] tensor or a models.quantize.PackedWeight."""
+    if isinstance(w, torch.Tensor):
+        assert w.dtype == torch.float32 and w.is_contiguous()
+        return Weight(w.data_ptr(), None, None, WT_F32), w.shape[0]
+    return Weight(w.codes.data_ptr(), w.scale.data_ptr(), _ptr(w.min), w.wt), w.n
+
+
+def linear(lib, x: torch.Tensor, w, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,
+           accumulate: bool = False) -> torch.Tensor:
+    """x [M, K] float32 contiguous @ W^T (+ bias) -> out [M, N]; w as in `weight`."""
+    m, k = x.shape
+    desc, n = weight(w)
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.float32)
+    lib.ts_linear(x.data_ptr(), k, m, ctypes.byref(desc), _ptr(bias), n, k, out.data_ptr(), n, int(accumulate))
+    return out

@@ -1,0 +1,316 @@
+/* Small-batch decode kernels for x86-64 CPUs with AVX2 + FMA (tokenspout/kernels/cpu.py builds and loads this).
+ *
+ * Why hand-written: at batch 1..8 a decode step is bound by reading the weights once.  Stock torch GEMV reaches
+ * 9-15 GB/s here (it is tuned for larger M), and every small torch op costs a dispatch plus an OpenMP fork/join.
+ * These kernels stream each weight row once for all M rows of the batch, run the whole decoder stack in one call
+ * (one OpenMP fork/join per matmul, none per element-wise op), and read the paged KV cache in place.
+ *
+ * Threads: compiled with -fopenmp and loaded into a process where torch already loaded its libgomp, so both share
+ * one OpenMP runtime and torch.set_num_threads() governs these kernels too.
+ *
+ * Layouts (all row-major, float32 activations):
+ *   weights  W[N, K] float32 (the torch layout), or quantized in groups of 32 along K and packed per block of four
+ *            output rows (tokenspout/models/quantize.py): Q8 W = scale * q (q int8), Q4 W = scale * q + min
+ *            (q 0..15, two per byte); codes [N/4][K/32][4][32 or 16 bytes], scale/min [N/4][K/32][4] float32;
+ *   KV cache of a layer: [2, slots, Hkv, D]; slot of position p = block_ids[p / bs] * bs + p % bs.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define WT_F32 0
+#define WT_Q8 1
+#define WT_Q4 2
+
+typedef struct {
+    const void *w;      /* float32 [N, K] or packed codes */
+    const float *scale; /* quantized only */
+    const float *min;   /* Q4 only */
+    int64_t wt;
+} ts_weight;
+
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+/* float32 weights: four output rows n..n+3 against one or two batch rows (x1 may be NULL): out0[r], out1[r].
+ * With one batch row the k loop runs two steps per iteration into separate accumulators: eight FMA chains hide
+ * the FMA latency. */
+#define LOADF(w, n, K, r, k) _mm256_loadu_ps((w) + ((n) + (r)) * (K) + (k))
+static inline void rows4_f32(const float *w, int64_t n, int64_t K, const float *x0, const float *x1, float out0[4],
+                             float out1[4]) {
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
+    __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+    if (x1) {
+        for (int64_t k = 0; k < K; k += 8) {
+            __m256 xa = _mm256_loadu_ps(x0 + k), xb = _mm256_loadu_ps(x1 + k);
+            __m256 w0 = LOADF(w, n, K, 0, k), w1 = LOADF(w, n, K, 1, k);
+            __m256 w2 = LOADF(w, n, K, 2, k), w3 = LOADF(w, n, K, 3, k);
+            a00 = _mm256_fmadd_ps(w0, xa, a00); a01 = _mm256_fmadd_ps(w1, xa, a01);
+            a02 = _mm256_fmadd_ps(w2, xa, a02); a03 = _mm256_fmadd_ps(w3, xa, a03);
+            a10 = _mm256_fmadd_ps(w0, xb, a10); a11 = _mm256_fmadd_ps(w1, xb, a11);
+            a12 = _mm256_fmadd_ps(w2, xb, a12); a13 = _mm256_fmadd_ps(w3, xb, a13);
+        }
+        out1[0] = hsum8(a10); out1[1] = hsum8(a11); out1[2] = hsum8(a12); out1[3] = hsum8(a13);
+    } else {
+        int64_t k = 0;
+        for (; k + 16 <= K; k += 16) {
+            __m256 xa = _mm256_loadu_ps(x0 + k), xb = _mm256_loadu_ps(x0 + k + 8);
+            a00 = _mm256_fmadd_ps(LOADF(w, n, K, 0, k), xa, a00);
+            a01 = _mm256_fmadd_ps(LOADF(w, n, K, 1, k), xa, a01);
+            a02 = _mm256_fmadd_ps(LOADF(w, n, K, 2, k), xa, a02);
+            a03 = _mm256_fmadd_ps(LOADF(w, n, K, 3, k), xa, a03);
+            a10 = _mm256_fmadd_ps(LOADF(w, n, K, 0, k + 8), xb, a10);
+            a11 = _mm256_fmadd_ps(LOADF(w, n, K, 1, k + 8), xb, a11);
+            a12 = _mm256_fmadd_ps(LOADF(w, n, K, 2, k + 8), xb, a12);
+            a13 = _mm256_fmadd_ps(LOADF(w, n, K, 3, k + 8), xb, a13);
+        }
+        for (; k < K; k += 8) {
+            __m256 xa = _mm256_loadu_ps(x0 + k);
+            a00 = _mm256_fmadd_ps(LOADF(w, n, K, 0, k), xa, a00);
+            a01 = _mm256_fmadd_ps(LOADF(w, n, K, 1, k), xa, a01);
+            a02 = _mm256_fmadd_ps(LOADF(w, n, K, 2, k), xa, a02);
+            a03 = _mm256_fmadd_ps(LOADF(w, n, K, 3, k), xa, a03);
+        }
+        a00 = _mm256_add_ps(a00, a10); a01 = _mm256_add_ps(a01, a11);
+        a02 = _mm256_add_ps(a02, a12); a03 = _mm256_add_ps(a03, a13);
+    }
+    out0[0] = hsum8(a00); out0[1] = hsum8(a01); out0[2] = hsum8(a02); out0[3] = hsum8(a03);
+}
+
+static inline float row1_f32(const float *w, int64_t n, int64_t K, const float *x) {
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(w + n * K + k), _mm256_loadu_ps(x + k), a);
+    return hsum8(a);
+}
+
+static inline __m256 cvt8_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+/* One group of 32 codes of one row: sum_j w_j x_j without the group's scale.  Q8: 32 int8; Q4: 16 bytes, byte j
+ * holding code j (low nibble) and code j + 16 (high nibble). */
+static inline __attribute__((always_inline)) __m256 group_dot(const void *codes, int wt, __m256 x0, __m256 x1, __m256 x2, __m256 x3) {
+    __m256 c0, c1, c2, c3;
+    if (wt == WT_Q8) {
+        const int8_t *p = (const int8_t *)codes;
+        c0 = cvt8_i8(p); c1 = cvt8_i8(p + 8); c2 = cvt8_i8(p + 16); c3 = cvt8_i8(p + 24);
+    } else {
+        const __m128i v = _mm_loadu_si128((const __m128i *)codes), mask = _mm_set1_epi8(0x0F);
+        const __m128i lo = _mm_and_si128(v, mask), hi = _mm_and_si128(_mm_srli_epi16(v, 4), mask);
+        c0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+        c1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+        c2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+        c3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+    }
+    /* two chains of two: a shorter dependency path than one chain of four */
+    return _mm256_add_ps(_mm256_fmadd_ps(c1, x1, _mm256_mul_ps(c0, x0)), _mm256_fmadd_ps(c3, x3, _mm256_mul_ps(c2, x2)));
+}
+
+/* Quantized weights: four output rows n..n+3 (block n/4) against one batch row x; xs[g] = sum of x over group g
+ * (for Q4's min term).  The block's codes are one contiguous stream, prefetched ahead. */
+static inline __attribute__((always_inline)) void rows4_q(const ts_weight *W, const int wt, int64_t n, int64_t K,
+                                                          const float *x, const float *xs, float out[4]) {
+    const int64_t G = K / 32, blk = n / 4, gbytes = wt == WT_Q8 ? 32 : 16;
+    const uint8_t *codes = (const uint8_t *)W->w + blk * G * 4 * gbytes;
+    const float *sc = W->scale + blk * G * 4, *mn = W->min ? W->min + blk * G * 4 : NULL;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    float m0 = 0, m1 = 0, m2 = 0, m3 = 0;
+    for (int64_t g = 0; g < G; g++) {
+        const uint8_t *c = codes + g * 4 * gbytes;
+        _mm_prefetch((const char *)(c + 1024), _MM_HINT_T0);
+        const float *xg = x + g * 32, *s = sc + g * 4;
+        const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);
+        const __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
+        a0 = _mm256_fmadd_ps(group_dot(c, wt, x0, x1, x2, x3), _mm256_set1_ps(s[0]), a0);
+        a1 = _mm256_fmadd_ps(group_dot(c + gbytes, wt, x0, x1, x2, x3), _mm256_set1_ps(s[1]), a1);
+        a2 = _mm256_fmadd_ps(group_dot(c + 2 * gbytes, wt, x0, x1, x2, x3), _mm256_set1_ps(s[2]), a2);
+        a3 = _mm256_fmadd_ps(group_dot(c + 3 * gbytes, wt, x0, x1, x2, x3), _mm256_set1_ps(s[3]), a3);
+        if (mn) {
+            const float *mg = mn + g * 4;
+            m0 += mg[0] * xs[g]; m1 += mg[1] * xs[g]; m2 += mg[2] * xs[g]; m3 += mg[3] * xs[g];
+        }
+    }
+    out[0] = hsum8(a0) + m0; out[1] = hsum8(a1) + m1; out[2] = hsum8(a2) + m2; out[3] = hsum8(a3) + m3;
+}
+
+static inline void store(float *y, int64_t i, float v, const float *bias, int64_t n, int acc) {
+    if (bias) v += bias[n];
+    y[i] = acc ? y[i] + v : v;
+}
+
+/* y[m, n] (+)= sum_k x[m, k] W[n, k] (+ bias[n]), for m < M, n < N; K % 8 == 0 (K % 32 == 0 quantized).
+ * Each block of four weight rows is read from memory once and stays in L1 for every batch row.  Quantized
+ * weights have N padded to a multiple of 4 (padding rows are computed, never stored). */
+void ts_linear(const float *x, int64_t ldx, int64_t M, const ts_weight *W, const float *bias, int64_t N, int64_t K,
+               float *y, int64_t ldy, int accumulate) {
+    if (W->wt == WT_F32) {
+        const float *w = (const float *)W->w;
+        const int64_t nblk = N / 4;
+#pragma omp parallel for schedule(static)
+        for (int64_t b = 0; b < nblk; b++) {
+            const int64_t n = b * 4;
+            for (int64_t m = 0; m < M; m += 2) {
+                float o0[4], o1[4] = {0, 0, 0, 0};
+                const float *x1 = m + 1 < M ? x + (m + 1) * ldx : NULL;
+                rows4_f32(w, n, K, x + m * ldx, x1, o0, o1);
+                for (int r = 0; r < 4; r++) {
+                    store(y, m * ldy + n + r, o0[r], bias, n + r, accumulate);
+                    if (x1) store(y, (m + 1) * ldy + n + r, o1[r], bias, n + r, accumulate);
+                }
+            }
+        }
+        for (int64_t n = nblk * 4; n < N; n++)
+            for (int64_t m = 0; m < M; m++)
+                store(y, m * ldy + n, row1_f32(w, n, K, x + m * ldx), bias, n, accumulate);
+        return;
+    }
+    const int64_t G = K / 32, nblk = (N + 3) / 4;
+    float *xs = (float *)malloc(sizeof(float) * (size_t)(M * G));
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < G; g++) {
+            float t = 0;
+            for (int j = 0; j < 32; j++) t += x[m * ldx + g * 32 + j];
+            xs[m * G + g] = t;
+        }
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < nblk; b++) {
+        const int64_t n = b * 4;
+        for (int64_t m = 0; m < M; m++) {
+            float o[4];
+            /* a literal weight type per call site: the format branch folds away inside the loops */
+            if (W->wt == WT_Q8) rows4_q(W, WT_Q8, n, K, x + m * ldx, xs + m * G, o);
+            else rows4_q(W, WT_Q4, n, K, x + m * ldx, xs + m * G, o);
+            for (int r = 0; r < 4 && n + r < N; r++) store(y, m * ldy + n + r, o[r], bias, n + r, accumulate);
+        }
+    }
+    free(xs);
+}
+
+/* out[m] = weight * x[m] / sqrt(mean(x[m]^2) + eps), in float32 like transformers. */
+void ts_rmsnorm(const float *x, int64_t M, int64_t K, const float *weight, float eps, float *out) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * K;
+        __m256 s = _mm256_setzero_ps();
+        for (int64_t k = 0; k < K; k += 8) {
+            __m256 v = _mm256_loadu_ps(xr + k);
+            s = _mm256_fmadd_ps(v, v, s);
+        }
+        const float r = 1.0f / sqrtf(hsum8(s) / (float)K + eps);
+        for (int64_t k = 0; k < K; k++) out[m * K + k] = weight[k] * (xr[k] * r);
+    }
+}
+
+/* act[m, i] = silu(gu[m, i]) * gu[m, I + i]. */
+static void silu_mul(const float *gu, int64_t M, int64_t I, float *act) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t i = 0; i < I; i++) {
+            const float g = gu[m * 2 * I + i];
+            act[m * I + i] = g / (1.0f + expf(-g)) * gu[m * 2 * I + I + i];
+        }
+}
+
+/* Rotate-half RoPE in place on nh heads of one token: v[h, :D/2], v[h, D/2:]. */
+static void rope(float *v, int64_t nh, int64_t D, const float *cos, const float *sin) {
+    const int64_t half = D / 2;
+    for (int64_t h = 0; h < nh; h++) {
+        float *a = v + h * D, *b = a + half;
+        for (int64_t i = 0; i < half; i++) {
+            const float x1 = a[i], x2 = b[i];
+            a[i] = x1 * cos[i] - x2 * sin[i];
+            b[i] = x2 * cos[i] + x1 * sin[i];
+        }
+    }
+}
+
+static inline float dot(const float *a, const float *b, int64_t D) {
+    __m256 s = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s);
+    return hsum8(s);
+}
+
+/* Decode attention over the paged cache, in place (no gather): token t's query heads (row stride ldq) attend to
+ * positions 0..seq_lens[t]-1 of its blocks.  Query head h uses KV head h / G (GQA).  Parallel over (t, kv head). */
+void ts_attn_decode(const float *q, int64_t ldq, const float *kv, int64_t slots, const int64_t *block_ids,
+                    int64_t nb, const int64_t *seq_lens, int64_t bs, int64_t T, int64_t H, int64_t Hkv,
+                    int64_t D, float scale, float *out, int64_t ldo) {
+    const int64_t G = H / Hkv, tok = Hkv * D;
+    const float *kc = kv, *vc = kv + slots * tok;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t th = 0; th < T * Hkv; th++) {
+        const int64_t t = th / Hkv, h = th % Hkv, L = seq_lens[t];
+        const int64_t *bt = block_ids + t * nb;
+        float *sc = (float *)malloc(sizeof(float) * (size_t)(G * L));
+        for (int64_t p = 0; p < L; p++) {
+            const int64_t off = (bt[p / bs] * bs + p % bs) * tok + h * D;
+            for (int64_t g = 0; g < G; g++) sc[g * L + p] = dot(q + t * ldq + (h * G + g) * D, kc + off, D) * scale;
+        }
+        for (int64_t g = 0; g < G; g++) {
+            float *s = sc + g * L, mx = -INFINITY, sum = 0.0f;
+            for (int64_t p = 0; p < L; p++) mx = s[p] > mx ? s[p] : mx;
+            for (int64_t p = 0; p < L; p++) { s[p] = expf(s[p] - mx); sum += s[p]; }
+            const float inv = 1.0f / sum;
+            float *o = out + t * ldo + (h * G + g) * D;
+            for (int64_t d0 = 0; d0 < D; d0 += 32) {  /* 4 accumulators of 8 lanes = 32 dims per pass */
+                const int64_t w = D - d0 < 32 ? D - d0 : 32;
+                __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+                for (int64_t p = 0; p < L; p++) {
+                    const float *vp = vc + (bt[p / bs] * bs + p % bs) * tok + h * D + d0;
+                    const __m256 pw = _mm256_set1_ps(s[p]);
+                    for (int64_t j = 0; j < w / 8; j++) acc[j] = _mm256_fmadd_ps(pw, _mm256_loadu_ps(vp + 8 * j), acc[j]);
+                }
+                for (int64_t j = 0; j < w / 8; j++) _mm256_storeu_ps(o + d0 + 8 * j, _mm256_mul_ps(acc[j], _mm256_set1_ps(inv)));
+            }
+        }
+        free(sc);
+    }
+}
+
+/* One decoder layer's weights, as the loader laid them out (fused qkv and gate_up). */
+typedef struct {
+    const float *ln1, *ln2;
+    ts_weight qkv, o, gate_up, down;
+    const float *qkv_bias; /* NULL when the model has none */
+    float *kv;             /* this layer's cache [2, slots, Hkv, D] */
+} ts_layer;
+
+typedef struct {
+    int64_t num_layers, hidden, inter, H, Hkv, D, slots, block_size;
+    float eps, scale;
+    const ts_layer *layers;
+    const float *cos, *sin; /* [max_pos, D/2] */
+} ts_model;
+
+/* Every decoder layer for M decode tokens (one per request): x [M, hidden] is updated in place (the residual
+ * stream); scratch holds M * (qkv + H*D + 2*inter + inter + hidden) floats. */
+void ts_decode_layers(const ts_model *md, float *x, int64_t M, const int64_t *positions, const int64_t *slot_mapping,
+                      const int64_t *block_ids, int64_t nb, const int64_t *seq_lens, float *scratch) {
+    const int64_t E = md->hidden, H = md->H, Hkv = md->Hkv, D = md->D, I = md->inter;
+    const int64_t nqkv = (H + 2 * Hkv) * D, tok = Hkv * D, half = D / 2;
+    float *h = scratch, *qkv = h + M * E, *att = qkv + M * nqkv, *gu = att + M * H * D, *act = gu + M * 2 * I;
+    for (int64_t l = 0; l < md->num_layers; l++) {
+        const ts_layer *L = md->layers + l;
+        ts_rmsnorm(x, M, E, L->ln1, md->eps, h);
+        ts_linear(h, E, M, &L->qkv, L->qkv_bias, nqkv, E, qkv, nqkv, 0);
+        for (int64_t m = 0; m < M; m++) {
+            float *row = qkv + m * nqkv;
+            const float *c = md->cos + positions[m] * half, *s = md->sin + positions[m] * half;
+            rope(row, H, D, c, s);
+            rope(row + H * D, Hkv, D, c, s);
+            memcpy(L->kv + slot_mapping[m] * tok, row + H * D, sizeof(float) * tok);
+            memcpy(L->kv + (md->slots + slot_mapping[m]) * tok, row + H * D + tok, sizeof(float) * tok);
+        }
+        ts_attn_decode(qkv, nqkv, L->kv, md->slots, block_ids, nb, seq_lens, md->block_size, M, H, Hkv, D,
+                       md->scale, att, H * D);
+        ts_linear(att, H * D, M, &L->o, NULL, E, H * D, x, E, 1);
+        ts_rmsnorm(x, M, E, L->ln2, md->eps, h);
+        ts_linear(h, E, M, &L->gate_up, NULL, 2 * I, E, gu, 2 * I, 0);
+        silu_mul(gu, M, I, act);
+        ts_linear(act, I, M, &L->down, NULL, E, I, x, E, 1);
+    }
+}

@@ -1,0 +1,94 @@
+"""The decode step through the C kernels: every decoder layer of a small decode-only batch in one call.
+
+Used by the model runner when a step holds only decode tokens (query length 1), no more than `max_tokens` of
+them, on a float32 model whose shapes the kernels take (K dims and head_dim multiples of 8, no per-head q/k norm).
+Everything else (prefill chunks, larger batches, bfloat16, Qwen3's q/k norm) runs the torch model: both paths read
+and write the same paged KV cache, so a request moves between them freely from step to step.
+
+With quantized weights (ModelConfig.quantization, models/quantize.py) the torch model holds the dequantized weights,
+so both paths compute with the same effective weights and differ only in summation order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from tokenspout.kernels import cpu
+from tokenspout.models.llama import LlamaForCausalLM
+
+# Above this many decode tokens MKL's blocked GEMM overtakes the row-streaming kernel (bench: kernels section).
+MAX_TOKENS = 8
+
+
+def supported(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
+    a = model.arch
+    dims = (a.hidden_size, a.intermediate_size, a.num_heads * a.head_dim, a.head_dim)
+    return dtype == torch.float32 and not a.qk_norm and all(d % 8 == 0 for d in dims)
+
+
+class CpuDecoder:
+    def __init__(self, lib, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_size: int,
+                 quantized: dict | None = None):
+        self.lib, self.model = lib, model
+        a = model.arch
+        self.arch = a
+        q = quantized or {}
+        self._keep = []  # every tensor whose address the C struct holds stays alive here
+
+        def ptr(t: torch.Tensor | None) -> int | None:
+            if t is None:
+                return None
+            assert t.is_contiguous() and t.dtype == torch.float32
+            self._keep.append(t)
+            return t.data_ptr()
+
+        def weight(name: str, module) -> cpu.Weight:
+            w = q.get(name, module.weight.data)
+            for t in (w,) if isinstance(w, torch.Tensor) else (w.codes, w.scale, w.min):
+                if t is not None:
+                    self._keep.append(t)
+            return cpu.weight(w)[0]
+
+        layers = (cpu.Layer * a.num_layers)()
+        for i, (layer, kv) in enumerate(zip(model.layers, kv_caches)):
+            p = f"layers.{i}."
+            att, mlp = layer.self_attn, layer.mlp
+            bias = att.qkv_proj.bias.data if att.qkv_proj.bias is not None else None
+            layers[i] = cpu.Layer(ptr(layer.input_layernorm.weight.data), ptr(layer.post_attention_layernorm.weight.data),
+                                  weight(p + "self_attn.qkv_proj", att.qkv_proj), weight(p + "self_attn.o_proj", att.o_proj),
+                                  weight(p + "mlp.gate_up_proj", mlp.gate_up_proj), weight(p + "mlp.down_proj", mlp.down_proj),
+                                  ptr(bias), ptr(kv))
+        self._layers = layers
+        self.max_tokens = MAX_TOKENS
+        slots = kv_caches[0].shape[1]
+        self.desc = cpu.Model(a.num_layers, a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads,
+                              a.head_dim, slots, block_size, a.rms_norm_eps,
+                              a.head_dim**-0.5, layers, ptr(model.rotary.cos.contiguous()),
+                              ptr(model.rotary.sin.contiguous()))
+        self.lm_head = q.get("lm_head", model.lm_head.weight.data)
+        self.scratch_per_token = (a.hidden_size + (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
+                                  + a.num_heads * a.head_dim + 3 * a.intermediate_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                block_ids: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+        """Hidden states [T, hidden] after the last layer (before the final norm) for T decode tokens;
+        block_ids [T, nb] int64 contiguous, seq_lens [T] = positions + 1."""
+        t = input_ids.shape[0]
+        x = self.model.embed_tokens(input_ids).contiguous()
+        scratch = torch.empty(t * self.scratch_per_token, dtype=torch.float32)
+        self.lib.ts_decode_layers(ctypes.byref(self.desc), x.data_ptr(), t, positions.data_ptr(),
+                                  slot_mapping.data_ptr(), block_ids.data_ptr(), block_ids.shape[1],
+                                  seq_lens.data_ptr(), scratch.data_ptr())
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + vocabulary projection of the selected rows (float32)."""
+        if hidden.shape[0] > MAX_TOKENS:
+            return self.model.compute_logits(hidden)
+        h = torch.empty(hidden.shape, dtype=torch.float32)
+        hidden = hidden.contiguous()
+        self.lib.ts_rmsnorm(hidden.data_ptr(), hidden.shape[0], hidden.shape[1],
+                            self.model.norm.weight.data.data_ptr(), self.arch.rms_norm_eps, h.data_ptr())
+        return cpu.linear(self.lib, h, self.lm_head)

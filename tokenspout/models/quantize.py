@@ -1,0 +1,98 @@
+"""Weight-only quantization for the decode kernels (`--quantization int8 | int4`), in groups of 32 along K.
+
+* int8: symmetric, W = scale * q with q in [-127, 127] and one float32 scale per 32 weights (llama.cpp's Q8_0).
+* int4: asymmetric, W = scale * q + min with q in [0, 15] per 32 weights (llama.cpp's Q4_1), for the decoder layers;
+  the LM head stays int8 (it decides every token, and is 20% of the weight bytes of a small model).
+Both formats are those of the default model's GGUF (its layers are Q4_1, its tied embedding Q8_0), so on the default
+model int4 reproduces the original weights and int8 the original LM head: the quantization there is lossless up to
+float32 rounding.  On other models they are the usual lossy formats (quality checks in tests/parity).
+
+The torch model's weights are replaced by the dequantized values, so the torch path (prefill, large batches) and the
+C decode kernels (which stream the packed codes: ~1.1 or ~0.75 bytes per weight instead of 4) compute with the same
+effective weights and differ only in summation order.  The token embedding stays exact (a lookup costs no weight
+bandwidth); a tied LM head is untied for that reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tokenspout.models.llama import LlamaForCausalLM
+
+QUANTIZATIONS = ("int8", "int4")
+GROUP = 32
+WT_Q8, WT_Q4 = 1, 2  # kernel weight types (csrc/decode_cpu.c)
+
+
+@dataclass(slots=True)
+class PackedWeight:
+    """Codes and group parameters in the kernels' layout: per block of four output rows (N padded with zero rows),
+    per group of 32 columns, the four rows' codes contiguous ([N/4][K/32][4][32 bytes] int8, [.. 16 bytes] int4
+    with code j in the low nibble of byte j and code j + 16 in its high nibble); scale/min [N/4][K/32][4]."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    min: torch.Tensor | None
+    n: int
+    k: int
+    wt: int
+
+
+def _blocks(t: torch.Tensor) -> torch.Tensor:
+    """[N, G, ...] -> [ceil(N/4), G, 4, ...] contiguous, zero-padded rows."""
+    pad = -t.shape[0] % 4
+    if pad:
+        t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+    return t.view(-1, 4, *t.shape[1:]).transpose(1, 2).contiguous()
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[PackedWeight, torch.Tensor]:
+    """(packed weight, dequantized float32 [N, K])."""
+    n, k = w.shape
+    g = w.float().view(n, k // GROUP, GROUP)
+    scale = g.abs().amax(-1) / 127.0  # [N, G]
+    q = torch.where(scale[..., None] > 0, torch.round(g / scale[..., None].clamp_min(1e-30)), 0).clamp_(-127, 127)
+    deq = (q * scale[..., None]).view(n, k)
+    packed = PackedWeight(_blocks(q.to(torch.int8)).view(-1), _blocks(scale).view(-1), None, n, k, WT_Q8)
+    return packed, deq
+
+
+def quantize_int4(w: torch.Tensor) -> tuple[PackedWeight, torch.Tensor]:
+    n, k = w.shape
+    g = w.float().view(n, k // GROUP, GROUP)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = (hi - lo) / 15.0
+    q = torch.where(scale[..., None] > 0, torch.round((g - lo[..., None]) / scale[..., None].clamp_min(1e-30)), 0)
+    q = q.clamp_(0, 15)
+    deq = (q * scale[..., None] + lo[..., None]).view(n, k)
+    qb = q.to(torch.uint8).view(n, k // GROUP, 2, GROUP // 2)
+    nibbles = qb[:, :, 0] | (qb[:, :, 1] << 4)  # [N, G, 16]
+    packed = PackedWeight(_blocks(nibbles).view(-1), _blocks(scale).view(-1), _blocks(lo).view(-1), n, k, WT_Q4)
+    return packed, deq
+
+
+@torch.no_grad()
+def quantize_model(model: LlamaForCausalLM, method: str) -> dict[str, PackedWeight]:
+    """Quantizes in place (weights become their dequantized values); returns the packed weights by module name
+    ("layers.i.self_attn.qkv_proj", ..., "lm_head") for the decode kernels."""
+    if method not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")
+    out: dict[str, PackedWeight] = {}
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        if module.weight.shape[1] % GROUP:
+            raise ValueError(f"{name}: in_features {module.weight.shape[1]} is not a multiple of {GROUP}, "
+                             "which --quantization needs")
+        fn = quantize_int4 if method == "int4" and name != "lm_head" else quantize_int8
+        packed, deq = fn(module.weight)
+        deq = deq.to(module.weight.dtype)
+        if name == "lm_head" and module.weight is model.embed_tokens.weight:
+            module.weight = nn.Parameter(deq, requires_grad=False)  # untie: the embedding stays exact
+        else:
+            module.weight.copy_(deq)
+        out[name] = packed
+    return out
