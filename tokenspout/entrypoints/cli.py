@@ -15,9 +15,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: bfloat16 where the CPU has native bf16 matrix instructions, else float32")
-    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="weight-only, groups of 32 (int8 = Q8_0, int4 = Q4_1 layers + int8 LM head): 3.5-5x fewer "
-                        "weight bytes per decode step; lossless on the default model (its GGUF formats)")
+                        "weight bytes per decode step.  auto: int4 for the default model (whose GGUF weights are "
+                        "exactly Q4_1 / Q8_0, so it is lossless there), none for a --model folder")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the paged KV cache")
     p.add_argument("--block-size", type=int, default=16)
@@ -30,8 +31,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ngram-max", type=int, default=4)
 
 
+def resolve_quantization(flag: str, model: str | None) -> str | None:
+    if flag == "auto":
+        return "int4" if model is None else None
+    return None if flag == "none" else flag
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {"dtype": args.dtype, "quantization": args.quantization, "max_model_len": args.max_model_len, "kv_cache_memory": args.kv_cache_memory,
+    return {"dtype": args.dtype, "quantization": resolve_quantization(args.quantization, args.model),
+            "max_model_len": args.max_model_len, "kv_cache_memory": args.kv_cache_memory,
                 "block_size": args.block_size, "max_num_seqs": args.max_num_seqs,
                 "max_num_batched_tokens": args.max_num_batched_tokens, "served_model_name": args.served_model_name,
                 "num_threads": args.num_threads}

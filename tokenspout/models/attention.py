@@ -4,9 +4,10 @@ The KV cache of a layer is one tensor [2, num_slots, num_kv_heads, head_dim] (nu
 a token's slot is block_table[pos // block_size] * block_size + pos % block_size.  The model runner builds an
 AttentionMetadata once per step; every layer reuses it:
 
-* all decode requests (query length 1) are batched into one SDPA call: their keys are gathered block by block
-  (index_select of whole blocks through a padded [num_decodes, max_blocks] block table, ~6x faster than gathering
-  token slots with advanced indexing) with a validity mask over the padded length;
+* all decode requests (query length 1) are batched into one call: with the C kernels (kernels/cpu.py) they read
+  the cache in place through the padded [num_decodes, max_blocks] block table; otherwise one SDPA call over keys
+  gathered block by block (index_select of whole blocks, ~6x faster than gathering token slots with advanced
+  indexing) with a validity mask over the padded length;
 * each request with a longer query (prefill chunk) gets its own SDPA call with a causal mask offset by the tokens
   already in its cache.  Prefills are few per step (the token budget bounds them), so this loop is short.
 
@@ -39,6 +40,8 @@ class AttentionMetadata:
     decode_block_ids: torch.Tensor | None  # [num_decodes * max_blocks] flattened padded block table
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillChunk] = field(default_factory=list)
+    decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64, for the C kernel
+    kernels: object | None = None  # the C kernel library (float32 caches only), or None for SDPA
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -58,7 +61,13 @@ def paged_attention(
     out = torch.empty_like(q)
     blocks = kv_cache.view(2, -1, meta.block_size, num_kv, head_dim)  # the same memory, block-major
     nd = meta.num_decode_tokens
-    if nd:
+    if nd and meta.kernels is not None:
+        qd = q[:nd].contiguous()
+        meta.kernels.ts_attn_decode(qd.data_ptr(), num_heads * head_dim, kv_cache.data_ptr(), kv_cache.shape[1],
+                                    meta.decode_block_ids.data_ptr(), meta.decode_block_ids.numel() // nd,
+                                    meta.decode_seq_lens.data_ptr(), meta.block_size, nd, num_heads, num_kv,
+                                    head_dim, scale, out.data_ptr(), num_heads * head_dim)
+    elif nd:
         k = blocks[0].index_select(0, meta.decode_block_ids).view(nd, -1, num_kv, head_dim).transpose(1, 2)
         v = blocks[1].index_select(0, meta.decode_block_ids).view(nd, -1, num_kv, head_dim).transpose(1, 2)
         qd = q[:nd].view(nd, num_kv, group, head_dim)  # [R, Hkv, G, D]

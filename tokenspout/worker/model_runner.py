@@ -198,14 +198,17 @@ class ModelRunner:
             seq_lens = starts_t[:nd] + 1
             nb = -(-int(seq_lens.max()) // bs)
             dec_blocks = self.block_table[rows_t[:nd], :nb].reshape(-1)
-            pos = torch.arange(nb * bs)
-            dec_mask = (pos[None, :] < seq_lens[:, None])[:, None, None, :]
+            if self.decoder is None:  # the C kernel needs no mask
+                pos = torch.arange(nb * bs)
+                dec_mask = (pos[None, :] < seq_lens[:, None])[:, None, None, :]
         prefills = []
         for i in range(nd, len(entries)):
             ctx = int(starts_t[i] + lens_t[i])
             prefills.append(PrefillChunk(int(qsl[i]), int(qsl[i + 1]), self.block_table[rows_t[i], : -(-ctx // bs)],
                                          ctx, causal_mask(int(lens_t[i]), ctx, self.group, self.device)))
-        return AttentionMetadata(slot_mapping, bs, nd, dec_blocks, dec_mask, prefills)
+        return AttentionMetadata(slot_mapping, bs, nd, dec_blocks, dec_mask, prefills,
+                                 decode_seq_lens=seq_lens if nd else None,
+                                 kernels=self.decoder.lib if self.decoder is not None else None)
 
     @staticmethod
     def _to_python(out: SamplerOutput, req_ids: list[str], want: list[int | None]) -> ModelRunnerOutput:
