@@ -1,0 +1,124 @@
+"""tokenspout against its peers (vLLM CPU, llama.cpp) in one run: the same prompts, load generator and minutes.
+
+    python -m bench.compare [--servers tokenspout tokenspout-fp32 vllm llamacpp] [--concurrency 1 16 64]
+                            [--mode greedy random] [--max-tokens 128] [--peers-dir ../shared/peers]
+
+Servers are started one at a time (2 cores: never measure two at once) through ../shared/peers/start_server.sh,
+which records start-up time (to a healthy /health) and the peak RSS of the server's whole process tree:
+* tokenspout       `tokenspout serve` with `make serve`'s defaults (the default model; --quantization auto = int4);
+* tokenspout-fp32  the same with --quantization none (float32 weights, what vLLM serves);
+* vllm             vLLM CPU 0.32 on the same float32 folder (`vllm.sh`; install it first: vllm.sh install);
+* llamacpp         llama.cpp's server on the original Q4_1 GGUF (`llamacpp.sh`; llamacpp.sh install).
+Each server is measured with bench/serve.py (closed loop, streamed, ignore_eos).  Writes
+bench/results/serve_compare.json and prints a markdown table (the one in README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench import serve
+from bench.common import write_json
+
+ROOT = Path(__file__).resolve().parent.parent
+PORTS = {"tokenspout": 8000, "tokenspout-fp32": 8001, "vllm": 8100, "llamacpp": 8200}
+
+
+def model_dir() -> str:
+    out = subprocess.run([sys.executable, "-c", "from tokenspout.models.default_model import default_model_path;"
+                          "print(default_model_path())"], capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+def start(name: str, peers: Path, env: dict) -> dict:
+    port = PORTS[name]
+    if name.startswith("tokenspout"):
+        cmd = [str(peers / "start_server.sh"), name, f"http://127.0.0.1:{port}/health", "--",
+               str(ROOT / ".venv" / "bin" / "tokenspout"), "serve", "--port", str(port)]
+        if name == "tokenspout-fp32":
+            cmd += ["--quantization", "none"]
+    elif name == "vllm":
+        cmd = [str(peers / "vllm.sh"), "start", model_dir(), str(port)]
+    else:
+        cmd = [str(peers / "llamacpp.sh"), "start", str(port)]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    print(res.stdout.strip().splitlines()[-1] if res.stdout.strip() else res.stderr[-500:], flush=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"{name} did not start: {res.stdout[-2000:]}{res.stderr[-2000:]}")
+    logs = Path(env["PEERS"]) / "logs"
+    return json.loads((logs / f"{name}.startup.json").read_text())
+
+
+def stop(name: str, peers: Path, env: dict) -> dict:
+    script = {"vllm": "vllm.sh", "llamacpp": "llamacpp.sh"}.get(name)
+    cmd = [str(peers / script), "stop"] if script else [str(peers / "stop_server.sh"), name]
+    subprocess.run(cmd, capture_output=True, text=True, env=env)
+    rss = Path(env["PEERS"]) / "logs" / f"{name}.rss.json"
+    return json.loads(rss.read_text()) if rss.is_file() else {}
+
+
+def table(report: dict) -> str:
+    names = list(report["servers"])
+    head = "| output tok/s (TTFT p50 ms) | " + " | ".join(names) + " |"
+    lines = [head, "|" + "---|" * (len(names) + 1)]
+    levels = [(r["mode"], r["concurrency"]) for r in next(iter(report["servers"].values()))["results"]]
+    for mode, c in levels:
+        cells = []
+        for n in names:
+            r = next((x for x in report["servers"][n]["results"] if (x["mode"], x["concurrency"]) == (mode, c)), None)
+            cells.append("—" if r is None else f"{r['output_tok_s']:.0f} ({r['ttft_p50_ms']:.0f})"
+                         + (f" {r['errors']} err" if r["errors"] else ""))
+        lines.append(f"| c={c} {mode} | " + " | ".join(cells) + " |")
+    st = [f"{report['servers'][n]['startup_s']:.1f} s / {report['servers'][n].get('peak_rss_mib', 0):.0f} MiB"
+          for n in names]
+    lines.append("| start to healthy / peak RSS | " + " | ".join(st) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--servers", nargs="+", default=["tokenspout", "tokenspout-fp32", "vllm", "llamacpp"],
+                    choices=list(PORTS))
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--mode", nargs="+", default=["greedy", "random"])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--num-requests", type=int, default=None)
+    ap.add_argument("--peers-dir", type=Path, default=ROOT.parent / "shared" / "peers")
+    ap.add_argument("--out", default="serve_compare.json")
+    args = ap.parse_args()
+    env = dict(os.environ, PEERS=os.environ.get("PEERS", "/tmp/peers"))
+    report: dict = {"max_tokens": args.max_tokens, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "servers": {}}
+    for name in args.servers:
+        print(f"== {name}", flush=True)
+        try:
+            info = start(name, args.peers_dir, env)
+        except RuntimeError as e:
+            print(e, flush=True)
+            stop(name, args.peers_dir, env)
+            continue
+        try:
+            model = "smollm2" if name in ("vllm", "llamacpp") else "SmolLM2-135M-Instruct"
+            sargs = serve.parse_args(["--base-url", f"http://127.0.0.1:{PORTS[name]}/v1", "--model", model,
+                                      "--concurrency", *map(str, args.concurrency), "--mode", *args.mode,
+                                      "--max-tokens", str(args.max_tokens), "--label", name]
+                                     + (["--num-requests", str(args.num_requests)] if args.num_requests else []))
+            res = asyncio.run(serve.run(sargs))
+        finally:
+            rss = stop(name, args.peers_dir, env)
+        res["startup_s"] = info["startup_s"]
+        res["peak_rss_mib"] = rss.get("peak_total_rss_mib")
+        report["servers"][name] = res
+        write_json(args.out, report)
+    print(table(report))
+    print("wrote", write_json(args.out, report))
+
+
+if __name__ == "__main__":
+    main()
