@@ -59,9 +59,13 @@ def test_int4_is_lossless_on_the_default_model(loaded_model, int4_model):
     assert checked == 4 * loaded_model.arch.num_layers + 1
 
 
-def test_int4_greedy_and_logits_match_float32(loaded_model, int4_model, prompt_ids):
-    ours, lq = greedy_with_logits(int4_model, prompt_ids, 8)
-    ref, lf = greedy_with_logits(loaded_model, prompt_ids, 8)
+@pytest.mark.parametrize("extra", [0, 4], ids=["codes", "dequantized-copy"])
+def test_int4_greedy_and_logits_match_float32(loaded_model, int4_model, prompt_ids, extra):
+    """8 decode rows stream the packed codes; 12 rows use the kernels' float32 copy of the same weights."""
+    batch = prompt_ids + prompt_ids[:extra]
+    assert (len(batch) <= make_core(int4_model).runner.decoder.q_max_tokens) == (extra == 0)
+    ours, lq = greedy_with_logits(int4_model, batch, 8)
+    ref, lf = greedy_with_logits(loaded_model, batch, 8)
     assert ours == ref
     assert max(float((a - b).abs().max()) for r in ref for a, b in zip(lq[r], lf[r])) < 1e-3
 

@@ -18,8 +18,14 @@ import torch
 from tokenspout.kernels import cpu
 from tokenspout.models.llama import LlamaForCausalLM
 
-# Above this many decode tokens MKL's blocked GEMM overtakes the row-streaming kernel (bench: kernels section).
-MAX_TOKENS = 8
+# Up to this many decode tokens a step runs through the kernels (larger: the torch model, MKL GEMMs).  Measured
+# on this 2-core AVX2 machine (/tmp-free numbers in the closing notes of issue 8): the float32 row-streaming kernel
+# still beat MKL at 64 decode tokens on one core; see bench/compare.py for the end-to-end effect.
+MAX_TOKENS = 64
+# Up to this many tokens the packed quantized codes are streamed; above it the kernels use the float32 copy of the
+# same (dequantized) weights: the codes are converted once per batch row, which costs more than their bytes save
+# once a step holds many rows (int4 crossed over at ~12 rows on one core, int8 at ~24).
+QUANTIZED_MAX_TOKENS = {1: 16, 2: 8}  # by kernel weight type: Q8, Q4
 
 
 def supported(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
@@ -44,30 +50,39 @@ class CpuDecoder:
             self._keep.append(t)
             return t.data_ptr()
 
-        def weight(name: str, module) -> cpu.Weight:
-            w = q.get(name, module.weight.data)
+        def weight(name: str, module, quant: bool) -> cpu.Weight:
+            w = q.get(name, module.weight.data) if quant else module.weight.data
             for t in (w,) if isinstance(w, torch.Tensor) else (w.codes, w.scale, w.min):
                 if t is not None:
                     self._keep.append(t)
             return cpu.weight(w)[0]
 
-        layers = (cpu.Layer * a.num_layers)()
-        for i, (layer, kv) in enumerate(zip(model.layers, kv_caches)):
-            p = f"layers.{i}."
-            att, mlp = layer.self_attn, layer.mlp
-            bias = att.qkv_proj.bias.data if att.qkv_proj.bias is not None else None
-            layers[i] = cpu.Layer(ptr(layer.input_layernorm.weight.data), ptr(layer.post_attention_layernorm.weight.data),
-                                  weight(p + "self_attn.qkv_proj", att.qkv_proj), weight(p + "self_attn.o_proj", att.o_proj),
-                                  weight(p + "mlp.gate_up_proj", mlp.gate_up_proj), weight(p + "mlp.down_proj", mlp.down_proj),
-                                  ptr(bias), ptr(kv))
-        self._layers = layers
-        self.max_tokens = MAX_TOKENS
         slots = kv_caches[0].shape[1]
-        self.desc = cpu.Model(a.num_layers, a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads,
-                              a.head_dim, slots, block_size, a.rms_norm_eps,
-                              a.head_dim**-0.5, layers, ptr(model.rotary.cos.contiguous()),
-                              ptr(model.rotary.sin.contiguous()))
-        self.lm_head = q.get("lm_head", model.lm_head.weight.data)
+
+        def descriptor(quant: bool) -> cpu.Model:
+            layers = (cpu.Layer * a.num_layers)()
+            for i, (layer, kv) in enumerate(zip(model.layers, kv_caches)):
+                p = f"layers.{i}."
+                att, mlp = layer.self_attn, layer.mlp
+                bias = att.qkv_proj.bias.data if att.qkv_proj.bias is not None else None
+                layers[i] = cpu.Layer(
+                    ptr(layer.input_layernorm.weight.data), ptr(layer.post_attention_layernorm.weight.data),
+                    weight(p + "self_attn.qkv_proj", att.qkv_proj, quant),
+                    weight(p + "self_attn.o_proj", att.o_proj, quant),
+                    weight(p + "mlp.gate_up_proj", mlp.gate_up_proj, quant),
+                    weight(p + "mlp.down_proj", mlp.down_proj, quant), ptr(bias), ptr(kv))
+            self._keep.append(layers)
+            return cpu.Model(a.num_layers, a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads,
+                             a.head_dim, slots, block_size, a.rms_norm_eps, a.head_dim**-0.5, layers,
+                             ptr(model.rotary.cos.contiguous()), ptr(model.rotary.sin.contiguous()))
+
+        self.desc_f32 = descriptor(False)
+        self.desc_q = descriptor(True) if q else None
+        # the quantized codes are worth streaming up to this many rows (per weight type; all layers share one)
+        self.q_max_tokens = min(QUANTIZED_MAX_TOKENS[w.wt] for w in q.values()) if q else 0
+        self.max_tokens = MAX_TOKENS
+        self.lm_head_q = q.get("lm_head")
+        self.lm_head_f32 = model.lm_head.weight.data
         self.scratch_per_token = (a.hidden_size + (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
                                   + a.num_heads * a.head_dim + 3 * a.intermediate_size)
 
@@ -78,17 +93,20 @@ class CpuDecoder:
         t = input_ids.shape[0]
         x = self.model.embed_tokens(input_ids).contiguous()
         scratch = torch.empty(t * self.scratch_per_token, dtype=torch.float32)
-        self.lib.ts_decode_layers(ctypes.byref(self.desc), x.data_ptr(), t, positions.data_ptr(),
+        desc = self.desc_q if t <= self.q_max_tokens else self.desc_f32
+        self.lib.ts_decode_layers(ctypes.byref(desc), x.data_ptr(), t, positions.data_ptr(),
                                   slot_mapping.data_ptr(), block_ids.data_ptr(), block_ids.shape[1],
                                   seq_lens.data_ptr(), scratch.data_ptr())
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + vocabulary projection of the selected rows (float32)."""
-        if hidden.shape[0] > MAX_TOKENS:
+        n = hidden.shape[0]
+        if n > self.max_tokens:
             return self.model.compute_logits(hidden)
         h = torch.empty(hidden.shape, dtype=torch.float32)
         hidden = hidden.contiguous()
         self.lib.ts_rmsnorm(hidden.data_ptr(), hidden.shape[0], hidden.shape[1],
                             self.model.norm.weight.data.data_ptr(), self.arch.rms_norm_eps, h.data_ptr())
-        return cpu.linear(self.lib, h, self.lm_head)
+        head = self.lm_head_q if self.lm_head_q is not None and n <= self.q_max_tokens else self.lm_head_f32
+        return cpu.linear(self.lib, h, head)
