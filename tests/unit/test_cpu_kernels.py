@@ -34,9 +34,11 @@ def test_linear_quantized_packed_matches_dequantized(fn, levels, m, n):
     x, w = torch.randn(m, 96, generator=g), torch.randn(n, 96, generator=g)
     w[0, :32] = 0.0  # an all-zero group must not divide by zero
     packed, deq = fn(w)
-    span = w.view(n, 3, 32).amax(-1) - w.view(n, 3, 32).amin(-1)
+    groups = w.view(n, 3, 32)
+    span = groups.amax(-1) - groups.amin(-1)
     err = (deq - w).abs().view(n, 3, 32).amax(-1)
-    assert (err <= span / levels / 2 * 1.0001 + 1e-7).all() if levels == 15 else (err <= span / levels + 1e-7).all()
+    # half a grid step, plus the float16 rounding of the scale (and min) both formats store
+    assert (err <= 0.51 * span / levels + 2e-3 * groups.abs().amax(-1) + 1e-7).all()
     b = torch.randn(n, generator=g)
     torch.testing.assert_close(cpu.linear(lib, x, packed), x @ deq.T, atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(cpu.linear(lib, x, packed, bias=b), F.linear(x, deq, b), atol=1e-4, rtol=1e-5)
@@ -45,7 +47,8 @@ def test_linear_quantized_packed_matches_dequantized(fn, levels, m, n):
 def test_quantization_reproduces_values_already_on_its_grid():
     """Weights that are Q4_1 / Q8_0 values (like the default model's) come back exactly (up to float32 rounding)."""
     g = torch.Generator().manual_seed(1)
-    d, lo = torch.rand(8, 4, 1, generator=g) * 0.1, torch.randn(8, 4, 1, generator=g)
+    # float16 scales and mins, as the GGUF formats store them
+    d, lo = (torch.rand(8, 4, 1, generator=g) * 0.1).half().float(), torch.randn(8, 4, 1, generator=g).half().float()
     q = torch.randint(0, 16, (8, 4, 32), generator=g)
     q[..., 0], q[..., 1] = 0, 15  # Q4_1's min and max elements sit on the ends of the grid
     w4 = (q * d + lo).view(8, 128)

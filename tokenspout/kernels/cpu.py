@@ -56,7 +56,7 @@ def _build(out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         so = Path(tmp) / out.name
-        cmd = [cc, "-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", "-o", str(so), str(SOURCE)]
+        cmd = [cc, "-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-o", str(so), str(SOURCE)]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
@@ -67,8 +67,8 @@ def _build(out: Path) -> None:
 def load() -> ctypes.CDLL | None:
     if os.environ.get("TOKENSPOUT_KERNELS", "1") == "0":
         return None
-    if not {"avx2", "fma"} <= cpu_flags():
-        logger.info("CPU lacks AVX2/FMA: decode kernels off, torch path only")
+    if not {"avx2", "fma", "f16c"} <= cpu_flags():
+        logger.info("CPU lacks AVX2/FMA/F16C: decode kernels off, torch path only")
         return None
     digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
     so = cache_dir() / f"decode_cpu-{digest}.so"

@@ -1,14 +1,15 @@
 """Weight-only quantization for the decode kernels (`--quantization int8 | int4`), in groups of 32 along K.
 
-* int8: symmetric, W = scale * q with q in [-127, 127] and one float32 scale per 32 weights (llama.cpp's Q8_0).
-* int4: asymmetric, W = scale * q + min with q in [0, 15] per 32 weights (llama.cpp's Q4_1), for the decoder layers;
+* int8: symmetric, W = scale * q with q in [-127, 127] and one float16 scale per 32 weights (llama.cpp's Q8_0).
+* int4: asymmetric, W = scale * q + min with q in [0, 15] and float16 scale and min per 32 weights (llama.cpp's
+  Q4_1), for the decoder layers;
   the LM head stays int8 (it decides every token, and is 20% of the weight bytes of a small model).
 Both formats are those of the default model's GGUF (its layers are Q4_1, its tied embedding Q8_0), so on the default
 model int4 reproduces the original weights and int8 the original LM head: the quantization there is lossless up to
 float32 rounding.  On other models they are the usual lossy formats (quality checks in tests/parity).
 
 The torch model's weights are replaced by the dequantized values, so the torch path (prefill, large batches) and the
-C decode kernels (which stream the packed codes: ~1.1 or ~0.75 bytes per weight instead of 4) compute with the same
+C decode kernels (which stream the packed codes: 1.0625 or 0.625 bytes per weight instead of 4) compute with the same
 effective weights and differ only in summation order.  The token embedding stays exact (a lookup costs no weight
 bandwidth); a tied LM head is untied for that reason.
 """
@@ -31,7 +32,7 @@ WT_Q8, WT_Q4 = 1, 2  # kernel weight types (csrc/decode_cpu.c)
 class PackedWeight:
     """Codes and group parameters in the kernels' layout: per block of four output rows (N padded with zero rows),
     per group of 32 columns, the four rows' codes contiguous ([N/4][K/32][4][32 bytes] int8, [.. 16 bytes] int4
-    with code j in the low nibble of byte j and code j + 16 in its high nibble); scale/min [N/4][K/32][4]."""
+    with code j in the low nibble of byte j and code j + 16 in its high nibble); scale/min [N/4][K/32][4] float16."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -53,24 +54,25 @@ def quantize_int8(w: torch.Tensor) -> tuple[PackedWeight, torch.Tensor]:
     """(packed weight, dequantized float32 [N, K])."""
     n, k = w.shape
     g = w.float().view(n, k // GROUP, GROUP)
-    scale = g.abs().amax(-1) / 127.0  # [N, G]
+    scale = (g.abs().amax(-1) / 127.0).half().float()  # [N, G], float16 like Q8_0 (and the kernels)
     q = torch.where(scale[..., None] > 0, torch.round(g / scale[..., None].clamp_min(1e-30)), 0).clamp_(-127, 127)
     deq = (q * scale[..., None]).view(n, k)
-    packed = PackedWeight(_blocks(q.to(torch.int8)).view(-1), _blocks(scale).view(-1), None, n, k, WT_Q8)
+    packed = PackedWeight(_blocks(q.to(torch.int8)).view(-1), _blocks(scale.half()).view(-1), None, n, k, WT_Q8)
     return packed, deq
 
 
 def quantize_int4(w: torch.Tensor) -> tuple[PackedWeight, torch.Tensor]:
     n, k = w.shape
     g = w.float().view(n, k // GROUP, GROUP)
-    lo, hi = g.amin(-1), g.amax(-1)
-    scale = (hi - lo) / 15.0
+    lo = g.amin(-1).half().float()  # float16 like Q4_1 (and the kernels); codes are fitted to the rounded values
+    scale = ((g.amax(-1) - lo) / 15.0).half().float()
     q = torch.where(scale[..., None] > 0, torch.round((g - lo[..., None]) / scale[..., None].clamp_min(1e-30)), 0)
     q = q.clamp_(0, 15)
     deq = (q * scale[..., None] + lo[..., None]).view(n, k)
     qb = q.to(torch.uint8).view(n, k // GROUP, 2, GROUP // 2)
     nibbles = qb[:, :, 0] | (qb[:, :, 1] << 4)  # [N, G, 16]
-    packed = PackedWeight(_blocks(nibbles).view(-1), _blocks(scale).view(-1), _blocks(lo).view(-1), n, k, WT_Q4)
+    packed = PackedWeight(_blocks(nibbles).view(-1), _blocks(scale.half()).view(-1), _blocks(lo.half()).view(-1),
+                          n, k, WT_Q4)
     return packed, deq
 
 

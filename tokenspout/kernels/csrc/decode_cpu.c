@@ -11,7 +11,8 @@
  * Layouts (all row-major, float32 activations):
  *   weights  W[N, K] float32 (the torch layout), or quantized in groups of 32 along K and packed per block of four
  *            output rows (tokenspout/models/quantize.py): Q8 W = scale * q (q int8), Q4 W = scale * q + min
- *            (q 0..15, two per byte); codes [N/4][K/32][4][32 or 16 bytes], scale/min [N/4][K/32][4] float32;
+ *            (q 0..15, two per byte); codes [N/4][K/32][4][32 or 16 bytes], scale/min [N/4][K/32][4] float16
+ *            (llama.cpp's Q8_0 / Q4_1 store them as float16 too);
  *   KV cache of a layer: [2, slots, Hkv, D]; slot of position p = block_ids[p / bs] * bs + p % bs.
  */
 #include <immintrin.h>
@@ -25,9 +26,9 @@
 #define WT_Q4 2
 
 typedef struct {
-    const void *w;      /* float32 [N, K] or packed codes */
-    const float *scale; /* quantized only */
-    const float *min;   /* Q4 only */
+    const void *w;         /* float32 [N, K] or packed codes */
+    const uint16_t *scale; /* quantized only, float16 */
+    const uint16_t *min;   /* Q4 only, float16 */
     int64_t wt;
 } ts_weight;
 
@@ -118,22 +119,24 @@ static inline __attribute__((always_inline)) void rows4_q(const ts_weight *W, co
                                                           const float *x, const float *xs, float out[4]) {
     const int64_t G = K / 32, blk = n / 4, gbytes = wt == WT_Q8 ? 32 : 16;
     const uint8_t *codes = (const uint8_t *)W->w + blk * G * 4 * gbytes;
-    const float *sc = W->scale + blk * G * 4, *mn = W->min ? W->min + blk * G * 4 : NULL;
+    const uint16_t *sc = W->scale + blk * G * 4, *mn = W->min ? W->min + blk * G * 4 : NULL;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     float m0 = 0, m1 = 0, m2 = 0, m3 = 0;
     for (int64_t g = 0; g < G; g++) {
         const uint8_t *c = codes + g * 4 * gbytes;
         _mm_prefetch((const char *)(c + 1024), _MM_HINT_T0);
-        const float *xg = x + g * 32, *s = sc + g * 4;
+        const float *xg = x + g * 32;
+        const uint16_t *s = sc + g * 4;
         const __m256 x0 = _mm256_loadu_ps(xg), x1 = _mm256_loadu_ps(xg + 8);
         const __m256 x2 = _mm256_loadu_ps(xg + 16), x3 = _mm256_loadu_ps(xg + 24);
-        a0 = _mm256_fmadd_ps(group_dot(c, wt, x0, x1, x2, x3), _mm256_set1_ps(s[0]), a0);
-        a1 = _mm256_fmadd_ps(group_dot(c + gbytes, wt, x0, x1, x2, x3), _mm256_set1_ps(s[1]), a1);
-        a2 = _mm256_fmadd_ps(group_dot(c + 2 * gbytes, wt, x0, x1, x2, x3), _mm256_set1_ps(s[2]), a2);
-        a3 = _mm256_fmadd_ps(group_dot(c + 3 * gbytes, wt, x0, x1, x2, x3), _mm256_set1_ps(s[3]), a3);
+        a0 = _mm256_fmadd_ps(group_dot(c, wt, x0, x1, x2, x3), _mm256_set1_ps(_cvtsh_ss(s[0])), a0);
+        a1 = _mm256_fmadd_ps(group_dot(c + gbytes, wt, x0, x1, x2, x3), _mm256_set1_ps(_cvtsh_ss(s[1])), a1);
+        a2 = _mm256_fmadd_ps(group_dot(c + 2 * gbytes, wt, x0, x1, x2, x3), _mm256_set1_ps(_cvtsh_ss(s[2])), a2);
+        a3 = _mm256_fmadd_ps(group_dot(c + 3 * gbytes, wt, x0, x1, x2, x3), _mm256_set1_ps(_cvtsh_ss(s[3])), a3);
         if (mn) {
-            const float *mg = mn + g * 4;
-            m0 += mg[0] * xs[g]; m1 += mg[1] * xs[g]; m2 += mg[2] * xs[g]; m3 += mg[3] * xs[g];
+            const uint16_t *mg = mn + g * 4;
+            m0 += _cvtsh_ss(mg[0]) * xs[g]; m1 += _cvtsh_ss(mg[1]) * xs[g];
+            m2 += _cvtsh_ss(mg[2]) * xs[g]; m3 += _cvtsh_ss(mg[3]) * xs[g];
         }
     }
     out[0] = hsum8(a0) + m0; out[1] = hsum8(a1) + m1; out[2] = hsum8(a2) + m2; out[3] = hsum8(a3) + m3;
