@@ -31,7 +31,8 @@ class EngineCore:
         self.loaded = loaded or load_model(config.model)
         self.max_model_len = self.loaded.max_model_len
         self.runner = ModelRunner(self.loaded, config.cache, config.scheduler)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
+                                 enable_prefix_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         spec = config.speculative
         self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
