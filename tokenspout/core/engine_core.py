@@ -107,7 +107,12 @@ class EngineCore:
                 continue
             room = min(spec.num_speculative_tokens, req.max_len - req.num_tokens - 1)
             if room > 0:
-                req.spec_token_ids = self.proposer.propose(req.token_ids)[:room]
+                drafts = self.proposer.propose(req.token_ids)[:room]
+                if drafts and req.params.structured_outputs is not None:
+                    # A draft the grammar refuses would be rejected anyway, and so would all after it; the
+                    # verify step masks each drafted position by the grammar advanced over the drafts before it.
+                    drafts = drafts[: self.scheduler.structured.validate_tokens(req.request_id, drafts)]
+                req.spec_token_ids = drafts
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

@@ -312,14 +312,16 @@ class Scheduler:
                 self._record_spec(req, len(entry.spec_token_ids), len(new_ids) - 1)
             accepted: list[int] = []
             status = None
+            grammar = self.structured is not None and req.params.structured_outputs is not None
             for tok in new_ids:
                 req.token_ids.append(tok)
                 accepted.append(tok)
                 status = self._check_stop(req, tok)
+                if grammar:
+                    # Token by token: a verified run ends where the grammar completes, as plain decoding would.
+                    status = self._advance_grammar(req, tok, status)
                 if status is not None:
                     break
-            if self.structured is not None and req.params.structured_outputs is not None:
-                status = self._advance_grammar(req, accepted, status)
             if entry.spec_token_ids:
                 # KV written for rejected drafts is garbage; the next step overwrites those slots.
                 req.num_computed_tokens = req.num_tokens - 1
@@ -339,9 +341,9 @@ class Scheduler:
             outputs.append(out)
         return outputs
 
-    def _advance_grammar(self, req: Request, accepted: list[int], status: RequestStatus | None):
+    def _advance_grammar(self, req: Request, tok: int, status: RequestStatus | None):
         so = self.structured
-        if not so.accept(req.request_id, accepted):
+        if not so.accept(req.request_id, (tok,)):
             logger.error("request %s: sampled a token its grammar refuses (engine bug)", req.request_id)
             return status or RequestStatus.FINISHED_ABORTED
         if status is None and so.should_end(req.request_id):
