@@ -226,26 +226,26 @@ class Scheduler:
         m = min(max(rem - 1, 0), budget)
         return m, min(max(rem_c - 1, 0), budget - m)
 
-    def _allocate(self, req: Request, num_new: int, comp_new: int,
-                  hits: tuple[list[int], list[int]] = ([], [])) -> bool:
-        """Blocks for this step's tokens of the request and its companion, both or neither."""
+    def _allocate(self, req: Request, num_new: int, comp_new: int, hits: list[list[int]] | None = None) -> bool:
+        """Blocks for this step's tokens of the request and its companion, both or neither; `hits` (from
+        _start_from_cache) when they are joining the running set."""
+        hits = hits or [[], []]
         asks = [BlockAsk(req.request_id, req.num_computed_tokens + num_new, hits[0])]
         comp = req.companion
         if comp is not None:
             asks.append(BlockAsk(comp.request_id, comp.num_computed_tokens + comp_new, hits[1]))
         return self.kv.allocate_all(asks)
 
-    def _start_from_cache(self, req: Request) -> tuple[list[int], list[int]]:
+    def _start_from_cache(self, req: Request) -> list[list[int]]:
         """For a request about to join the running set (it holds no block and has no KV): its and its
         companion's cached prefix blocks; their computed counts start past them (undone by _forget_hits if the
         request cannot join this step)."""
-        seqs = [req] if req.companion is None else [req, req.companion]
-        hits = ([], [])
-        for seq, hit in zip(seqs, hits):
+        hits: list[list[int]] = [[], []]
+        for i, seq in enumerate((req,) if req.companion is None else (req, req.companion)):
             if seq.num_computed_tokens:
                 raise RuntimeError(f"waiting sequence {seq.request_id} has computed tokens without blocks")
-            hit += self.kv.find_cached(seq)
-            seq.num_computed_tokens = len(hit) * self.kv.block_size
+            hits[i] = self.kv.find_cached(seq)
+            seq.num_computed_tokens = len(hits[i]) * self.kv.block_size
         return hits
 
     @staticmethod
