@@ -32,6 +32,8 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory_gib: float = 1.0  # budget for the paged KV cache
     num_gpu_blocks_override: int | None = None  # tests: force a small cache
+    # Automatic prefix caching: full blocks are shared by content hash between sequences (core/kv_cache_manager.py)
+    enable_prefix_caching: bool = True
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -7,7 +7,7 @@ Who records what:
   counters and the end-to-end histogram but not TTFT / inter-token latency.  If the engine frontend records
   request-level metrics itself, build the app with `record_request_metrics=False` to avoid counting twice.
 - Engine-level metrics (running / waiting requests, KV-cache usage, preemptions, tokens generated past a stop string,
-  speculative decoding) are pushed by the engine frontend through the `set_*` / `add_*` / `observe_spec_decode`
+  speculative decoding, prefix caching) are pushed by the engine frontend through the `set_*` / `add_*` / `observe_spec_decode`
   methods, or pulled at scrape time from `AsyncLLM.get_metrics_snapshot()` via `update_from_snapshot`.
 """
 
@@ -78,6 +78,13 @@ class ServerMetrics:
         self._spec_mean_len = Gauge(_PREFIX + "spec_decode_mean_acceptance_length",
                                     "Mean tokens emitted per verification round since start.", m, registry=r)
 
+        # --- prefix caching (tokens; hits / queries is the hit rate) ---
+        self._prefix_queries = Counter(_PREFIX + "prefix_cache_queries",
+                                       "Tokens looked up in the prefix cache when sequences were scheduled.", m,
+                                       registry=r)
+        self._prefix_hits = Counter(_PREFIX + "prefix_cache_hits", "Looked-up tokens found in the prefix cache.", m,
+                                    registry=r)
+
         # Bind the model label once: `labels()` is a locked dict lookup, too slow for a per-token path.  Binding also
         # exports every series from the start (at 0), not only after its first event.
         self._bound = {
@@ -85,7 +92,7 @@ class ServerMetrics:
             for metric in (self._prompt_tokens, self._generation_tokens, self._ttft, self._itl, self._e2e,
                            self._running, self._waiting, self._kv_usage, self._preemptions, self._wasted,
                            self._spec_drafts, self._spec_draft_tokens, self._spec_accepted, self._spec_emitted,
-                           self._spec_mean_len)
+                           self._spec_mean_len, self._prefix_queries, self._prefix_hits)
         }
         self._by_reason = {r: self._requests.labels(model_name=model_name, finished_reason=r)
                            for r in ("stop", "length", "abort", "error")}
@@ -138,7 +145,8 @@ class ServerMetrics:
     def update_from_snapshot(self, snapshot: Mapping[str, float]) -> None:
         """Applies `AsyncLLM.get_metrics_snapshot()`.  Known keys (all optional, unknown keys ignored):
         gauges `num_running`, `num_waiting`, `kv_cache_usage`; cumulative totals `num_preemptions`,
-        `num_wasted_tokens`, `spec_num_drafts`, `spec_num_draft_tokens`, `spec_num_accepted_tokens`."""
+        `num_wasted_tokens`, `spec_num_drafts`, `spec_num_draft_tokens`, `spec_num_accepted_tokens`,
+        `spec_num_emitted_tokens`, `prefix_cache_queries`, `prefix_cache_hits`."""
         if "num_running" in snapshot:
             self._l(self._running).set(snapshot["num_running"])
         if "num_waiting" in snapshot:
@@ -152,6 +160,8 @@ class ServerMetrics:
             ("spec_num_draft_tokens", self._spec_draft_tokens),
             ("spec_num_accepted_tokens", self._spec_accepted),
             ("spec_num_emitted_tokens", self._spec_emitted),
+            ("prefix_cache_queries", self._prefix_queries),
+            ("prefix_cache_hits", self._prefix_hits),
         ):
             if key in snapshot:
                 total = float(snapshot[key])

@@ -404,7 +404,7 @@ async def test_async_client_concurrent(base_url, model):
 # ---------------------------------------------------------------------------------------------- metrics, bench
 
 
-def test_metrics_endpoint(client, model, server):
+def test_metrics_endpoint(client, model, server, engine):
     def value(text: str, name: str) -> float:
         for line in text.splitlines():
             if line.startswith((name + "{", name + " ")):
@@ -425,6 +425,11 @@ def test_metrics_endpoint(client, model, server):
                  "tokenspout:spec_decode_num_accepted_tokens_total", "tokenspout:prompt_tokens_total"):
         value(text, name)
     assert value(text, "tokenspout:time_to_first_token_seconds_count") >= 1
+    if isinstance(engine, FakeEngine):
+        return  # the fake engine has no KV cache
+    # The same chat twice, one after the other: the second finds the first's full prompt blocks cached.
+    assert value(text, "tokenspout:prefix_cache_hits_total") > value(before, "tokenspout:prefix_cache_hits_total")
+    assert value(text, "tokenspout:prefix_cache_queries_total") > value(text, "tokenspout:prefix_cache_hits_total")
 
 
 def test_bench_serve_smoke(base_url, model, tmp_path):

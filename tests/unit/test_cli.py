@@ -26,3 +26,15 @@ def test_quantization_auto_is_int4_for_the_default_model_only():
 def test_bad_quantization_flag_is_refused():
     with pytest.raises(SystemExit):
         kwargs("--quantization", "int3")
+
+
+def test_prefix_caching_is_on_by_default_and_can_be_turned_off():
+    assert kwargs()["enable_prefix_caching"] is True
+    assert kwargs("--no-enable-prefix-caching")["enable_prefix_caching"] is False
+    assert kwargs("--enable-prefix-caching")["enable_prefix_caching"] is True
+
+
+def test_speculative_flags_reach_the_engine():
+    k = kwargs("--speculative", "ngram", "--num-speculative-tokens", "3", "--ngram-min", "1", "--ngram-max", "5")
+    assert (k["speculative"], k["num_speculative_tokens"], k["ngram_min"], k["ngram_max"]) == ("ngram", 3, 1, 5)
+    assert kwargs()["speculative"] is None

@@ -338,6 +338,15 @@ def test_metrics_registries_are_independent_and_snapshots_only_add():
     assert 'model_name="a"' not in b.render().decode()
 
 
+def test_prefix_cache_counters_follow_engine_totals():
+    m = ServerMetrics("m")
+    m.update_from_snapshot({"prefix_cache_queries": 100, "prefix_cache_hits": 64})
+    m.update_from_snapshot({"prefix_cache_queries": 180, "prefix_cache_hits": 96})
+    text = m.render().decode()
+    assert 'tokenspout:prefix_cache_queries_total{model_name="m"} 180.0' in text
+    assert 'tokenspout:prefix_cache_hits_total{model_name="m"} 96.0' in text
+
+
 # ---------------------------------------------------------------------------------------------- app factory
 
 

@@ -31,7 +31,8 @@ class EngineCore:
         self.loaded = loaded or load_model(config.model)
         self.max_model_len = self.loaded.max_model_len
         self.runner = ModelRunner(self.loaded, config.cache, config.scheduler)
-        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
+                                 enable_prefix_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         spec = config.speculative
         self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
@@ -106,7 +107,12 @@ class EngineCore:
                 continue
             room = min(spec.num_speculative_tokens, req.max_len - req.num_tokens - 1)
             if room > 0:
-                req.spec_token_ids = self.proposer.propose(req.token_ids)[:room]
+                drafts = self.proposer.propose(req.token_ids)[:room]
+                if drafts and req.params.structured_outputs is not None:
+                    # A draft the grammar refuses would be rejected anyway, and so would all after it; the
+                    # verify step masks each drafted position by the grammar advanced over the drafts before it.
+                    drafts = drafts[: self.scheduler.structured.validate_tokens(req.request_id, drafts)]
+                req.spec_token_ids = drafts
 
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats()

@@ -26,9 +26,11 @@ class Request:
 
     __slots__ = (
         "arrival_time",
+        "block_hashes",
         "companion",
         "is_companion",
         "max_len",
+        "num_cached_tokens",
         "num_computed_tokens",
         "num_preemptions",
         "num_prompt_tokens",
@@ -53,6 +55,10 @@ class Request:
         self.num_prompt_tokens = len(req.prompt_token_ids)
         self.token_ids: list[int] = list(req.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Prefix caching: the chain hashes of this sequence's full blocks (kept across preemption: its tokens never
+        # change), and how many prompt tokens its first admission found cached (reported with its outputs).
+        self.block_hashes: list[bytes] = []
+        self.num_cached_tokens = 0
         self.status = RequestStatus.WAITING
         self.seed = seed  # effective sampling seed, kept across preemption so the draw stays reproducible
         self.stop_reason: int | str | None = None

@@ -6,6 +6,8 @@ known tokens still lack KV", scheduled under a token budget every step.
 * When the KV cache has no block for a running request, the newest running request is preempted (its blocks freed,
   its KV recomputed from prompt + output when it resumes at the head of the waiting queue).  No request is lost.
 * Waiting requests join while the budget, max_num_seqs and free blocks allow, and none was preempted this step.
+  With prefix caching, a joining request (or its resumption after preemption) starts from the longest cached
+  block-aligned prefix of its tokens; after each step the blocks filled with final tokens are recorded.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from tokenspout.config import SchedulerConfig
-from tokenspout.core.kv_cache_manager import KVCacheManager
+from tokenspout.core.kv_cache_manager import BlockAsk, KVCacheManager
 from tokenspout.core.request import Request, RequestStatus
 from tokenspout.engine.messages import EngineCoreOutput, SchedulerStats, TokenLogprobs
 
@@ -178,17 +180,19 @@ class Scheduler:
                     if not ready:
                         skipped.append(self.waiting.popleft())  # still compiling: do not stall the batch
                         continue
+                hits = self._start_from_cache(req)
                 num_new, comp_new = self._plan(req, budget)
-                if num_new + comp_new <= 0:
+                if num_new + comp_new <= 0 or (not self.config.enable_chunked_prefill
+                                               and num_new < req.num_tokens - req.num_computed_tokens):
+                    self._forget_hits(req)
                     break
-                if not self.config.enable_chunked_prefill and (
-                        num_new < req.num_tokens - req.num_computed_tokens):
-                    break
-                if not self._allocate(req, num_new, comp_new):
+                if not self._allocate(req, num_new, comp_new, hits):
+                    self._forget_hits(req)
                     if not self.running and self.kv.num_free_blocks == self.kv.num_blocks:
                         self._cannot_fit(req)
                         continue
                     break
+                self._record_hits(req)
                 self.waiting.popleft()
                 req.status = RequestStatus.RUNNING
                 if req.companion is not None:
@@ -222,11 +226,39 @@ class Scheduler:
         m = min(max(rem - 1, 0), budget)
         return m, min(max(rem_c - 1, 0), budget - m)
 
-    def _allocate(self, req: Request, num_new: int, comp_new: int) -> bool:
-        if self.kv.allocate(req.request_id, req.num_computed_tokens + num_new) is None:
-            return False
+    def _allocate(self, req: Request, num_new: int, comp_new: int, hits: list[list[int]] | None = None) -> bool:
+        """Blocks for this step's tokens of the request and its companion, both or neither; `hits` (from
+        _start_from_cache) when they are joining the running set."""
+        hits = hits or [[], []]
+        asks = [BlockAsk(req.request_id, req.num_computed_tokens + num_new, hits[0])]
         comp = req.companion
-        return comp is None or self.kv.allocate(comp.request_id, comp.num_computed_tokens + comp_new) is not None
+        if comp is not None:
+            asks.append(BlockAsk(comp.request_id, comp.num_computed_tokens + comp_new, hits[1]))
+        return self.kv.allocate_all(asks)
+
+    def _start_from_cache(self, req: Request) -> list[list[int]]:
+        """For a request about to join the running set (it holds no block and has no KV): its and its
+        companion's cached prefix blocks; their computed counts start past them (undone by _forget_hits if the
+        request cannot join this step)."""
+        hits: list[list[int]] = [[], []]
+        for i, seq in enumerate((req,) if req.companion is None else (req, req.companion)):
+            if seq.num_computed_tokens:
+                raise RuntimeError(f"waiting sequence {seq.request_id} has computed tokens without blocks")
+            hits[i] = self.kv.find_cached(seq)
+            seq.num_computed_tokens = len(hits[i]) * self.kv.block_size
+        return hits
+
+    @staticmethod
+    def _forget_hits(req: Request) -> None:
+        req.num_computed_tokens = 0
+        if req.companion is not None:
+            req.companion.num_computed_tokens = 0
+
+    def _record_hits(self, req: Request) -> None:
+        for seq in (req,) if req.companion is None else (req, req.companion):
+            self.kv.record_lookup(seq.num_tokens, seq.num_computed_tokens)
+            if seq.num_preemptions == 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
 
     def _entries(self, req: Request, num_new: int, comp_new: int,
                  drafts: list[int] | None = None) -> list[ScheduledRequest]:
@@ -270,30 +302,38 @@ class Scheduler:
                 continue  # aborted while the step ran
             req.num_computed_tokens += entry.num_new_tokens
             if req.is_companion:
+                self.kv.cache_full_blocks(req)
                 continue  # it takes the tokens its guided request samples (below)
             new_ids = result.sampled.get(req.request_id)
             if not new_ids:
+                self.kv.cache_full_blocks(req)  # a prefill chunk
                 continue
             if entry.spec_token_ids:
                 self._record_spec(req, len(entry.spec_token_ids), len(new_ids) - 1)
             accepted: list[int] = []
             status = None
+            grammar = self.structured is not None and req.params.structured_outputs is not None
             for tok in new_ids:
                 req.token_ids.append(tok)
                 accepted.append(tok)
                 status = self._check_stop(req, tok)
+                if grammar:
+                    # Token by token: a verified run ends where the grammar completes, as plain decoding would.
+                    status = self._advance_grammar(req, tok, status)
                 if status is not None:
                     break
-            if self.structured is not None and req.params.structured_outputs is not None:
-                status = self._advance_grammar(req, accepted, status)
             if entry.spec_token_ids:
                 # KV written for rejected drafts is garbage; the next step overwrites those slots.
                 req.num_computed_tokens = req.num_tokens - 1
+            # Now num_computed_tokens counts final tokens only (accepted drafts included, rejected ones not), and
+            # a finishing request's blocks are recorded before they are freed (beam steps reuse them).
+            self.kv.cache_full_blocks(req)
             if req.companion is not None and status is None:
                 req.companion.token_ids.extend(accepted)  # both sequences advance with the pair's token
             lps = result.logprobs.get(req.request_id)
             out = EngineCoreOutput(req.request_id, accepted,
-                                   new_logprobs=lps[: len(accepted)] if lps else None)
+                                   new_logprobs=lps[: len(accepted)] if lps else None,
+                                   num_cached_tokens=req.num_cached_tokens)
             if status is not None:
                 out.finish_reason = status.value
                 out.stop_reason = req.stop_reason
@@ -301,9 +341,9 @@ class Scheduler:
             outputs.append(out)
         return outputs
 
-    def _advance_grammar(self, req: Request, accepted: list[int], status: RequestStatus | None):
+    def _advance_grammar(self, req: Request, tok: int, status: RequestStatus | None):
         so = self.structured
-        if not so.accept(req.request_id, accepted):
+        if not so.accept(req.request_id, (tok,)):
             logger.error("request %s: sampled a token its grammar refuses (engine bug)", req.request_id)
             return status or RequestStatus.FINISHED_ABORTED
         if status is None and so.should_end(req.request_id):
@@ -334,4 +374,6 @@ class Scheduler:
                               spec_num_drafts=self.spec_num_drafts,
                               spec_num_draft_tokens=self.spec_num_draft_tokens,
                               spec_num_accepted_tokens=self.spec_num_accepted_tokens,
-                              spec_num_emitted_tokens=self.spec_num_emitted_tokens)
+                              spec_num_emitted_tokens=self.spec_num_emitted_tokens,
+                              prefix_cache_queries=self.kv.stats.queries,
+                              prefix_cache_hits=self.kv.stats.hits)

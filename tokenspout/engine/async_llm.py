@@ -94,6 +94,7 @@ class AsyncLLM:
                 "spec_num_draft_tokens": st.spec_num_draft_tokens,
                 "spec_num_accepted_tokens": st.spec_num_accepted_tokens,
                 "spec_num_emitted_tokens": st.spec_num_emitted_tokens,
+                "prefix_cache_queries": st.prefix_cache_queries, "prefix_cache_hits": st.prefix_cache_hits,
                 "num_wasted_tokens": self.output_processor.stats.num_wasted_tokens}
 
     def get_num_unfinished_requests(self) -> int:

@@ -10,8 +10,11 @@ step every running beam is sent as one request for a single token with the top 2
 * the `width` best that do not end continue; the search stops once `width` hypotheses finished (early stopping),
   or nothing can continue.
 
-Limit: each step recomputes every beam's KV from scratch (there is no prefix cache yet to share the common prefix),
-so cost grows with length squared; fine for short outputs, the KV-sharing fork is the next step.
+KV is forked by the engine's automatic prefix caching (core/kv_cache_manager.py): each step's requests find the
+full blocks of their prefix (prompt + the beam's earlier tokens) cached by the previous step's requests, and beams
+that extend a common prefix share its blocks, so a step computes at most one block of tokens per beam instead of
+the whole sequence (bench/beam.py measures it).  Full blocks are immutable, so the sharing is copy-on-write without
+copies.  Without prefix caching every step recomputes every beam from scratch.
 """
 
 from __future__ import annotations

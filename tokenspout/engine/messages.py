@@ -52,6 +52,9 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_emitted_tokens: int = 0
+    # Prefix caching, cumulative, in tokens: looked up when sequences joined the running set, and found cached.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -29,6 +29,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--ngram-min", type=int, default=2)
     p.add_argument("--ngram-max", type=int, default=4)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share KV blocks of common prefixes between requests (--no-enable-prefix-caching: off)")
 
 
 def resolve_quantization(flag: str, model: str | None) -> str | None:
@@ -40,9 +42,11 @@ def resolve_quantization(flag: str, model: str | None) -> str | None:
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return {"dtype": args.dtype, "quantization": resolve_quantization(args.quantization, args.model),
             "max_model_len": args.max_model_len, "kv_cache_memory": args.kv_cache_memory,
-                "block_size": args.block_size, "max_num_seqs": args.max_num_seqs,
-                "max_num_batched_tokens": args.max_num_batched_tokens, "served_model_name": args.served_model_name,
-                "num_threads": args.num_threads}
+            "block_size": args.block_size, "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens, "served_model_name": args.served_model_name,
+            "num_threads": args.num_threads, "speculative": args.speculative,
+            "num_speculative_tokens": args.num_speculative_tokens, "ngram_min": args.ngram_min,
+            "ngram_max": args.ngram_max, "enable_prefix_caching": args.enable_prefix_caching}
 
 
 class Spinner:

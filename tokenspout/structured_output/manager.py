@@ -145,7 +145,7 @@ class StructuredOutputManager:
             grammar.rollback(num_tokens)
 
     def validate_tokens(self, request_id: str, token_ids: Sequence[int]) -> int:
-        """How many of a drafted run the grammar accepts (the scheduler trims drafts to this), without advancing."""
+        """How many of a drafted run the grammar accepts (the engine core trims drafts to this), without advancing."""
         grammar = self._grammar(request_id)
         return len(token_ids) if grammar is None else grammar.validate_tokens(token_ids)
 

@@ -186,9 +186,20 @@ class ModelRunner:
         idx = torch.cat([torch.arange(int(e) - len(d) - 1, int(e)) for e, d in zip(ends, drafts)])
         logits = self._logits(hidden[idx])
         spec_rows = [rows[i] for i in spec_idx]
-        emitted = verify_drafts(logits, spec_rows, drafts, self.sampling)
+        emitted = verify_drafts(logits, spec_rows, drafts, self.sampling,
+                                self._draft_bitmask([entries[i].request for i in spec_idx], drafts))
         self.sampling.append_tokens(spec_rows, emitted)
         return {entries[i].request.request_id: toks for i, toks in zip(spec_idx, emitted)}
+
+    def _draft_bitmask(self, reqs, drafts: list[list[int]]) -> torch.Tensor | None:
+        """Grammar masks of every verified position (a request's k-th row: its grammar after its first k drafts),
+        or None when no speculating request has a grammar."""
+        so = self.structured
+        if so is None or not so.num_requests or all(r.params.structured_outputs is None for r in reqs):
+            return None
+        ids = [r.request_id if r.params.structured_outputs is not None else None
+               for r, d in zip(reqs, drafts) for _ in range(len(d) + 1)]
+        return so.grammar_bitmask(ids, {r.request_id: d for r, d in zip(reqs, drafts)})
 
     def _attention_metadata(self, entries, rows_t, starts_t, lens_t, qsl, slot_mapping) -> AttentionMetadata:
         bs = self.block_size

@@ -5,7 +5,12 @@ all d + 1 positions go through the same processing as ordinary sampling (masks, 
 top-k, top-p), position by position with the output position advanced by one each (so seeded noise stays a pure
 function of seed and position), and then through the exact rejection sampler.  Requests whose processing depends
 on the tokens generated so far (penalties, bad words, min_tokens not reached), and requests asking for logprobs
-or a grammar, are never given drafts (see `spec_eligible`), which keeps this per-position processing exact.
+or guidance, are never given drafts (see `spec_eligible`), which keeps this per-position processing exact.
+
+Grammars do depend on the tokens so far, and are handled exactly: a grammar request's drafts are cut to the prefix
+its grammar accepts (engine core), and the k-th verified position of a request is masked by its grammar advanced
+over its first k drafts (the structured output manager fills those rows and rolls the drafts back), so each
+position's target distribution is the one plain decoding would sample from after accepting those drafts.
 """
 
 from __future__ import annotations
@@ -21,18 +26,20 @@ from tokenspout.sample.sampler import compute_processed_logits
 def spec_eligible(req: Request) -> bool:
     p = req.params
     return (p.logprobs is None and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-            and p.repetition_penalty == 1.0 and not p.bad_words_token_ids and p.structured_outputs is None
+            and p.repetition_penalty == 1.0 and not p.bad_words_token_ids
             and req.companion is None and req.num_output_tokens >= p.min_tokens)
 
 
 def verify_drafts(logits: torch.Tensor, rows: list[int], drafts: list[list[int]],
-                  sampling: SamplingState) -> list[list[int]]:
-    """logits: [sum(len(d) + 1), V] in request order (each request's drafted positions, then its bonus position).
+                  sampling: SamplingState, grammar_bitmask: torch.Tensor | None = None) -> list[list[int]]:
+    """logits: [sum(len(d) + 1), V] in request order (each request's drafted positions, then its bonus position);
+    grammar_bitmask: one row per such position (see StructuredOutputManager.grammar_bitmask with drafts), or None.
     Returns the tokens each request emits (accepted drafts + one recovered or bonus token)."""
     k = max(len(d) for d in drafts)
     counts = [len(d) + 1 for d in drafts]
     expanded = [r for r, c in zip(rows, counts) for _ in range(c)]
     md = sampling.metadata(expanded)
+    md.grammar_bitmask = grammar_bitmask
     first = torch.tensor([0] + counts[:-1], dtype=torch.int64).cumsum(0)
     base_positions = md.positions[first].clone()
     md.positions = md.positions + torch.cat([torch.arange(c) for c in counts])
