@@ -32,8 +32,8 @@ PORTS = {"tokenspout": 8000, "tokenspout-fp32": 8001, "vllm": 8100, "llamacpp": 
 
 
 def model_dir() -> str:
-    out = subprocess.run([sys.executable, "-c", "from tokenspout.models.default_model import default_model_path;"
-                          "print(default_model_path())"], capture_output=True, text=True, check=True)
+    code = "from tokenspout.models.default_model import default_model_path; print(default_model_path())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return out.stdout.strip()
 
 
@@ -48,7 +48,7 @@ def start(name: str, peers: Path, env: dict) -> dict:
         cmd = [str(peers / "vllm.sh"), "start", model_dir(), str(port)]
     else:
         cmd = [str(peers / "llamacpp.sh"), "start", str(port)]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, check=False)
     print(res.stdout.strip().splitlines()[-1] if res.stdout.strip() else res.stderr[-500:], flush=True)
     if res.returncode != 0:
         raise RuntimeError(f"{name} did not start: {res.stdout[-2000:]}{res.stderr[-2000:]}")
@@ -59,7 +59,7 @@ def start(name: str, peers: Path, env: dict) -> dict:
 def stop(name: str, peers: Path, env: dict) -> dict:
     script = {"vllm": "vllm.sh", "llamacpp": "llamacpp.sh"}.get(name)
     cmd = [str(peers / script), "stop"] if script else [str(peers / "stop_server.sh"), name]
-    subprocess.run(cmd, capture_output=True, text=True, env=env)
+    subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     rss = Path(env["PEERS"]) / "logs" / f"{name}.rss.json"
     return json.loads(rss.read_text()) if rss.is_file() else {}
 
