@@ -1,6 +1,11 @@
-"""N-gram speculative decoding: decode tok/s with and without prompt-lookup drafts, in one run.
+"""Speculative decoding: decode tok/s with and without drafts, for each proposer, in one run.
 
-    python -m bench.speculative [--k 4] [--ngram-min 2] [--ngram-max 4] [--reps 3] [--threads N] [--quick]
+    python -m bench.speculative [--proposers ngram draft self] [--k 4] [--ngram-min 2] [--ngram-max 4]
+        [--draft-model PATH] [--draft-layers 8] [--reps 3] [--threads N] [--quick]
+
+Proposers: `ngram` (prompt lookup), `draft` (a draft model, --draft-model; default: the target itself, which
+shows the machinery's cost at ~100% acceptance -- it can never be faster than no speculation), `self`
+(self-draft from the target's first --draft-layers layers).
 
 Two workloads, chat-templated, max_tokens 128 with ignore_eos=True for every request (so both workloads and
 both engines generate exactly the same number of tokens):
@@ -8,10 +13,10 @@ both engines generate exactly the same number of tokens):
   rewrite or lightly edit it -- the output copies long runs of the prompt, so prompt lookup should hit;
 - free: open questions (bench.common.prompts), where drafts rarely match.
 Each at batch 1 (--b1-prompts requests run one after another; tok/s over all of them) and batch 8, greedy
-(temperature 0) and T 0.7 (seeded per request).  Two in-process engines (multiprocess=False, so the scheduler's
-cumulative spec_* counters can be read), one without and one with n-gram speculation (k drafts, n-grams
-ngram_min..ngram_max); the order of the two runs alternates between repeats and the median of --reps repeats is
-reported (--quick: 1 repeat, 2 requests at batch 1).
+(temperature 0) and T 0.7 (seeded per request).  In-process engines (multiprocess=False, so the scheduler's
+cumulative spec_* counters can be read), one without speculation and one per proposer (k drafts); the order of
+the runs rotates between repeats and the median of --reps repeats is reported (--quick: 1 repeat, 2 requests at
+batch 1).
 
 decode tok/s = tokens produced after the step at which the last request of the batch got its first token,
 divided by the time from that step to the end (prefill and first token excluded).  acceptance rate = accepted /
@@ -22,7 +27,8 @@ recurs).  `same` = requests whose tokens are identical with and without speculat
 sampling is exact in distribution under speculation, not sample for sample).  `cpu-time x` = the speed-up
 measured in this process's CPU time instead of wall time: with --threads 1 it is insensitive to other load on a
 shared machine, so a large gap between the two speed-ups flags a noisy run.
-Targets: >= 1.8x decode speed-up at batch 1 on the repetitive workload; >= 0.95x on free chat.
+Targets: >= 1.8x decode speed-up at batch 1 on the repetitive workload with n-gram; >= 0.95x on free chat with
+every proposer.
 Writes bench/results/speculative.json.
 """
 
@@ -202,6 +208,9 @@ def run_case(llm, texts: list[str], params: list, batch: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--proposers", nargs="+", default=["ngram", "draft", "self"], choices=["ngram", "draft", "self"])
+    ap.add_argument("--draft-model", default=None, help="draft model folder (default: the target itself)")
+    ap.add_argument("--draft-layers", type=int, default=8, help="self-draft: the target's first L layers")
     ap.add_argument("--k", type=int, default=4, help="draft tokens per step (num_speculative_tokens)")
     ap.add_argument("--ngram-min", type=int, default=2)
     ap.add_argument("--ngram-max", type=int, default=4)
@@ -220,12 +229,18 @@ def main() -> None:
         args.reps, args.b1_prompts = 1, min(args.b1_prompts, 2)
 
     from tokenspout import LLM, SamplingParams
+    from tokenspout.models.loader import resolve_model_path
 
     common = {"multiprocess": False, "max_model_len": 2048, "max_num_seqs": max(args.batches),
-              "max_num_batched_tokens": 4096, "num_threads": args.threads}  # a batch-8 prefill fits one step
-    engines = {"off": LLM(args.model, **common),
-               "on": LLM(args.model, speculative="ngram", num_speculative_tokens=args.k, ngram_min=args.ngram_min,
-                         ngram_max=args.ngram_max, **common)}
+              "max_num_batched_tokens": 4096, "num_threads": args.threads,  # a batch-8 prefill fits one step
+              "kv_cache_memory": 0.25}  # plenty for 8 x ~450 tokens; several engines share the machine
+    draft_model = args.draft_model or str(resolve_model_path(args.model)[0])
+    spec_kwargs = {"ngram": {"speculative": "ngram", "ngram_min": args.ngram_min, "ngram_max": args.ngram_max},
+                   "draft": {"speculative": "draft", "draft_model": draft_model},
+                   "self": {"speculative": "draft", "draft_layers": args.draft_layers}}
+    engines = {"off": LLM(args.model, **common)}
+    for name in args.proposers:
+        engines[name] = LLM(args.model, num_speculative_tokens=args.k, **spec_kwargs[name], **common)
     tok = engines["off"].get_tokenizer()
     n_prompts = max(max(args.batches), args.b1_prompts)
     contents = {"repetitive": repetitive_messages(), "free": free_messages(n_prompts)}
@@ -247,61 +262,68 @@ def main() -> None:
                 params = [SamplingParams(temperature=temp, seed=None if temp == 0 else 1000 + i,
                                          max_tokens=args.max_tokens, ignore_eos=True)
                           for i in range(len(case_texts))]
-                reps: dict[str, list[dict]] = {"off": [], "on": []}
+                names = list(engines)
+                reps: dict[str, list[dict]] = {n: [] for n in names}
                 for r in range(args.reps):
-                    for name in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                    for name in names[r % len(names):] + names[: r % len(names)]:  # rotate the order
                         reps[name].append(run_case(engines[name], case_texts, params, b))
-                off, on = reps["off"], reps["on"]
-                assert all(len(t) == args.max_tokens for x in off + on for t in x["token_ids"])
+                off = reps["off"]
                 tps_off = median([x["decode_tok_s"] for x in off])
-                tps_on = median([x["decode_tok_s"] for x in on])
-                cpu_speedup = median([x["decode_tok_cpu_s"] for x in on]) / median([x["decode_tok_cpu_s"] for x in off])
-                drafts = sum(x["drafts"] for x in on)
-                drafted = sum(x["draft_tokens"] for x in on)
-                accepted = sum(x["accepted_tokens"] for x in on)
-                emitted = sum(x["emitted_tokens"] for x in on)
-                same = sum(a == c for a, c in zip(off[0]["token_ids"], on[0]["token_ids"]))
-                row = {"workload": w, "batch": b, "mode": mode, "requests": len(case_texts),
-                       "tok_s_off": tps_off, "tok_s_on": tps_on, "speedup": tps_on / tps_off,
-                       "speedup_cpu_time": cpu_speedup,
-                       "acceptance_rate": accepted / drafted if drafted else float("nan"),
-                       "mean_acceptance_length": emitted / drafts if drafts else float("nan"),
-                       "spec_share": emitted / sum(x["tokens"] for x in on),
-                       "same_outputs": f"{same}/{len(case_texts)}",
-                       "reps_tok_s_off": [x["decode_tok_s"] for x in off],
-                       "reps_tok_s_on": [x["decode_tok_s"] for x in on],
-                       "e2e_tok_s_off": median([x["e2e_tok_s"] for x in off]),
-                       "e2e_tok_s_on": median([x["e2e_tok_s"] for x in on]),
-                       "drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
-                       "emitted_tokens": emitted, "sample_output_on": on[0]["texts"][0][:300]}
-                rows.append(row)
-                print(f"  {w} batch {b} {mode}: off {tps_off:.1f} on {tps_on:.1f} tok/s "
-                      f"(x{row['speedup']:.2f}, acc {row['acceptance_rate']:.2f})", flush=True)
+                for proposer in args.proposers:
+                    on = reps[proposer]
+                    row = _row(w, b, mode, proposer, case_texts, off, on, tps_off, args.max_tokens)
+                    rows.append(row)
+                    print(f"  {w} batch {b} {mode} {proposer}: off {tps_off:.1f} on {row['tok_s_on']:.1f} tok/s "
+                          f"(x{row['speedup']:.2f}, acc {row['acceptance_rate']:.2f})", flush=True)
     for llm in engines.values():
         llm.shutdown()
 
-    print(f"\nn-gram speculation k={args.k}, n={args.ngram_min}..{args.ngram_max}; decode tok/s, median of "
-          f"{args.reps}; max_tokens {args.max_tokens}, ignore_eos")
-    hdr = (f"{'workload':<12}{'batch':>6}{'mode':>8}{'tok/s off':>11}{'tok/s on':>10}{'speed-up':>10}"
+    print(f"\nspeculation k={args.k} (n-gram n={args.ngram_min}..{args.ngram_max}; draft {draft_model}; self-draft "
+          f"{args.draft_layers} layers); decode tok/s, median of {args.reps}; max_tokens {args.max_tokens}, ignore_eos")
+    hdr = (f"{'workload':<12}{'batch':>6}{'mode':>8}{'proposer':>9}{'tok/s off':>11}{'tok/s on':>10}{'speed-up':>10}"
            f"{'accept':>8}{'mean len':>10}{'spec share':>12}{'same':>7}{'cpu-time x':>12}")
     print(hdr)
     for r in rows:
-        print(f"{r['workload']:<12}{r['batch']:>6}{r['mode']:>8}{r['tok_s_off']:>11.1f}{r['tok_s_on']:>10.1f}"
-              f"{r['speedup']:>9.2f}x{r['acceptance_rate']:>8.2f}{r['mean_acceptance_length']:>10.2f}"
-              f"{r['spec_share']:>12.2f}{r['same_outputs']:>7}{r['speedup_cpu_time']:>11.2f}x")
-    b1_rep = [r["speedup"] for r in rows if r["workload"] == "repetitive" and r["batch"] == 1]
+        print(f"{r['workload']:<12}{r['batch']:>6}{r['mode']:>8}{r['proposer']:>9}{r['tok_s_off']:>11.1f}"
+              f"{r['tok_s_on']:>10.1f}{r['speedup']:>9.2f}x{r['acceptance_rate']:>8.2f}"
+              f"{r['mean_acceptance_length']:>10.2f}{r['spec_share']:>12.2f}{r['same_outputs']:>7}"
+              f"{r['speedup_cpu_time']:>11.2f}x")
+    b1_rep = [r["speedup"] for r in rows if r["workload"] == "repetitive" and r["batch"] == 1
+              and r["proposer"] == "ngram"]
     free = [r["speedup"] for r in rows if r["workload"] == "free"]
-    targets = {"repetitive_batch1_min_speedup": min(b1_rep) if b1_rep else None,
+    targets = {"repetitive_batch1_ngram_min_speedup": min(b1_rep) if b1_rep else None,
                "repetitive_batch1_target": 1.8, "free_min_speedup": min(free) if free else None,
                "free_target": 0.95}
     if b1_rep:
-        print(f"target >= 1.8x at batch 1 on the repetitive workload: min {min(b1_rep):.2f}x "
+        print(f"target >= 1.8x at batch 1 on the repetitive workload (n-gram): min {min(b1_rep):.2f}x "
               f"({'met' if min(b1_rep) >= 1.8 else 'NOT met'})")
     if free:
         print(f"target >= 0.95x on free chat: min {min(free):.2f}x ({'met' if min(free) >= 0.95 else 'NOT met'})")
     config = {"k": args.k, "ngram_min": args.ngram_min, "ngram_max": args.ngram_max, "max_tokens": args.max_tokens,
-              "reps": args.reps, "b1_prompts": args.b1_prompts, "threads": args.threads, "quick": args.quick}
+              "reps": args.reps, "b1_prompts": args.b1_prompts, "threads": args.threads, "quick": args.quick,
+              "proposers": args.proposers, "draft_model": draft_model, "draft_layers": args.draft_layers}
     print("wrote", write_json(args.out, {"config": config, "rows": rows, "targets": targets}))
+
+
+def _row(w: str, b: int, mode: str, proposer: str, case_texts: list, off: list[dict], on: list[dict],
+         tps_off: float, max_tokens: int) -> dict:
+    assert all(len(t) == max_tokens for x in off + on for t in x["token_ids"])
+    tps_on = median([x["decode_tok_s"] for x in on])
+    cpu_speedup = median([x["decode_tok_cpu_s"] for x in on]) / median([x["decode_tok_cpu_s"] for x in off])
+    drafts = sum(x["drafts"] for x in on)
+    drafted = sum(x["draft_tokens"] for x in on)
+    accepted = sum(x["accepted_tokens"] for x in on)
+    emitted = sum(x["emitted_tokens"] for x in on)
+    same = sum(a == c for a, c in zip(off[0]["token_ids"], on[0]["token_ids"]))
+    return {"workload": w, "batch": b, "mode": mode, "proposer": proposer, "requests": len(case_texts),
+            "tok_s_off": tps_off, "tok_s_on": tps_on, "speedup": tps_on / tps_off, "speedup_cpu_time": cpu_speedup,
+            "acceptance_rate": accepted / drafted if drafted else float("nan"),
+            "mean_acceptance_length": emitted / drafts if drafts else float("nan"),
+            "spec_share": emitted / sum(x["tokens"] for x in on), "same_outputs": f"{same}/{len(case_texts)}",
+            "reps_tok_s_off": [x["decode_tok_s"] for x in off], "reps_tok_s_on": [x["decode_tok_s"] for x in on],
+            "e2e_tok_s_off": median([x["e2e_tok_s"] for x in off]), "e2e_tok_s_on": median([x["e2e_tok_s"] for x in on]),
+            "drafts": drafts, "draft_tokens": drafted, "accepted_tokens": accepted, "emitted_tokens": emitted,
+            "sample_output_on": on[0]["texts"][0][:300]}
 
 
 if __name__ == "__main__":

@@ -55,26 +55,47 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft")
+
+
 @dataclass(slots=True)
 class SpeculativeConfig:
-    method: str | None = None  # None (off) | "ngram"
+    method: str | None = None  # None (off) | "ngram" | "draft"
     num_speculative_tokens: int = 4
     ngram_min: int = 2
     ngram_max: int = 4
-    # Per request: pause drafting (16, 32, ... 256 output tokens) whenever, over `min_rounds` verifications, a
-    # round emitted fewer than `min_mean_emitted` tokens on average.  Measured on this CPU (bench/speculative.py): a k=4 verification step
-    # costs about two plain steps at batch 1 and more in a batch, so rounds that emit ~2 tokens lose.
+    # method "draft": either a smaller local model with the target's tokenizer, or the target's own first
+    # `draft_layers` layers + final norm + LM head (self-draft, no second model and no second KV cache).
+    draft_model: str | None = None
+    draft_layers: int | None = None
+    # Per request, drafting goes on while the tokens its rounds emit (average, see spec_decode/policy.py) clear
+    # this bar, plus num_speculative_tokens * (a draft forward's cost in plain steps) for a draft model.  Measured
+    # on this CPU (bench/speculative.py): a k=4 verification step costs about two plain steps at batch 1 and
+    # relatively more in a batch, so rounds that emit ~2 tokens lose.
     min_mean_emitted: float = 2.5
     min_mean_emitted_batched: float = 3.2  # the same bar when more than one request is running
-    min_rounds: int = 4
+    # The C decode kernels take a step of up to kernels/decoder.py MAX_TOKENS tokens; a step with more falls back to
+    # torch GEMMs, estimated at this many plain steps (measured 2.6-3.4 at batch 8, k=4, when the kernels' limit was
+    # 8 tokens): drafts that push a step there must be expected to emit that many times the batch's tokens.
+    large_step_cost: float = 3.0
+    adaptive: bool = True  # False: every eligible request drafts every step (tests; the raw cost of drafting)
 
     def validate(self) -> None:
-        if self.method not in (None, "ngram"):
-            raise ValueError(f"speculative method must be 'ngram' (or None), got {self.method!r}")
+        if self.method not in (None, *SPECULATIVE_METHODS):
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)} (or None), "
+                             f"got {self.method!r}")
         if self.method and not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens must be in [1, 16], got {self.num_speculative_tokens}")
         if self.method == "ngram" and not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+        if self.method == "draft":
+            if (self.draft_model is None) == (self.draft_layers is None):
+                raise ValueError("speculative method 'draft' needs exactly one of draft_model (a smaller model "
+                                 "folder) or draft_layers (self-draft from the target's first layers)")
+            if self.draft_layers is not None and self.draft_layers < 1:
+                raise ValueError(f"draft_layers must be >= 1, got {self.draft_layers}")
+        elif self.draft_model is not None or self.draft_layers is not None:
+            raise ValueError("draft_model / draft_layers need speculative method 'draft'")
 
 
 @dataclass(slots=True)

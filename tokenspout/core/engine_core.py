@@ -15,7 +15,9 @@ from tokenspout.core.request import Request
 from tokenspout.core.scheduler import Scheduler
 from tokenspout.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from tokenspout.models.loader import LoadedModel, load_model
+from tokenspout.spec_decode.draft_model import DraftProposer, draft_block_bytes, forward_params, load_draft_model
 from tokenspout.spec_decode.ngram_proposer import NgramProposer
+from tokenspout.spec_decode.policy import SpecPolicy, draft_cost
 from tokenspout.worker.model_runner import ModelRunner
 from tokenspout.worker.spec_verify import spec_eligible
 
@@ -30,13 +32,27 @@ class EngineCore:
         self.config = config
         self.loaded = loaded or load_model(config.model)
         self.max_model_len = self.loaded.max_model_len
-        self.runner = ModelRunner(self.loaded, config.cache, config.scheduler)
+        spec = config.speculative
+        draft = (load_draft_model(spec, self.loaded, config.model.quantization)
+                 if spec.method == "draft" and spec.draft_model else None)
+        extra = draft_block_bytes(draft, config.cache.block_size) if draft is not None else 0
+        self.runner = ModelRunner(self.loaded, config.cache, config.scheduler, extra_block_bytes=extra)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  enable_prefix_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        spec = config.speculative
         self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
                          if spec.method == "ngram" else None)
+        self.drafter = None
+        cost = 0.0
+        if spec.method == "draft":
+            self.drafter = DraftProposer.build(self.runner, spec, draft)
+            self.runner.drafter = self.drafter
+            self.scheduler.num_lookahead_tokens = spec.num_speculative_tokens
+            src = self.drafter.source
+            cost = draft_cost(forward_params(src.model, src.num_layers), forward_params(self.loaded.model, None))
+        small = self.runner.decoder.max_tokens if self.runner.decoder is not None else 0
+        self.policy = SpecPolicy(spec, cost, free_drafts=self.proposer is not None, small_step_tokens=small)
+        self.scheduler.on_spec_round = self.policy.record
 
     def add_request(self, req: EngineCoreRequest) -> None:
         if req.request_id in self.scheduler.requests:
@@ -67,7 +83,7 @@ class EngineCore:
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched, self.kv)  # also releases rows of removed requests when empty
         outputs = self.scheduler.update_from_output(sched, result)
-        if self.proposer is not None:
+        if self.proposer is not None or self.drafter is not None:
             self._propose()
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.stats(),
                                  timestamp=time.monotonic())
@@ -86,32 +102,47 @@ class EngineCore:
         return self.scheduler.structured
 
     def _propose(self) -> None:
-        """Drafts for the next step of every decoding request that speculation may serve (n-gram lookup)."""
-        spec = self.config.speculative
-        # In a batch a verification costs relatively more (drafted rows take the per-request attention path and
-        # add GEMM rows to a step that is no longer weight-bound), so it must emit more to pay (bench/speculative).
-        need = spec.min_mean_emitted if len(self.scheduler.running) <= 1 else spec.min_mean_emitted_batched
+        """Drafts for the next step of every decoding request that speculation may serve and that the policy
+        lets draft: n-gram lookups per request, or one batched draft-model run for all of them."""
+        batched = len(self.scheduler.running) > 1
+        cands: list[tuple[Request, list[int] | None, int]] = []  # (request, n-gram drafts, drafts it may take)
         for req in self.scheduler.running:
             req.spec_token_ids = []
             if req.num_computed_tokens != req.num_tokens - 1 or not spec_eligible(req):
                 continue
-            if req.num_output_tokens < req.spec_pause_until:
+            room = min(self.config.speculative.num_speculative_tokens, req.max_len - req.num_tokens - 1)
+            if room <= 0:
                 continue
-            if (req.spec_rounds >= spec.min_rounds
-                    and req.spec_accepted + req.spec_rounds < need * req.spec_rounds):
-                # Drafts do not pay for this request right now: pause, doubling the pause each time it fails
-                # again (text often turns repetitive later, e.g. after a preamble, so never give up for good).
-                req.spec_backoff = min(2 * req.spec_backoff or 16, 256)
-                req.spec_pause_until = req.num_output_tokens + req.spec_backoff
-                req.spec_rounds = req.spec_accepted = 0
+            if self.proposer is None and req.params.structured_outputs is not None:
+                # A draft model's q knows no grammar: cutting its drafts at the first token the grammar refuses
+                # (as n-gram drafts are cut below) would bias the rejection sampler, so grammar requests take
+                # n-gram drafts only.
                 continue
-            room = min(spec.num_speculative_tokens, req.max_len - req.num_tokens - 1)
-            if room > 0:
+            wants = self.policy.wants_drafts(req, batched)
+            if self.proposer is not None:
                 drafts = self.proposer.propose(req.token_ids)[:room]
                 if drafts and req.params.structured_outputs is not None:
                     # A draft the grammar refuses would be rejected anyway, and so would all after it; the
                     # verify step masks each drafted position by the grammar advanced over the drafts before it.
+                    # (Exact for n-gram drafts: q is a point mass, so any way of choosing them is.)
                     drafts = drafts[: self.scheduler.structured.validate_tokens(req.request_id, drafts)]
+                if wants and drafts:
+                    cands.append((req, drafts, len(drafts)))
+                    req.spec_shadow = None
+                elif not wants:
+                    self.policy.shadow(req, drafts)  # free evidence for when drafting would pay again
+            elif wants:
+                cands.append((req, None, self.policy.num_drafts(req, room)))
+        counts = self.policy.fit_step([(r, n) for r, _, n in cands], len(self.scheduler.running))
+        drafting, num_drafts = [], []
+        for (req, drafts, _), n in zip(cands, counts):
+            if drafts is not None:
+                req.spec_token_ids = drafts[:n]
+            elif n:
+                drafting.append(req)
+                num_drafts.append(n)
+        if drafting:  # one batched draft-model run for every request that drafts
+            for req, drafts in zip(drafting, self.drafter.propose(drafting, num_drafts, self.kv)):
                 req.spec_token_ids = drafts
 
     def stats(self) -> SchedulerStats:

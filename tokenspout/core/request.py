@@ -37,10 +37,11 @@ class Request:
         "params",
         "request_id",
         "seed",
-        "spec_accepted",
         "spec_backoff",
+        "spec_ema",
         "spec_pause_until",
-        "spec_rounds",
+        "spec_probe",
+        "spec_shadow",
         "spec_token_ids",
         "status",
         "stop_ids",
@@ -72,11 +73,15 @@ class Request:
         # together with this request; it never samples and takes this request's tokens.
         self.companion: Request | None = None
         self.is_companion = False
+        # Whether it drafts is up to spec_decode/policy.py: the average tokens its rounds emit (None: not decided
+        # yet), the pause of a draft model (no drafts until the output holds spec_pause_until tokens; the round
+        # after a pause is a probe), and the pending n-gram shadow round.
         self.spec_token_ids: list[int] = []
-        self.spec_rounds = 0  # verification rounds in the current window (reset after each back-off)
-        self.spec_pause_until = 0  # no drafts until the output holds this many tokens
+        self.spec_ema: float | None = None
+        self.spec_pause_until = 0
         self.spec_backoff = 0
-        self.spec_accepted = 0
+        self.spec_probe = False
+        self.spec_shadow = None
 
     @property
     def num_tokens(self) -> int:

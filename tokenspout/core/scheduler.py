@@ -71,6 +71,10 @@ class Scheduler:
         self.spec_num_draft_tokens = 0
         self.spec_num_accepted_tokens = 0
         self.spec_num_emitted_tokens = 0  # tokens emitted by verification rounds (accepted + 1 each)
+        # Draft-model speculation: KV slots past a sampling request's new tokens for the draft to write into
+        # after the step (vLLM's num_lookahead_tokens); best effort, never a reason to preempt.
+        self.num_lookahead_tokens = 0
+        self.on_spec_round = None  # called with (request, tokens emitted) after each verification round
 
     # ---- requests in and out -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -152,7 +156,8 @@ class Scheduler:
                 drafts = req.spec_token_ids[: budget - 1]
                 num_new += len(drafts)
             req.spec_token_ids = []
-            while not self._allocate(req, num_new, comp_new):
+            lookahead = self._lookahead(req, num_new - len(drafts))
+            while not self._allocate(req, num_new, comp_new, lookahead=lookahead):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted = True
@@ -186,7 +191,7 @@ class Scheduler:
                                                and num_new < req.num_tokens - req.num_computed_tokens):
                     self._forget_hits(req)
                     break
-                if not self._allocate(req, num_new, comp_new, hits):
+                if not self._allocate(req, num_new, comp_new, hits, self._lookahead(req, num_new)):
                     self._forget_hits(req)
                     if not self.running and self.kv.num_free_blocks == self.kv.num_blocks:
                         self._cannot_fit(req)
@@ -226,15 +231,30 @@ class Scheduler:
         m = min(max(rem - 1, 0), budget)
         return m, min(max(rem_c - 1, 0), budget - m)
 
-    def _allocate(self, req: Request, num_new: int, comp_new: int, hits: list[list[int]] | None = None) -> bool:
+    def _lookahead(self, req: Request, num_known_new: int) -> int:
+        """Lookahead slots for a request whose step reaches its last known token (so it samples)."""
+        if (not self.num_lookahead_tokens or req.companion is not None
+                or req.num_computed_tokens + num_known_new != req.num_tokens):
+            return 0
+        return self.num_lookahead_tokens
+
+    def _allocate(self, req: Request, num_new: int, comp_new: int, hits: list[list[int]] | None = None,
+                  lookahead: int = 0) -> bool:
         """Blocks for this step's tokens of the request and its companion, both or neither; `hits` (from
-        _start_from_cache) when they are joining the running set."""
+        _start_from_cache) when they are joining the running set.  `lookahead` more slots for the draft model to
+        write into after the step when the cache has them (never a reason to fail)."""
         hits = hits or [[], []]
-        asks = [BlockAsk(req.request_id, req.num_computed_tokens + num_new, hits[0])]
+        total = req.num_computed_tokens + num_new
+        lookahead = max(0, min(lookahead, req.max_len - total))  # never past the request's length limit
         comp = req.companion
-        if comp is not None:
-            asks.append(BlockAsk(comp.request_id, comp.num_computed_tokens + comp_new, hits[1]))
-        return self.kv.allocate_all(asks)
+
+        def asks(extra: int) -> list[BlockAsk]:
+            out = [BlockAsk(req.request_id, total + extra, hits[0])]
+            if comp is not None:
+                out.append(BlockAsk(comp.request_id, comp.num_computed_tokens + comp_new, hits[1]))
+            return out
+
+        return bool(lookahead and self.kv.allocate_all(asks(lookahead))) or self.kv.allocate_all(asks(0))
 
     def _start_from_cache(self, req: Request) -> list[list[int]]:
         """For a request about to join the running set (it holds no block and has no KV): its and its
@@ -351,8 +371,8 @@ class Scheduler:
         return status
 
     def _record_spec(self, req: Request, drafted: int, accepted: int) -> None:
-        req.spec_rounds += 1
-        req.spec_accepted += accepted
+        if self.on_spec_round is not None:
+            self.on_spec_round(req, accepted + 1)
         self.spec_num_drafts += 1
         self.spec_num_draft_tokens += drafted
         self.spec_num_accepted_tokens += accepted

@@ -10,9 +10,17 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Self
 
-from tokenspout.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from tokenspout.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    read_hf_config,
+)
 from tokenspout.engine.beam_search import BeamSearch, to_request_outputs
 from tokenspout.engine.core_client import InprocClient, SyncMPClient
 from tokenspout.engine.output_processor import OutputProcessor
@@ -31,8 +39,13 @@ def build_engine_config(model: str | None = None, *, dtype: str = "float32", qua
                         max_num_batched_tokens: int = 512, num_kv_blocks: int | None = None,
                         served_model_name: str | None = None, num_threads: int | None = None,
                         speculative: str | None = None, num_speculative_tokens: int = 4, ngram_min: int = 2,
-                        ngram_max: int = 4, enable_prefix_caching: bool = True) -> EngineConfig:
+                        ngram_max: int = 4, enable_prefix_caching: bool = True, draft_model: str | None = None,
+                        draft_layers: int | None = None, adaptive_speculation: bool = True) -> EngineConfig:
     path, _ = resolve_model_path(model)  # converts the default model here, once, before any engine starts
+    if draft_model is not None:
+        draft_path = Path(draft_model).expanduser()
+        read_hf_config(draft_path)  # a missing folder or unsupported architecture fails here, not in the engine
+        draft_model = str(draft_path.resolve())
     cfg = EngineConfig(
         model=ModelConfig(model=str(path), dtype=dtype, quantization=quantization, max_model_len=max_model_len,
                           served_model_name=served_model_name or (None if model else path.name.removesuffix("-f32"))),
@@ -40,7 +53,8 @@ def build_engine_config(model: str | None = None, *, dtype: str = "float32", qua
                           num_gpu_blocks_override=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
         speculative=SpeculativeConfig(method=speculative, num_speculative_tokens=num_speculative_tokens,
-                                      ngram_min=ngram_min, ngram_max=ngram_max),
+                                      ngram_min=ngram_min, ngram_max=ngram_max, draft_model=draft_model,
+                                      draft_layers=draft_layers, adaptive=adaptive_speculation),
         num_threads=num_threads)
     cfg.validate()
     return cfg

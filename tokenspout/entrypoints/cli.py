@@ -25,12 +25,16 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--num-threads", type=int, default=None, help="torch threads in the engine process")
-    p.add_argument("--speculative", default=None, choices=["ngram"], help="speculative decoding proposer")
+    p.add_argument("--speculative", default=None, choices=["ngram", "draft"], help="speculative decoding proposer")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--ngram-min", type=int, default=2)
     p.add_argument("--ngram-max", type=int, default=4)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="share KV blocks of common prefixes between requests (--no-enable-prefix-caching: off)")
+    p.add_argument("--draft-model", default=None,
+                   help="--speculative draft: a smaller local model folder with the target's tokenizer")
+    p.add_argument("--draft-layers", type=int, default=None,
+                   help="--speculative draft: self-draft from the target's first L layers + its head")
 
 
 def resolve_quantization(flag: str, model: str | None) -> str | None:
@@ -46,7 +50,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             "max_num_batched_tokens": args.max_num_batched_tokens, "served_model_name": args.served_model_name,
             "num_threads": args.num_threads, "speculative": args.speculative,
             "num_speculative_tokens": args.num_speculative_tokens, "ngram_min": args.ngram_min,
-            "ngram_max": args.ngram_max, "enable_prefix_caching": args.enable_prefix_caching}
+            "ngram_max": args.ngram_max, "enable_prefix_caching": args.enable_prefix_caching,
+            "draft_model": args.draft_model, "draft_layers": args.draft_layers}
 
 
 class Spinner:

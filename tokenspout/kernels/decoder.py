@@ -36,7 +36,8 @@ def supported(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
 
 class CpuDecoder:
     def __init__(self, lib, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_size: int,
-                 quantized: dict | None = None):
+                 quantized: dict | None = None, num_layers: int | None = None):
+        """num_layers: run only the first layers (self-draft speculative decoding)."""
         self.lib, self.model = lib, model
         a = model.arch
         self.arch = a
@@ -57,11 +58,12 @@ class CpuDecoder:
                     self._keep.append(t)
             return cpu.weight(w)[0]
 
+        n = num_layers or a.num_layers
         slots = kv_caches[0].shape[1]
 
         def descriptor(quant: bool) -> cpu.Model:
-            layers = (cpu.Layer * a.num_layers)()
-            for i, (layer, kv) in enumerate(zip(model.layers, kv_caches)):
+            layers = (cpu.Layer * n)()
+            for i, (layer, kv) in enumerate(zip(model.layers[:n], kv_caches[:n])):
                 p = f"layers.{i}."
                 att, mlp = layer.self_attn, layer.mlp
                 bias = att.qkv_proj.bias.data if att.qkv_proj.bias is not None else None
@@ -72,7 +74,7 @@ class CpuDecoder:
                     weight(p + "mlp.gate_up_proj", mlp.gate_up_proj, quant),
                     weight(p + "mlp.down_proj", mlp.down_proj, quant), ptr(bias), ptr(kv))
             self._keep.append(layers)
-            return cpu.Model(a.num_layers, a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads,
+            return cpu.Model(n, a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads,
                              a.head_dim, slots, block_size, a.rms_norm_eps, a.head_dim**-0.5, layers,
                              ptr(model.rotary.cos.contiguous()), ptr(model.rotary.sin.contiguous()))
 

@@ -156,10 +156,12 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
+        num_layers: int | None = None,  # run only the first layers (self-draft speculative decoding)
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        for layer, kv in zip(self.layers, kv_caches):
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        for layer, kv in zip(layers, kv_caches, strict=False):
             x = layer(x, cos, sin, kv, meta)
         return x
 

@@ -9,6 +9,7 @@ the persistent per-row block table, runs the model, projects only the last posit
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -30,15 +31,27 @@ def kv_block_bytes(loaded: LoadedModel, block_size: int) -> int:
     return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * loaded.dtype.itemsize
 
 
+@dataclass(slots=True)
+class FlatBatch:
+    positions: torch.Tensor  # [T] position of every token
+    slot_mapping: torch.Tensor  # [T] where each token's K/V is written
+    query_start_loc: torch.Tensor  # [R + 1]
+    meta: AttentionMetadata | None  # None: a small decode-only batch for the C decoder (the two fields below)
+    decode_block_ids: torch.Tensor | None = None  # [R, nb] padded block table rows
+    seq_lens: torch.Tensor | None = None  # [R] = positions + 1
+
+
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, cache: CacheConfig, sched: SchedulerConfig):
+    def __init__(self, loaded: LoadedModel, cache: CacheConfig, sched: SchedulerConfig,
+                 extra_block_bytes: int = 0):
         self.loaded = loaded
         self.model = loaded.model
         a = loaded.arch
         self.device = torch.device("cpu")
         self.block_size = cache.block_size
-        self.num_blocks = cache.num_gpu_blocks_override or int(
-            cache.kv_cache_memory_gib * (1 << 30) // kv_block_bytes(loaded, cache.block_size))
+        # extra_block_bytes: a draft model's KV cache, which shares the block ids (and so the count).
+        block_bytes = kv_block_bytes(loaded, cache.block_size) + extra_block_bytes
+        self.num_blocks = cache.num_gpu_blocks_override or int(cache.kv_cache_memory_gib * (1 << 30) // block_bytes)
         slots = self.num_blocks * self.block_size
         self.kv_caches = [torch.zeros(2, slots, a.num_kv_heads, a.head_dim, dtype=loaded.dtype)
                           for _ in range(a.num_layers)]
@@ -56,8 +69,9 @@ class ModelRunner:
         self.structured = None  # StructuredOutputManager, set by the engine core on the first grammar request
         # Tests and debugging: called with (request ids, float32 logits) of every sampling step when set.
         self.logits_hook = None
+        self.drafter = None  # DraftProposer (speculative method "draft"), set by the engine core
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
-                    self.num_blocks * kv_block_bytes(loaded, self.block_size) / (1 << 30))
+                    self.num_blocks * block_bytes / (1 << 30))
 
     def _cpu_decoder(self, loaded: LoadedModel):
         """The C decode kernels for small decode-only steps, when this CPU and model can use them (else None)."""
@@ -77,6 +91,8 @@ class ModelRunner:
     def _release(self, request_id: str) -> None:
         row = self.row_of.pop(request_id, None)
         if row is not None:
+            if self.drafter is not None:
+                self.drafter.forget(request_id)
             self.sampling.remove_request(row)
             self._num_blocks_in_row[row] = 0
             self._free_rows.append(row)
@@ -89,7 +105,7 @@ class ModelRunner:
             self.sampling.add_request(row, req.params, req.prompt_token_ids, req.output_token_ids, req.seed)
         return row
 
-    def _sync_blocks(self, row: int, blocks: list[int]) -> None:
+    def sync_blocks(self, row: int, blocks: list[int]) -> None:
         have = self._num_blocks_in_row[row]
         if len(blocks) > have:
             self.block_table[row, have : len(blocks)] = torch.tensor(blocks[have:], dtype=torch.int64)
@@ -108,7 +124,7 @@ class ModelRunner:
         for e in entries:
             req = e.request
             row = self._ensure_row(req)
-            self._sync_blocks(row, kv.blocks_of(req.request_id))
+            self.sync_blocks(row, kv.blocks_of(req.request_id))
             nc = req.num_computed_tokens
             rows.append(row)
             starts.append(nc)
@@ -116,25 +132,9 @@ class ModelRunner:
             tokens.extend(req.token_ids[nc : nc + e.num_new_tokens - len(e.spec_token_ids)])
             tokens.extend(e.spec_token_ids)
         input_ids = torch.tensor(tokens, dtype=torch.int64)
-        rows_t = torch.tensor(rows, dtype=torch.int64)
-        starts_t = torch.tensor(starts, dtype=torch.int64)
-        lens_t = torch.tensor(lens, dtype=torch.int64)
-        qsl = torch.zeros(len(entries) + 1, dtype=torch.int64)
-        torch.cumsum(lens_t, 0, out=qsl[1:])
-        num_tokens = int(qsl[-1])
-        # position of every token = its request's computed count + offset within this step's chunk
-        tok_req = torch.repeat_interleave(torch.arange(len(entries)), lens_t)
-        positions = starts_t[tok_req] + (torch.arange(num_tokens) - qsl[:-1][tok_req])
-        bs = self.block_size
-        tok_rows = rows_t[tok_req]
-        slot_mapping = self.block_table[tok_rows, positions // bs] * bs + positions % bs
-        if (self.decoder is not None and num_tokens == len(entries) and num_tokens <= self.decoder.max_tokens):
-            seq_lens = starts_t + 1  # decode-only step: one token per request, at position starts_t
-            block_ids = self.block_table[rows_t, : -(-int(seq_lens.max()) // bs)]
-            hidden = self.decoder.forward(input_ids, positions, slot_mapping, block_ids, seq_lens)
-        else:
-            meta = self._attention_metadata(entries, rows_t, starts_t, lens_t, qsl, slot_mapping)
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        flat = self.flat_batch(rows, starts, lens, self.decoder)
+        qsl = flat.query_start_loc
+        hidden = self.forward(self.model, self.decoder, self.kv_caches, input_ids, flat)
 
         spec_idx = [i for i, e in enumerate(entries) if e.samples and e.spec_token_ids]
         sample_idx = [i for i, e in enumerate(entries) if e.samples and not e.spec_token_ids]
@@ -186,8 +186,10 @@ class ModelRunner:
         idx = torch.cat([torch.arange(int(e) - len(d) - 1, int(e)) for e, d in zip(ends, drafts)])
         logits = self._logits(hidden[idx])
         spec_rows = [rows[i] for i in spec_idx]
+        # Draft-model drafts come with their probabilities q (n-gram drafts have none: q is a point mass).
+        q = self.drafter.draft_probs(spec_rows, max(map(len, drafts))) if self.drafter is not None else None
         emitted = verify_drafts(logits, spec_rows, drafts, self.sampling,
-                                self._draft_bitmask([entries[i].request for i in spec_idx], drafts))
+                                self._draft_bitmask([entries[i].request for i in spec_idx], drafts), q)
         self.sampling.append_tokens(spec_rows, emitted)
         return {entries[i].request.request_id: toks for i, toks in zip(spec_idx, emitted)}
 
@@ -201,9 +203,47 @@ class ModelRunner:
                for r, d in zip(reqs, drafts) for _ in range(len(d) + 1)]
         return so.grammar_bitmask(ids, {r.request_id: d for r, d in zip(reqs, drafts)})
 
-    def _attention_metadata(self, entries, rows_t, starts_t, lens_t, qsl, slot_mapping) -> AttentionMetadata:
+
+    def flat_batch(self, rows: list[int], starts: list[int], lens: list[int], decoder=None) -> FlatBatch:
+        """Positions, slot mapping, query_start_loc and attention metadata of a flat batch: request i sits at
+        persistent row rows[i] and computes lens[i] tokens from position starts[i].  Requests with one token
+        (decodes) must come first.  The draft proposer builds its batches with this too (same block table).
+        With a C decoder that takes the batch (decode-only, small), the metadata it needs instead."""
+        rows_t = torch.tensor(rows, dtype=torch.int64)
+        starts_t = torch.tensor(starts, dtype=torch.int64)
+        lens_t = torch.tensor(lens, dtype=torch.int64)
+        qsl = torch.zeros(len(rows) + 1, dtype=torch.int64)
+        torch.cumsum(lens_t, 0, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+        # position of every token = its request's computed count + offset within this step's chunk
+        tok_req = torch.repeat_interleave(torch.arange(len(rows)), lens_t)
+        positions = starts_t[tok_req] + (torch.arange(num_tokens) - qsl[:-1][tok_req])
         bs = self.block_size
-        nd = sum(1 for e in entries if e.num_new_tokens == 1)
+        tok_rows = rows_t[tok_req]
+        slot_mapping = self.block_table[tok_rows, positions // bs] * bs + positions % bs
+        if decoder is not None and num_tokens <= decoder.max_tokens:
+            # The C decoder writes every token's K/V before any attention, and each token attends to its own
+            # request's cache up to its own position: causal attention for any query length.  So a small step
+            # with verification rows (or short chunks) runs there too, token by token, not only pure decodes.
+            seq_lens = positions + 1
+            block_ids = self.block_table[tok_rows, : -(-int(seq_lens.max()) // bs)]
+            return FlatBatch(positions, slot_mapping, qsl, None, block_ids, seq_lens)
+        nd = 0
+        while nd < len(lens) and lens[nd] == 1:
+            nd += 1
+        meta = self._attention_metadata(nd, rows_t, starts_t, lens_t, qsl, slot_mapping)
+        return FlatBatch(positions, slot_mapping, qsl, meta)
+
+    @staticmethod
+    def forward(model, decoder, kv_caches: list[torch.Tensor], input_ids: torch.Tensor, flat: FlatBatch,
+                num_layers: int | None = None) -> torch.Tensor:
+        """Hidden states of a flat batch: through the C decoder when flat_batch chose it, else the torch model."""
+        if flat.meta is None:
+            return decoder.forward(input_ids, flat.positions, flat.slot_mapping, flat.decode_block_ids, flat.seq_lens)
+        return model(input_ids, flat.positions, kv_caches, flat.meta, num_layers=num_layers)
+
+    def _attention_metadata(self, nd: int, rows_t, starts_t, lens_t, qsl, slot_mapping) -> AttentionMetadata:
+        bs = self.block_size
         dec_blocks = dec_mask = None
         if nd:
             seq_lens = starts_t[:nd] + 1
@@ -213,7 +253,7 @@ class ModelRunner:
                 pos = torch.arange(nb * bs)
                 dec_mask = (pos[None, :] < seq_lens[:, None])[:, None, None, :]
         prefills = []
-        for i in range(nd, len(entries)):
+        for i in range(nd, len(rows_t)):
             ctx = int(starts_t[i] + lens_t[i])
             prefills.append(PrefillChunk(int(qsl[i]), int(qsl[i + 1]), self.block_table[rows_t[i], : -(-ctx // bs)],
                                          ctx, causal_mask(int(lens_t[i]), ctx, self.group, self.device)))

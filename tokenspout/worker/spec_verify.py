@@ -31,9 +31,11 @@ def spec_eligible(req: Request) -> bool:
 
 
 def verify_drafts(logits: torch.Tensor, rows: list[int], drafts: list[list[int]],
-                  sampling: SamplingState, grammar_bitmask: torch.Tensor | None = None) -> list[list[int]]:
+                  sampling: SamplingState, grammar_bitmask: torch.Tensor | None = None,
+                  draft_probs: torch.Tensor | None = None) -> list[list[int]]:
     """logits: [sum(len(d) + 1), V] in request order (each request's drafted positions, then its bonus position);
-    grammar_bitmask: one row per such position (see StructuredOutputManager.grammar_bitmask with drafts), or None.
+    grammar_bitmask: one row per such position (see StructuredOutputManager.grammar_bitmask with drafts), or None;
+    draft_probs: [B, max len(d), V], the draft model's q of each drafted token (None for n-gram drafts).
     Returns the tokens each request emits (accepted drafts + one recovered or bonus token)."""
     k = max(len(d) for d in drafts)
     counts = [len(d) + 1 for d in drafts]
@@ -47,7 +49,7 @@ def verify_drafts(logits: torch.Tensor, rows: list[int], drafts: list[list[int]]
     draft_ids, num_draft = pack_drafts(drafts, k)
     target = pad_positions(probs_from_logits(processed), num_draft, k)
     argmax = pad_positions(processed.argmax(-1, keepdim=True), num_draft, k).squeeze(-1)
-    out, num_emitted = rejection_sample(target, draft_ids, None, num_draft, md.is_greedy[first],
+    out, num_emitted = rejection_sample(target, draft_ids, draft_probs, num_draft, md.is_greedy[first],
                                         (md.seeds[first], base_positions), any_greedy=md.any_greedy,
                                         all_greedy=md.all_greedy, target_argmax=argmax)
     packed = torch.cat([num_emitted[:, None], out], dim=1).tolist()
