@@ -17,15 +17,16 @@ import torch
 
 from tokenspout.kernels import cpu
 from tokenspout.models.llama import LlamaForCausalLM
+from tokenspout.models.quantize import WT_Q4, WT_Q8
 
 # Up to this many decode tokens a step runs through the kernels (larger: the torch model, MKL GEMMs).  Measured
-# on this 2-core AVX2 machine (/tmp-free numbers in the closing notes of issue 8): the float32 row-streaming kernel
-# still beat MKL at 64 decode tokens on one core; see bench/compare.py for the end-to-end effect.
+# on this 2-core AVX2 machine (offline generation, one core): the float32 row-streaming kernel still beat MKL at 64
+# decode tokens (128 vs 117 tok/s); see bench/compare.py for the end-to-end effect.
 MAX_TOKENS = 64
 # Up to this many tokens the packed quantized codes are streamed; above it the kernels use the float32 copy of the
 # same (dequantized) weights: the codes are converted once per batch row, which costs more than their bytes save
 # once a step holds many rows (int4 crossed over at ~12 rows on one core, int8 at ~24).
-QUANTIZED_MAX_TOKENS = {1: 16, 2: 8}  # by kernel weight type: Q8, Q4
+QUANTIZED_MAX_TOKENS = {WT_Q8: 16, WT_Q4: 8}
 
 
 def supported(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
