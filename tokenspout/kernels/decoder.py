@@ -17,16 +17,14 @@ import torch
 
 from tokenspout.kernels import cpu
 from tokenspout.models.llama import LlamaForCausalLM
-from tokenspout.models.quantize import WT_Q4, WT_Q8
 
-# Up to this many decode tokens a step runs through the kernels (larger: the torch model, MKL GEMMs).  Measured
-# on this 2-core AVX2 machine (offline generation, one core): the float32 row-streaming kernel still beat MKL at 64
-# decode tokens (128 vs 117 tok/s); see bench/compare.py for the end-to-end effect.
+# Up to this many tokens a step runs through the kernels (larger: the torch model, MKL GEMMs).  Measured on this
+# 2-core AVX2 machine (offline generation, one core): the float32 row-streaming kernel still beat MKL at 64 decode
+# tokens (128 vs 117 tok/s).  Quantized weights run with int8 activations (integer dot products, the codes unpacked
+# once per block for every row), which beat float32 at every batch size measured: 1.6x at one row, 1.2-1.6x at
+# 16-128 rows (168 tok/s at 128 rows on one core), so quantized models keep larger steps in the kernels.
 MAX_TOKENS = 64
-# Up to this many tokens the packed quantized codes are streamed; above it the kernels use the float32 copy of the
-# same (dequantized) weights: the codes are converted once per batch row, which costs more than their bytes save
-# once a step holds many rows (int4 crossed over at ~12 rows on one core, int8 at ~24).
-QUANTIZED_MAX_TOKENS = {WT_Q8: 16, WT_Q4: 8}
+QUANTIZED_MAX_TOKENS = 128
 
 
 def supported(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
@@ -79,13 +77,10 @@ class CpuDecoder:
                              a.head_dim, slots, block_size, a.rms_norm_eps, a.head_dim**-0.5, layers,
                              ptr(model.rotary.cos.contiguous()), ptr(model.rotary.sin.contiguous()))
 
-        self.desc_f32 = descriptor(False)
-        self.desc_q = descriptor(True) if q else None
-        # the quantized codes are worth streaming up to this many rows (per weight type; all layers share one)
-        self.q_max_tokens = min(QUANTIZED_MAX_TOKENS[w.wt] for w in q.values()) if q else 0
-        self.max_tokens = MAX_TOKENS
-        self.lm_head_q = q.get("lm_head")
-        self.lm_head_f32 = model.lm_head.weight.data
+        # quantized models stream their packed codes at every batch size; float32 ones their float32 weights
+        self.desc = descriptor(bool(q))
+        self.max_tokens = QUANTIZED_MAX_TOKENS if q else MAX_TOKENS
+        self.lm_head = q.get("lm_head", model.lm_head.weight.data)
         self.scratch_per_token = (a.hidden_size + (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
                                   + a.num_heads * a.head_dim + 3 * a.intermediate_size)
 
@@ -96,8 +91,7 @@ class CpuDecoder:
         t = input_ids.shape[0]
         x = self.model.embed_tokens(input_ids).contiguous()
         scratch = torch.empty(t * self.scratch_per_token, dtype=torch.float32)
-        desc = self.desc_q if t <= self.q_max_tokens else self.desc_f32
-        self.lib.ts_decode_layers(ctypes.byref(desc), x.data_ptr(), t, positions.data_ptr(),
+        self.lib.ts_decode_layers(ctypes.byref(self.desc), x.data_ptr(), t, positions.data_ptr(),
                                   slot_mapping.data_ptr(), block_ids.data_ptr(), block_ids.shape[1],
                                   seq_lens.data_ptr(), scratch.data_ptr())
         return x
@@ -111,5 +105,4 @@ class CpuDecoder:
         hidden = hidden.contiguous()
         self.lib.ts_rmsnorm(hidden.data_ptr(), hidden.shape[0], hidden.shape[1],
                             self.model.norm.weight.data.data_ptr(), self.arch.rms_norm_eps, h.data_ptr())
-        head = self.lm_head_q if self.lm_head_q is not None and n <= self.q_max_tokens else self.lm_head_f32
-        return cpu.linear(self.lib, h, head)
+        return cpu.linear(self.lib, h, self.lm_head)
