@@ -8,6 +8,7 @@ import torch
 from tests.helpers import make_core, run_to_completion
 from tests.parity.test_greedy_parity import PROMPTS
 from tokenspout.config import ModelConfig
+from tokenspout.engine.messages import EngineCoreRequest
 from tokenspout.kernels import cpu
 from tokenspout.models.loader import load_model
 from tokenspout.sampling_params import SamplingParams
@@ -89,3 +90,46 @@ def test_int8_quality_bound(model_path, loaded_model, prompt_ids):
     print(f"int8 vs float32: max |logit error| {max(errs):.3f}, first greedy token agrees on {agree}/{len(lf)}")
     assert max(errs) < 1.5, errs
     assert agree >= len(lf) - 1
+
+
+def test_mixed_step_runs_decodes_in_kernels_and_chunks_in_torch(loaded_model, prompt_ids, tokenizer):
+    """A step above the kernels' token limit (decodes + a long prefill chunk) runs its decode rows through the
+    C decoder and only the chunk through torch; tokens and logits agree with the torch path for everything."""
+    long = tokenizer(" ".join(["The quick brown fox jumps over the lazy dog."] * 12)).input_ids
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+    def run(use_kernels: bool):
+        core = make_core(loaded_model)
+        assert len(long) > core.runner.decoder.max_tokens
+        if not use_kernels:
+            core.runner.decoder = None
+        splits, flat_batch = [], core.runner.flat_batch
+
+        def spy(*args, **kw):
+            flat = flat_batch(*args, **kw)
+            splits.append((flat.kernel_tokens, flat.meta is not None))
+            return flat
+
+        core.runner.flat_batch = spy
+        logits: dict[str, list[torch.Tensor]] = {}
+        core.runner.logits_hook = lambda ids, lg: [logits.setdefault(r, []).append(lg[i].clone())
+                                                   for i, r in enumerate(ids)]
+        for i, ids in enumerate(prompt_ids[:4]):
+            core.add_request(EngineCoreRequest(str(i), ids, params))
+        out: dict[str, list[int]] = {}
+        for step in range(200):
+            if step == 3:
+                core.add_request(EngineCoreRequest("long", long, params))
+            if step > 3 and not core.has_unfinished_requests():
+                break
+            for o in core.step().outputs:
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return out, logits, splits
+
+    ours, lk, splits = run(True)
+    ref, lt, _ = run(False)
+    assert (4, True) in splits  # four decode rows in the kernels beside the torch chunk
+    assert ours == ref and len(ours) == 5
+    for r in ref:
+        for a, b in zip(lk[r], lt[r]):
+            assert float((a - b).abs().max()) < 1e-3

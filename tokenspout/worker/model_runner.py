@@ -36,9 +36,11 @@ class FlatBatch:
     positions: torch.Tensor  # [T] position of every token
     slot_mapping: torch.Tensor  # [T] where each token's K/V is written
     query_start_loc: torch.Tensor  # [R + 1]
-    meta: AttentionMetadata | None  # None: a small decode-only batch for the C decoder (the two fields below)
-    decode_block_ids: torch.Tensor | None = None  # [R, nb] padded block table rows
-    seq_lens: torch.Tensor | None = None  # [R] = positions + 1
+    # The torch model's metadata for tokens kernel_tokens.. (None: the C decoder runs the whole batch)
+    meta: AttentionMetadata | None
+    decode_block_ids: torch.Tensor | None = None  # [kernel_tokens, nb] block table row of each C decoder token
+    seq_lens: torch.Tensor | None = None  # [kernel_tokens] = positions + 1
+    kernel_tokens: int = 0  # the first tokens, which the C decoder runs
 
 
 class ModelRunner:
@@ -221,26 +223,42 @@ class ModelRunner:
         bs = self.block_size
         tok_rows = rows_t[tok_req]
         slot_mapping = self.block_table[tok_rows, positions // bs] * bs + positions % bs
+        nd = 0
+        while nd < len(lens) and lens[nd] == 1:
+            nd += 1
         if decoder is not None and num_tokens <= decoder.max_tokens:
             # The C decoder writes every token's K/V before any attention, and each token attends to its own
             # request's cache up to its own position: causal attention for any query length.  So a small step
             # with verification rows (or short chunks) runs there too, token by token, not only pure decodes.
-            seq_lens = positions + 1
-            block_ids = self.block_table[tok_rows, : -(-int(seq_lens.max()) // bs)]
-            return FlatBatch(positions, slot_mapping, qsl, None, block_ids, seq_lens)
-        nd = 0
-        while nd < len(lens) and lens[nd] == 1:
-            nd += 1
-        meta = self._attention_metadata(nd, rows_t, starts_t, lens_t, qsl, slot_mapping)
-        return FlatBatch(positions, slot_mapping, qsl, meta)
+            k = num_tokens
+        elif decoder is not None and nd <= decoder.max_tokens:
+            # A larger step (decodes + prefill chunks): the decode rows still run through the C decoder and only
+            # the chunks through the torch model.  Requests are independent, so the two forwards are exact.
+            k = nd
+        else:
+            meta = self._attention_metadata(nd, rows_t, starts_t, lens_t, qsl, slot_mapping)
+            return FlatBatch(positions, slot_mapping, qsl, meta)
+        seq_lens = positions[:k] + 1
+        block_ids = self.block_table[tok_rows[:k], : -(-int(seq_lens.max()) // bs)] if k else None
+        meta = None
+        if k < num_tokens:
+            meta = self._attention_metadata(0, rows_t[nd:], starts_t[nd:], lens_t[nd:], qsl[nd:] - k,
+                                            slot_mapping[k:])
+        return FlatBatch(positions, slot_mapping, qsl, meta, block_ids, seq_lens, k)
 
     @staticmethod
     def forward(model, decoder, kv_caches: list[torch.Tensor], input_ids: torch.Tensor, flat: FlatBatch,
                 num_layers: int | None = None) -> torch.Tensor:
         """Hidden states of a flat batch: through the C decoder when flat_batch chose it, else the torch model."""
+        k = flat.kernel_tokens
         if flat.meta is None:
             return decoder.forward(input_ids, flat.positions, flat.slot_mapping, flat.decode_block_ids, flat.seq_lens)
-        return model(input_ids, flat.positions, kv_caches, flat.meta, num_layers=num_layers)
+        rest = model(input_ids[k:], flat.positions[k:], kv_caches, flat.meta, num_layers=num_layers)
+        if not k:
+            return rest
+        first = decoder.forward(input_ids[:k], flat.positions[:k], flat.slot_mapping[:k], flat.decode_block_ids,
+                                flat.seq_lens)
+        return torch.cat([first, rest])
 
     def _attention_metadata(self, nd: int, rows_t, starts_t, lens_t, qsl, slot_mapping) -> AttentionMetadata:
         bs = self.block_size
