@@ -205,15 +205,25 @@ static inline void store(float *y, int64_t i, float v, const float *bias, int64_
     y[i] = acc ? y[i] + v : v;
 }
 
+static ts_qact qact_alloc(int64_t M, int64_t K) {
+    ts_qact a = {(int16_t *)malloc(sizeof(int16_t) * (size_t)(M * K)), (float *)malloc(sizeof(float) * (size_t)(M * K / 32)),
+                 (float *)malloc(sizeof(float) * (size_t)(M * K / 32))};
+    return a;
+}
+
+static void qact_free(ts_qact *a) { free(a->q); free(a->d); free(a->s); }
+
 /* y[m, n] (+)= sum_k x[m, k] W[n, k] (+ bias[n]), for m < M, n < N; K % 8 == 0 (K % 32 == 0 quantized).
  * Each block of four weight rows is read from memory once and stays in L1 for every batch row.  Quantized
- * weights have N padded to a multiple of 4 (padding rows are computed, never stored). */
-void ts_linear(const float *x, int64_t ldx, int64_t M, const ts_weight *W, const float *bias, int64_t N, int64_t K,
-               float *y, int64_t ldy, int accumulate) {
+ * weights have N padded to a multiple of 4 (padding rows are computed, never stored) and read x as its int16
+ * quantization `a`.  Runs inside a parallel region: the blocks are shared out by an orphaned `omp for`, whose end
+ * is the barrier after which y is complete. */
+static void linear_body(const float *x, int64_t ldx, int64_t M, const ts_weight *W, const float *bias, int64_t N,
+                        int64_t K, float *y, int64_t ldy, int accumulate, const ts_qact *a) {
     if (W->wt == WT_F32) {
         const float *w = (const float *)W->w;
         const int64_t nblk = N / 4;
-#pragma omp parallel for schedule(static)
+#pragma omp for schedule(static) nowait
         for (int64_t b = 0; b < nblk; b++) {
             const int64_t n = b * 4;
             for (int64_t m = 0; m < M; m += 2) {
@@ -226,29 +236,38 @@ void ts_linear(const float *x, int64_t ldx, int64_t M, const ts_weight *W, const
                 }
             }
         }
+#pragma omp for schedule(static)
         for (int64_t n = nblk * 4; n < N; n++)
             for (int64_t m = 0; m < M; m++)
                 store(y, m * ldy + n, row1_f32(w, n, K, x + m * ldx), bias, n, accumulate);
         return;
     }
-    const int64_t G = K / 32, nblk = (N + 3) / 4;
-    ts_qact a = {(int16_t *)malloc(sizeof(int16_t) * (size_t)(M * K)), (float *)malloc(sizeof(float) * (size_t)(M * G)),
-                 (float *)malloc(sizeof(float) * (size_t)(M * G))};
-    quantize_act(x, ldx, M, K, &a);
-#pragma omp parallel for schedule(static)
+    const int64_t nblk = (N + 3) / 4;
+#pragma omp for schedule(static)
     for (int64_t b = 0; b < nblk; b++) {
         const int64_t n = b * 4;
         float o[MT * 4];
         for (int64_t m0 = 0; m0 < M; m0 += MT) {
             const int64_t mt = M - m0 < MT ? M - m0 : MT;
             /* a literal weight type per call: the format branches fold away inside the loops */
-            if (W->wt == WT_Q8) block_q(W, WT_Q8, b, K, &a, m0, mt, o);
-            else block_q(W, WT_Q4, b, K, &a, m0, mt, o);
+            if (W->wt == WT_Q8) block_q(W, WT_Q8, b, K, a, m0, mt, o);
+            else block_q(W, WT_Q4, b, K, a, m0, mt, o);
             for (int64_t m = 0; m < mt; m++)
                 for (int r = 0; r < 4 && n + r < N; r++) store(y, (m0 + m) * ldy + n + r, o[m * 4 + r], bias, n + r, accumulate);
         }
     }
-    free(a.q); free(a.d); free(a.s);
+}
+
+void ts_linear(const float *x, int64_t ldx, int64_t M, const ts_weight *W, const float *bias, int64_t N, int64_t K,
+               float *y, int64_t ldy, int accumulate) {
+    ts_qact a = {NULL, NULL, NULL};
+    if (W->wt != WT_F32) {
+        a = qact_alloc(M, K);
+        quantize_act(x, ldx, M, K, &a);
+    }
+#pragma omp parallel
+    linear_body(x, ldx, M, W, bias, N, K, y, ldy, accumulate, &a);
+    if (W->wt != WT_F32) qact_free(&a);
 }
 
 /* out[m] = weight * x[m] / sqrt(mean(x[m]^2) + eps), in float32 like transformers. */
@@ -295,12 +314,12 @@ static inline float dot(const float *a, const float *b, int64_t D) {
 
 /* Decode attention over the paged cache, in place (no gather): token t's query heads (row stride ldq) attend to
  * positions 0..seq_lens[t]-1 of its blocks.  Query head h uses KV head h / G (GQA).  Parallel over (t, kv head). */
-void ts_attn_decode(const float *q, int64_t ldq, const float *kv, int64_t slots, const int64_t *block_ids,
-                    int64_t nb, const int64_t *seq_lens, int64_t bs, int64_t T, int64_t H, int64_t Hkv,
-                    int64_t D, float scale, float *out, int64_t ldo) {
+static void attn_body(const float *q, int64_t ldq, const float *kv, int64_t slots, const int64_t *block_ids,
+                      int64_t nb, const int64_t *seq_lens, int64_t bs, int64_t T, int64_t H, int64_t Hkv,
+                      int64_t D, float scale, float *out, int64_t ldo) {
     const int64_t G = H / Hkv, tok = Hkv * D;
     const float *kc = kv, *vc = kv + slots * tok;
-#pragma omp parallel for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1)
     for (int64_t th = 0; th < T * Hkv; th++) {
         const int64_t t = th / Hkv, h = th % Hkv, L = seq_lens[t];
         const int64_t *bt = block_ids + t * nb;
@@ -330,6 +349,13 @@ void ts_attn_decode(const float *q, int64_t ldq, const float *kv, int64_t slots,
     }
 }
 
+void ts_attn_decode(const float *q, int64_t ldq, const float *kv, int64_t slots, const int64_t *block_ids,
+                    int64_t nb, const int64_t *seq_lens, int64_t bs, int64_t T, int64_t H, int64_t Hkv,
+                    int64_t D, float scale, float *out, int64_t ldo) {
+#pragma omp parallel
+    attn_body(q, ldq, kv, slots, block_ids, nb, seq_lens, bs, T, H, Hkv, D, scale, out, ldo);
+}
+
 /* One decoder layer's weights, as the loader laid them out (fused qkv and gate_up). */
 typedef struct {
     const float *ln1, *ln2;
@@ -345,31 +371,50 @@ typedef struct {
     const float *cos, *sin; /* [max_pos, D/2] */
 } ts_model;
 
-/* Every decoder layer for M decode tokens (one per request): x [M, hidden] is updated in place (the residual
- * stream); scratch holds M * (qkv + H*D + 2*inter + inter + hidden) floats. */
+/* Every decoder layer for M tokens: x [M, hidden] is updated in place (the residual stream); scratch holds
+ * M * (hidden + qkv + H*D + 2*inter + inter) floats.
+ * One parallel region for the whole stack: the threads stay in it, and each step that needs every thread's output
+ * ends in a barrier (6 per layer) instead of a fork and a join per parallel loop (10 per layer).  The cheap serial
+ * parts (RMSNorm, the activations' int16 quantization) run redundantly on every thread into private buffers, so
+ * they need no barrier. */
 void ts_decode_layers(const ts_model *md, float *x, int64_t M, const int64_t *positions, const int64_t *slot_mapping,
                       const int64_t *block_ids, int64_t nb, const int64_t *seq_lens, float *scratch) {
     const int64_t E = md->hidden, H = md->H, Hkv = md->Hkv, D = md->D, I = md->inter;
     const int64_t nqkv = (H + 2 * Hkv) * D, tok = Hkv * D, half = D / 2;
-    float *h = scratch, *qkv = h + M * E, *att = qkv + M * nqkv, *gu = att + M * H * D, *act = gu + M * 2 * I;
-    for (int64_t l = 0; l < md->num_layers; l++) {
-        const ts_layer *L = md->layers + l;
-        ts_rmsnorm(x, M, E, L->ln1, md->eps, h);
-        ts_linear(h, E, M, &L->qkv, L->qkv_bias, nqkv, E, qkv, nqkv, 0);
-        for (int64_t m = 0; m < M; m++) {
-            float *row = qkv + m * nqkv;
-            const float *c = md->cos + positions[m] * half, *s = md->sin + positions[m] * half;
-            rope(row, H, D, c, s);
-            rope(row + H * D, Hkv, D, c, s);
-            memcpy(L->kv + slot_mapping[m] * tok, row + H * D, sizeof(float) * tok);
-            memcpy(L->kv + (md->slots + slot_mapping[m]) * tok, row + H * D + tok, sizeof(float) * tok);
+    float *qkv = scratch + M * E, *att = qkv + M * nqkv, *gu = att + M * H * D, *act = gu + M * 2 * I;
+    const int quant = md->layers[0].qkv.wt != WT_F32;
+#pragma omp parallel
+    {
+        const int64_t kmax = E > I ? (E > H * D ? E : H * D) : (I > H * D ? I : H * D);
+        float *h = (float *)malloc(sizeof(float) * (size_t)(M * E)); /* this thread's normalized input */
+        ts_qact a = quant ? qact_alloc(M, kmax) : (ts_qact){NULL, NULL, NULL};
+        for (int64_t l = 0; l < md->num_layers; l++) {
+            const ts_layer *L = md->layers + l;
+            ts_rmsnorm(x, M, E, L->ln1, md->eps, h);
+            if (quant) quantize_act(h, E, M, E, &a);
+            linear_body(h, E, M, &L->qkv, L->qkv_bias, nqkv, E, qkv, nqkv, 0, &a);
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++) {
+                float *row = qkv + m * nqkv;
+                const float *c = md->cos + positions[m] * half, *s = md->sin + positions[m] * half;
+                rope(row, H, D, c, s);
+                rope(row + H * D, Hkv, D, c, s);
+                memcpy(L->kv + slot_mapping[m] * tok, row + H * D, sizeof(float) * tok);
+                memcpy(L->kv + (md->slots + slot_mapping[m]) * tok, row + H * D + tok, sizeof(float) * tok);
+            }
+            attn_body(qkv, nqkv, L->kv, md->slots, block_ids, nb, seq_lens, md->block_size, M, H, Hkv, D,
+                      md->scale, att, H * D);
+            if (quant) quantize_act(att, H * D, M, H * D, &a);
+            linear_body(att, H * D, M, &L->o, NULL, E, H * D, x, E, 1, &a);
+            ts_rmsnorm(x, M, E, L->ln2, md->eps, h);
+            if (quant) quantize_act(h, E, M, E, &a);
+            linear_body(h, E, M, &L->gate_up, NULL, 2 * I, E, gu, 2 * I, 0, &a);
+#pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++) silu_mul(gu + m * 2 * I, 1, I, act + m * I);
+            if (quant) quantize_act(act, I, M, I, &a);
+            linear_body(act, I, M, &L->down, NULL, E, I, x, E, 1, &a);
         }
-        ts_attn_decode(qkv, nqkv, L->kv, md->slots, block_ids, nb, seq_lens, md->block_size, M, H, Hkv, D,
-                       md->scale, att, H * D);
-        ts_linear(att, H * D, M, &L->o, NULL, E, H * D, x, E, 1);
-        ts_rmsnorm(x, M, E, L->ln2, md->eps, h);
-        ts_linear(h, E, M, &L->gate_up, NULL, 2 * I, E, gu, 2 * I, 0);
-        silu_mul(gu, M, I, act);
-        ts_linear(act, I, M, &L->down, NULL, E, I, x, E, 1);
+        free(h);
+        if (quant) qact_free(&a);
     }
 }
