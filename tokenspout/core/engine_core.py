@@ -53,6 +53,17 @@ class EngineCore:
         small = self.runner.decoder.max_tokens if self.runner.decoder is not None else 0
         self.policy = SpecPolicy(spec, cost, free_drafts=self.proposer is not None, small_step_tokens=small)
         self.scheduler.on_spec_round = self.policy.record
+        self._tokenizer = None  # the HF tokenizer, for grammars: loaded by warm_up() or the first grammar request
+
+    def warm_up(self) -> None:
+        """Loads what a first grammar request would otherwise wait for, while the engine is idle (EngineCoreProc
+        calls it once, when idle after READY): the tokenizer and with it transformers (~1 s of imports that the
+        start-up no longer pays) and the grammar manager's module.  Building the grammar backend stays lazy."""
+        if self._tokenizer is None:
+            from tokenspout.engine.tokenizer import load_tokenizer
+            from tokenspout.structured_output import manager  # noqa: F401 - imported for its cost, now
+
+            self._tokenizer = load_tokenizer(self.loaded.path)
 
     def add_request(self, req: EngineCoreRequest) -> None:
         if req.request_id in self.scheduler.requests:
@@ -91,11 +102,10 @@ class EngineCore:
     def _structured(self):
         """The grammar manager, created on the first structured request (engines without one pay nothing)."""
         if self.scheduler.structured is None:
-            from tokenspout.engine.tokenizer import load_tokenizer
             from tokenspout.structured_output.manager import StructuredOutputManager
 
-            tok = load_tokenizer(self.loaded.path)
-            mgr = StructuredOutputManager(tok, self.loaded.arch.vocab_size,
+            self.warm_up()
+            mgr = StructuredOutputManager(self._tokenizer, self.loaded.arch.vocab_size,
                                           max_num_rows=self.config.scheduler.max_num_seqs)
             self.scheduler.structured = mgr
             self.runner.structured = mgr

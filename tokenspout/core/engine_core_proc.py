@@ -132,8 +132,18 @@ class EngineCoreProc:
     def _busy_loop(self) -> None:
         core = self.core
         last_stats = None
+        warmed = False
         while not self.stopping.is_set():
             block = not core.has_unfinished_requests()
+            if block and not warmed and self.inputs.empty():
+                # Idle (right after READY, unless requests came at once): load what the first grammar request
+                # needs now, so it does not wait for it.  A request that arrives meanwhile waits ~1 s, once.
+                warmed = True
+                try:
+                    core.warm_up()
+                except Exception as e:  # noqa: BLE001 - optional: a grammar request will report the real error
+                    logger.warning("warm-up failed: %s", e)
+                continue
             try:
                 item = self.inputs.get(timeout=1.0) if block else self.inputs.get_nowait()
             except queue.Empty:

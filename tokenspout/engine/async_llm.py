@@ -29,11 +29,18 @@ _CHUNK = 128  # outputs processed between two yields to the event loop
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, on_wait=None):
+    def __init__(self, config: EngineConfig, on_wait=None, client: AsyncMPClient | None = None):
+        """client: the engine process, already started for this config (AsyncMPClient(config, wait=False))."""
         self.config = config
-        self.tokenizer = load_tokenizer(config.model.model)
-        self.client = AsyncMPClient(config, on_wait=on_wait)
-        info = self.client.info
+        # The engine process starts first (unless the caller started it): it loads the model while this process
+        # loads the tokenizer.
+        self.client = client or AsyncMPClient(config, wait=False)
+        try:
+            self.tokenizer = load_tokenizer(config.model.model)
+            info = self.client.wait_ready(on_wait)
+        except BaseException:
+            self.client.shutdown()
+            raise
         self.model_name = info.model_name
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size

@@ -84,7 +84,9 @@ def _cleanup(proc: subprocess.Popen, ipc_dir: str) -> None:
 class _MPBase:
     """Starts the engine process, waits for READY, owns the two sockets and the process's lifetime."""
 
-    def __init__(self, config: EngineConfig, ready_timeout_s: float = 600.0, on_wait=None):
+    def __init__(self, config: EngineConfig, ready_timeout_s: float = 600.0, on_wait=None, wait: bool = True):
+        """wait=False: start the engine process and return; call wait_ready() before using the client (the
+        caller loads its tokenizer meanwhile, in parallel with the engine's start-up)."""
         self.ipc_dir = tempfile.mkdtemp(prefix="tokenspout-")
         input_addr, output_addr = f"ipc://{self.ipc_dir}/in", f"ipc://{self.ipc_dir}/out"
         self.ctx = zmq.Context()
@@ -103,7 +105,16 @@ class _MPBase:
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self.dead_reason: str | None = None
-        self.info = self._wait_ready(ready_timeout_s, on_wait)
+        self.ready_timeout_s = ready_timeout_s
+        self.info: EngineReady | None = None
+        if wait:
+            self.wait_ready(on_wait)
+
+    def wait_ready(self, on_wait=None) -> EngineReady:
+        """Blocks until the engine has loaded its model (READY); raises RuntimeError if it failed or exited."""
+        if self.info is None:
+            self.info = self._wait_ready(self.ready_timeout_s, on_wait)
+        return self.info
 
     def _wait_ready(self, timeout_s: float, on_wait) -> EngineReady:
         deadline = time.monotonic() + timeout_s
@@ -178,9 +189,15 @@ class SyncMPClient(_MPBase):
 
 class AsyncMPClient(_MPBase):
     def __init__(self, config: EngineConfig, **kw):
+        # The output socket, asyncio flavour: created after the blocking READY handshake.
+        self.async_out: zmq.asyncio.Socket | None = None
         super().__init__(config, **kw)
-        # Same sockets, asyncio flavour (created after the blocking READY handshake).
-        self.async_out = zmq.asyncio.Socket.shadow(self.out_sock)
+
+    def wait_ready(self, on_wait=None) -> EngineReady:
+        info = super().wait_ready(on_wait)
+        if self.async_out is None:
+            self.async_out = zmq.asyncio.Socket.shadow(self.out_sock)
+        return info
 
     async def get_output_async(self) -> EngineCoreOutputs:
         while not await self.async_out.poll(_POLL_MS):

@@ -26,7 +26,7 @@ from tokenspout.engine.core_client import InprocClient, SyncMPClient
 from tokenspout.engine.output_processor import OutputProcessor
 from tokenspout.engine.processor import Processor
 from tokenspout.engine.tokenizer import load_tokenizer
-from tokenspout.models.loader import resolve_model_path
+from tokenspout.models.default_model import resolve_model_path  # not loader: the frontend never imports torch
 from tokenspout.outputs import RequestOutput
 from tokenspout.sampling_params import RequestOutputKind, SamplingParams
 
@@ -63,10 +63,17 @@ def build_engine_config(model: str | None = None, *, dtype: str = "float32", qua
 class LLM:
     def __init__(self, model: str | None = None, *, multiprocess: bool = True, on_wait=None, **engine_kwargs):
         self.config = build_engine_config(model, **engine_kwargs)
-        self.tokenizer = load_tokenizer(self.config.model.model)
         if multiprocess:
-            self.client = SyncMPClient(self.config, on_wait=on_wait)
+            # Start the engine process first: it loads the model while this process loads the tokenizer.
+            self.client = SyncMPClient(self.config, wait=False)
+            try:
+                self.tokenizer = load_tokenizer(self.config.model.model)
+                self.client.wait_ready(on_wait)
+            except BaseException:
+                self.client.shutdown()
+                raise
         else:
+            self.tokenizer = load_tokenizer(self.config.model.model)
             self.client = InprocClient(self.config)
         info = self.client.info
         self.model_name = info.model_name

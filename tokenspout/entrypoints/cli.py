@@ -96,13 +96,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from tokenspout.engine.async_llm import AsyncLLM
+    from tokenspout.engine.core_client import AsyncMPClient
     from tokenspout.engine.llm import build_engine_config
-    from tokenspout.entrypoints.openai.api_server import run_server
 
     config = build_engine_config(args.model, **engine_kwargs(args))  # converts the default model once, here
-    # The engine starts inside the server's lifespan: uvicorn accepts connections once it is ready.
-    run_server(lambda: AsyncLLM(config), host=args.host, port=args.port)
+    # Start the engine process now: it loads the model while this process imports the web stack and loads the
+    # tokenizer.  The server's lifespan waits for it: uvicorn accepts connections once the engine is ready.
+    client = AsyncMPClient(config, wait=False)
+    try:
+        from tokenspout.engine.async_llm import AsyncLLM
+        from tokenspout.entrypoints.openai.api_server import run_server
+
+        run_server(lambda: AsyncLLM(config, client=client), host=args.host, port=args.port)
+    finally:
+        client.shutdown()  # a no-op when the server has shut the engine down
     return 0
 
 

@@ -56,6 +56,14 @@ def default_model_path() -> Path:
     return target
 
 
+def resolve_model_path(model: str | None) -> tuple[Path, str]:
+    """(folder, name) of a --model argument; None: the default model, converted first if needed."""
+    if model is None:
+        return default_model_path(), DEFAULT_MODEL_NAME
+    path = Path(model).expanduser()
+    return path, path.name
+
+
 def _convert(gguf: Path, target: Path) -> None:
     import torch
     from safetensors.torch import save_file

@@ -10,12 +10,13 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 from safetensors import SafetensorError, safe_open
 
 from tokenspout.config import ModelConfig, read_hf_config
-from tokenspout.models.default_model import DEFAULT_MODEL_NAME, default_model_path
+from tokenspout.models.default_model import resolve_model_path
 from tokenspout.models.llama import LlamaArch, LlamaForCausalLM, Rotary
 from tokenspout.models.registry import model_class
 
@@ -28,19 +29,12 @@ class LoadedModel:
     path: Path
     name: str
     arch: LlamaArch
-    hf_config: object  # transformers PretrainedConfig (for rope parameters, eos ids)
+    hf_config: object  # config.json as attributes (SimpleNamespace) or a transformers PretrainedConfig
     max_model_len: int
     dtype: torch.dtype
     # packed codes for the decode kernels when ModelConfig.quantization is set (the model itself then holds the
     # dequantized weights)
     quantized: dict | None = None  # module name -> models.quantize.PackedWeight
-
-
-def resolve_model_path(model: str | None) -> tuple[Path, str]:
-    if model is None:
-        return default_model_path(), DEFAULT_MODEL_NAME
-    path = Path(model).expanduser()
-    return path, path.name
 
 
 def resolve_dtype(dtype: str) -> torch.dtype:
@@ -55,17 +49,47 @@ def resolve_dtype(dtype: str) -> torch.dtype:
     raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'auto', got {dtype!r}")
 
 
+# Fields the model reads from the config; transformers' defaults for them differ between architectures, so the
+# config is read without transformers only when it spells them all out.
+_REQUIRED_FIELDS = ("architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                    "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "max_position_embeddings",
+                    "tie_word_embeddings")
+
+
+def plain_hf_config(cfg: dict) -> SimpleNamespace | None:
+    """config.json as attributes when it spells out every field the model reads and uses plain (default) RoPE;
+    None when transformers must fill in a default or convert RoPE parameters.
+
+    Why: AutoConfig imports transformers' model machinery (accelerate, torch.distributed, sympy: ~2 s of CPU at
+    every engine start) to read a JSON file.  tests/unit/test_startup.py checks both give the same architecture
+    and RoPE tables."""
+    if any(cfg.get(k) is None for k in _REQUIRED_FIELDS):
+        return None
+    if cfg.get("head_dim") is None and "Qwen3ForCausalLM" in (cfg.get("architectures") or []):
+        return None  # Qwen3's default head_dim is 128, not hidden_size / num_heads
+    rope = cfg.get("rope_parameters") or {}
+    if cfg.get("rope_scaling") or cfg.get("partial_rotary_factor") not in (None, 1, 1.0):
+        return None
+    if rope.get("rope_type", rope.get("type", "default")) != "default" or set(rope) - {"rope_type", "type",
+                                                                                       "rope_theta"}:
+        return None
+    if rope.get("rope_theta") is None and cfg.get("rope_theta") is None:
+        return None
+    return SimpleNamespace(**cfg)
+
+
 def load_hf_config(path: Path):
+    cfg = read_hf_config(path)  # clear errors for missing folder / file / unsupported architecture first
+    plain = plain_hf_config(cfg)
+    if plain is not None:
+        return plain
     from transformers import AutoConfig
 
-    read_hf_config(path)  # clear errors for missing folder / file / unsupported architecture first
     return AutoConfig.from_pretrained(str(path), local_files_only=True)
 
 
 def rope_inv_freq(hf, head_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and attention scaling, computed by transformers' own RoPE functions (parity)."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     params = getattr(hf, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "default":
@@ -75,6 +99,8 @@ def rope_inv_freq(hf, head_dim: int) -> tuple[torch.Tensor, float]:
         raise ValueError(f"rope_scaling type {rope_type!r} is not supported (default, linear, llama3, yarn)")
     if rope_type == "dynamic":
         logger.warning("dynamic RoPE scaling is applied statically (as at the original context length)")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # imported only here: ~2 s of CPU
+
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, torch.device("cpu"))
     return inv_freq, float(scaling)
 
@@ -119,39 +145,44 @@ def _take(state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
 def load_weights(model: LlamaForCausalLM, state: dict[str, torch.Tensor]) -> None:
     a = model.arch
     state = {k.removeprefix("model."): v for k, v in state.items()}
-    params: dict[str, torch.Tensor] = {"embed_tokens.weight": _take(state, "embed_tokens.weight"),
-                                       "norm.weight": _take(state, "norm.weight")}
+    # parameter -> the checkpoint tensors it is made of, stacked along dim 0 (Q/K/V and gate/up are fused here)
+    params: dict[str, list[torch.Tensor]] = {"embed_tokens.weight": [_take(state, "embed_tokens.weight")],
+                                             "norm.weight": [_take(state, "norm.weight")]}
     if not a.tie_word_embeddings:
-        params["lm_head.weight"] = _take(state, "lm_head.weight")
+        params["lm_head.weight"] = [_take(state, "lm_head.weight")]
     else:
         state.pop("lm_head.weight", None)
     for i in range(a.num_layers):
         p = f"layers.{i}."
-        params[p + "self_attn.qkv_proj.weight"] = torch.cat(
-            [_take(state, p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+        params[p + "self_attn.qkv_proj.weight"] = [_take(state, p + f"self_attn.{n}_proj.weight") for n in "qkv"]
         if a.qkv_bias:
-            params[p + "self_attn.qkv_proj.bias"] = torch.cat(
-                [_take(state, p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-        params[p + "self_attn.o_proj.weight"] = _take(state, p + "self_attn.o_proj.weight")
+            params[p + "self_attn.qkv_proj.bias"] = [_take(state, p + f"self_attn.{n}_proj.bias") for n in "qkv"]
+        params[p + "self_attn.o_proj.weight"] = [_take(state, p + "self_attn.o_proj.weight")]
         if a.qk_norm:
-            params[p + "self_attn.q_norm.weight"] = _take(state, p + "self_attn.q_norm.weight")
-            params[p + "self_attn.k_norm.weight"] = _take(state, p + "self_attn.k_norm.weight")
-        params[p + "mlp.gate_up_proj.weight"] = torch.cat(
-            [_take(state, p + "mlp.gate_proj.weight"), _take(state, p + "mlp.up_proj.weight")])
-        params[p + "mlp.down_proj.weight"] = _take(state, p + "mlp.down_proj.weight")
-        params[p + "input_layernorm.weight"] = _take(state, p + "input_layernorm.weight")
-        params[p + "post_attention_layernorm.weight"] = _take(state, p + "post_attention_layernorm.weight")
+            params[p + "self_attn.q_norm.weight"] = [_take(state, p + "self_attn.q_norm.weight")]
+            params[p + "self_attn.k_norm.weight"] = [_take(state, p + "self_attn.k_norm.weight")]
+        params[p + "mlp.gate_up_proj.weight"] = [_take(state, p + "mlp.gate_proj.weight"),
+                                                 _take(state, p + "mlp.up_proj.weight")]
+        params[p + "mlp.down_proj.weight"] = [_take(state, p + "mlp.down_proj.weight")]
+        params[p + "input_layernorm.weight"] = [_take(state, p + "input_layernorm.weight")]
+        params[p + "post_attention_layernorm.weight"] = [_take(state, p + "post_attention_layernorm.weight")]
     leftover = [k for k in state if "rotary_emb" not in k]
     if leftover:
         logger.warning("ignoring %d unexpected tensors, e.g. %s", len(leftover), leftover[:3])
     own = dict(model.named_parameters())
-    for name, value in params.items():
+    for name, parts in params.items():
         if name not in own:
             raise ValueError(f"internal: no parameter {name}")
-        if own[name].shape != value.shape:
-            raise ValueError(f"tensor {name} has shape {tuple(value.shape)}, expected {tuple(own[name].shape)}")
+        shape = (sum(t.shape[0] for t in parts), *parts[0].shape[1:])
+        if own[name].shape != shape or any(t.shape[1:] != parts[0].shape[1:] for t in parts):
+            got = " + ".join(str(tuple(t.shape)) for t in parts)
+            raise ValueError(f"tensor {name} has shape {got}, expected {tuple(own[name].shape)}")
+        # Copied straight into the parameter's rows (no torch.cat temporary: one pass over the weights, not two).
+        row = 0
         with torch.no_grad():
-            own[name].copy_(value)
+            for t in parts:
+                own[name][row : row + t.shape[0]].copy_(t)
+                row += t.shape[0]
 
 
 def load_model(cfg: ModelConfig) -> LoadedModel:
@@ -164,19 +195,32 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         logger.warning("max_model_len %d exceeds the model's %d positions", max_len, arch.max_position_embeddings)
     inv_freq, scaling = rope_inv_freq(hf, arch.head_dim)
     with torch.device("meta"):
-        model = model_class(arch.architecture)(arch)
-    model = model.to_empty(device="cpu")
-    # to_empty left the rotary buffers uninitialised and untied the embeddings: rebuild / retie them.
-    model.rotary = Rotary(inv_freq, scaling, max_len)
-    if arch.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    load_weights(model, read_state_dict(path))
-    model = model.to(dtype).eval()
-    model.requires_grad_(False)
-    quantized = None
-    if cfg.quantization is not None:
-        from tokenspout.models.quantize import quantize_model
+        meta_model = model_class(arch.architecture)(arch)
 
-        quantized = quantize_model(model, cfg.quantization)
+    def finish(model: LlamaForCausalLM) -> LlamaForCausalLM:
+        # The rotary tables are built on the CPU (to_empty / a meta model leave none) and follow the model dtype.
+        model.rotary = Rotary(inv_freq, scaling, max_len)
+        model = model.to(dtype).eval()
+        model.requires_grad_(False)
+        return model
+
+    def fresh() -> LlamaForCausalLM:
+        """The model with the folder's weights, in `dtype`."""
+        model = meta_model.to_empty(device="cpu")
+        if arch.tie_word_embeddings:  # to_empty untied the embeddings: retie them
+            model.lm_head.weight = model.embed_tokens.weight
+        load_weights(model, read_state_dict(path))
+        return finish(model)
+
+    quantized = None
+    if cfg.quantization is None:
+        model = fresh()
+    else:
+        from tokenspout.models.quant_cache import load_or_quantize
+
+        files = [*_safetensors_files(path), path / "config.json"]
+        model, quantized = load_or_quantize(meta_model, path, files, cfg.quantization, dtype, fresh)
+        if model.rotary is None:  # loaded from the cache
+            model = finish(model)
     return LoadedModel(model=model, path=path, name=cfg.served_model_name or name, arch=arch,
                        hf_config=hf, max_model_len=max_len, dtype=dtype, quantized=quantized)

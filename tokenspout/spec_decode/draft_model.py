@@ -38,6 +38,7 @@ from tokenspout.sample.ops.draw import DEFAULT_BLOCK_SIZE, block_mass, draw_dens
 from tokenspout.sample.ops.noise import row_keys
 from tokenspout.sample.rejection_sampler import draft_seeds, probs_from_logits
 from tokenspout.sample.sampler import compute_processed_logits
+from tokenspout.worker.model_runner import zeroed_kv_caches
 
 logger = logging.getLogger(__name__)
 
@@ -134,8 +135,7 @@ class DraftProposer:
         else:
             a = draft.arch
             slots = runner.num_blocks * runner.block_size
-            caches = [torch.zeros(2, slots, a.num_kv_heads, a.head_dim, dtype=draft.dtype)
-                      for _ in range(a.num_layers)]
+            caches = zeroed_kv_caches(a.num_layers, slots, a.num_kv_heads, a.head_dim, draft.dtype)
             source = DraftSource(draft.model, caches, None, False, _decoder(draft, caches, runner.block_size, None))
         return cls(runner, source, spec.num_speculative_tokens)
 

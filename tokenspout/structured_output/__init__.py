@@ -6,9 +6,22 @@ StructuredOutputManager that compiles grammars off the step loop and fills the s
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from tokenspout.sampling_params import StructuredOutputsParams
 from tokenspout.structured_output.backend import Grammar, StructuredOutputBackend, bitmask_width
-from tokenspout.structured_output.manager import StructuredOutputManager
+
+if TYPE_CHECKING:
+    from tokenspout.structured_output.manager import StructuredOutputManager
+
+
+def __getattr__(name: str):
+    # The manager (the engine's) imports torch; the API server only calls validate() and never imports torch.
+    if name == "StructuredOutputManager":
+        from tokenspout.structured_output.manager import StructuredOutputManager
+
+        return StructuredOutputManager
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def validate(params: StructuredOutputsParams, backend: str = "guidance") -> None:

@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # annotations only: the API server validates specs through this package without torch
+    import torch
 
 from tokenspout.sampling_params import StructuredOutputsParams
 

@@ -17,14 +17,16 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.hf
-import torch
 
 from tokenspout.sampling_params import StructuredOutputsParams
 from tokenspout.structured_output.backend import Grammar, StructuredOutputBackend, bitmask_width, spec_key
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,8 @@ _PAR_FILL_MIN_ROWS = 4
 
 
 def _check(bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+    import torch  # here, not at module level: the API server imports this module (validate) and never torch
+
     # llguidance writes through a raw pointer (we skip llguidance.torch: importing it pulls in torch.compile,
     # ~2 s), so the layout and bounds checks are ours to make; llguidance itself checks the row width.
     if bitmask.dtype != torch.int32 or bitmask.dim() != 2 or not bitmask.is_cpu or not bitmask.is_contiguous():
