@@ -81,7 +81,7 @@ class CpuDecoder:
         self.desc = descriptor(bool(q))
         self.max_tokens = QUANTIZED_MAX_TOKENS if q else MAX_TOKENS
         self.lm_head = q.get("lm_head", model.lm_head.weight.data)
-        self.scratch_per_token = (a.hidden_size + (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
+        self.scratch_per_token = ((a.num_heads + 2 * a.num_kv_heads) * a.head_dim
                                   + a.num_heads * a.head_dim + 3 * a.intermediate_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,

@@ -372,7 +372,7 @@ typedef struct {
 } ts_model;
 
 /* Every decoder layer for M tokens: x [M, hidden] is updated in place (the residual stream); scratch holds
- * M * (hidden + qkv + H*D + 2*inter + inter) floats.
+ * M * (qkv + H*D + 2*inter + inter) floats (each thread keeps its own normalized input).
  * One parallel region for the whole stack: the threads stay in it, and each step that needs every thread's output
  * ends in a barrier (6 per layer) instead of a fork and a join per parallel loop (10 per layer).  The cheap serial
  * parts (RMSNorm, the activations' int16 quantization) run redundantly on every thread into private buffers, so
@@ -381,7 +381,7 @@ void ts_decode_layers(const ts_model *md, float *x, int64_t M, const int64_t *po
                       const int64_t *block_ids, int64_t nb, const int64_t *seq_lens, float *scratch) {
     const int64_t E = md->hidden, H = md->H, Hkv = md->Hkv, D = md->D, I = md->inter;
     const int64_t nqkv = (H + 2 * Hkv) * D, tok = Hkv * D, half = D / 2;
-    float *qkv = scratch + M * E, *att = qkv + M * nqkv, *gu = att + M * H * D, *act = gu + M * 2 * I;
+    float *qkv = scratch, *att = qkv + M * nqkv, *gu = att + M * H * D, *act = gu + M * 2 * I;
     const int quant = md->layers[0].qkv.wt != WT_F32;
 #pragma omp parallel
     {
