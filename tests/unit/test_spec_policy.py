@@ -103,3 +103,22 @@ def test_a_draft_that_costs_more_than_a_round_can_emit_never_drafts():
     assert not pol.wants_drafts(_req("s", SEEDED), False)
     raw = SpecPolicy(SpeculativeConfig(method="draft", draft_model="x", adaptive=False), 1.0, free_drafts=False)
     assert raw.wants_drafts(_req(), False)  # adaptive=False: always (tests)
+
+
+def test_in_a_full_batch_only_requests_that_outlast_every_non_drafter_draft():
+    pol = SpecPolicy(SpeculativeConfig(method="ngram"), 0.0, free_drafts=True)
+    slow, a, b = _req("slow"), _req("a"), _req("b")
+    a.token_ids += [0] * 10  # a has 10 tokens less of its budget left than the others
+    # slow does not draft, so the batch lasts as long as slow needs: a finishes first anyway and b ties with slow,
+    # so neither's drafts would end the batch any sooner.
+    assert pol.on_critical_path([a, b], [slow, a, b]) == [False, False]
+    slow.token_ids += [0] * 20  # now a and b outlast slow: their drafts shorten the batch
+    assert pol.on_critical_path([a, b], [slow, a, b]) == [True, True]
+    # every request drafts: nothing holds the batch back
+    assert pol.on_critical_path([slow, a, b], [slow, a, b]) == [True, True, True]
+    # seeded sampled requests decide alone (their output must not depend on the batch)
+    seeded = _req("s", SEEDED)
+    assert pol.on_critical_path([seeded], [_req("x"), seeded]) == [True]
+    # non-adaptive speculation drafts whatever the batch
+    fixed = SpecPolicy(SpeculativeConfig(method="ngram", adaptive=False), 0.0, free_drafts=True)
+    assert fixed.on_critical_path([a], [_req("y"), a]) == [True]

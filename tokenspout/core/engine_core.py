@@ -114,9 +114,10 @@ class EngineCore:
     def _propose(self) -> None:
         """Drafts for the next step of every decoding request that speculation may serve and that the policy
         lets draft: n-gram lookups per request, or one batched draft-model run for all of them."""
-        batched = len(self.scheduler.running) > 1
-        cands: list[tuple[Request, list[int] | None, int]] = []  # (request, n-gram drafts, drafts it may take)
-        for req in self.scheduler.running:
+        running = self.scheduler.running
+        batched = len(running) > 1
+        wanting: list[tuple[Request, list[int] | None, int]] = []  # (request, n-gram drafts, room)
+        for req in running:
             req.spec_token_ids = []
             if req.num_computed_tokens != req.num_tokens - 1 or not spec_eligible(req):
                 continue
@@ -137,13 +138,23 @@ class EngineCore:
                     # (Exact for n-gram drafts: q is a point mass, so any way of choosing them is.)
                     drafts = drafts[: self.scheduler.structured.validate_tokens(req.request_id, drafts)]
                 if wants and drafts:
-                    cands.append((req, drafts, len(drafts)))
-                    req.spec_shadow = None
+                    wanting.append((req, drafts, room))
                 elif not wants:
                     self.policy.shadow(req, drafts)  # free evidence for when drafting would pay again
             elif wants:
-                cands.append((req, None, self.policy.num_drafts(req, room)))
-        counts = self.policy.fit_step([(r, n) for r, _, n in cands], len(self.scheduler.running))
+                wanting.append((req, None, room))
+        if batched and not self.scheduler.waiting:
+            keep = self.policy.on_critical_path([r for r, _, _ in wanting], running)
+            for (req, drafts, _), k in zip(wanting, keep):
+                if not k and drafts is not None:
+                    self.policy.shadow(req, drafts)  # not drafting this step: keep the evidence coming
+            wanting = [w for w, k in zip(wanting, keep) if k]
+        cands = [(req, drafts, len(drafts) if drafts is not None else self.policy.num_drafts(req, room))
+                 for req, drafts, room in wanting]
+        for req, drafts, _ in cands:
+            if drafts is not None:
+                req.spec_shadow = None  # a real round replaces the pending shadow one
+        counts = self.policy.fit_step([(r, n) for r, _, n in cands], len(running))
         drafting, num_drafts = [], []
         for (req, drafts, _), n in zip(cands, counts):
             if drafts is not None:
