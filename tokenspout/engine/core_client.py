@@ -64,7 +64,9 @@ def engine_env() -> dict[str, str]:
     user chose otherwise.  Why: on a small CPU the engine's threads share cores with the API server (and anything
     else); spinning threads keep a core busy, so a thread that lost its core holds every barrier for a whole
     scheduler slice.  Measured here with one core taken by another process: a decode step's layer stack took
-    ~0.5-1.2 s with the default spin-waiting and 19 ms with PASSIVE (13 ms on one thread alone)."""
+    ~0.5-1.2 s with the default spin-waiting and 19 ms with PASSIVE (13 ms on one thread alone).  This governs the
+    fork/join of each parallel region (a few per step); the barriers inside the C decode kernels' layer stack are
+    their own (a bounded, adaptive spin: kernels/csrc/decode_cpu.c)."""
     env = dict(os.environ)
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return env

@@ -3,7 +3,8 @@
  * Why hand-written: at batch 1..8 a decode step is bound by reading the weights once.  Stock torch GEMV reaches
  * 9-15 GB/s here (it is tuned for larger M), and every small torch op costs a dispatch plus an OpenMP fork/join.
  * These kernels stream each weight row once for all M rows of the batch, run the whole decoder stack in one call
- * (one OpenMP fork/join per matmul, none per element-wise op), and read the paged KV cache in place.
+ * (one OpenMP parallel region, with a barrier of their own between dependent steps), and read the paged KV cache
+ * in place.
  *
  * Threads: compiled with -fopenmp and loaded into a process where torch already loaded its libgomp, so both share
  * one OpenMP runtime and torch.set_num_threads() governs these kernels too.
@@ -16,10 +17,17 @@
  *   KV cache of a layer: [2, slots, Hkv, D]; slot of position p = block_ids[p / bs] * bs + p % bs.
  */
 #include <immintrin.h>
+#include <limits.h>
+#include <linux/futex.h>
 #include <math.h>
+#include <omp.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
 
 #define WT_F32 0
 #define WT_Q8 1
@@ -31,6 +39,61 @@ typedef struct {
     const uint16_t *min;   /* Q4 only, float16 */
     int64_t wt;
 } ts_weight;
+
+/* ---- the barrier between the steps of a layer ------------------------------------------------------------------
+ * A decode step at batch 1 passes ~200 barriers (7 per layer), ~40 us apart.  OpenMP's own barrier either spins
+ * (OMP_WAIT_POLICY=active: fast on idle cores, ruinous when another process needs one of them) or, as the engine
+ * runs it (passive), puts every waiting thread to sleep at once, and a thread that sleeps costs far more than the
+ * futex call: on this VM its vCPU halts and comes back only when the host schedules it again, up to milliseconds
+ * later (measured: ~13 sleeps per batch-8 step made the step 15-30% slower).  This barrier spins for a bounded
+ * time, then sleeps on a futex.  The bound adapts per thread: it shrinks by a quarter each time the spin timed out
+ * (another process holds the other core, so spinning only steals its time slice) and doubles each time the
+ * barrier opened while spinning (balanced work, idle cores: the common case, where no thread ever sleeps). */
+typedef struct {
+    atomic_int arrived;  /* threads at the barrier in this round */
+    atomic_int gen;      /* round number: the last thread to arrive bumps it; the others wait for that */
+    atomic_int sleepers; /* threads sleeping on gen (the last arrival wakes them only if there are any) */
+    atomic_int nthr;     /* team size, stored by every thread of the team before its first wait */
+} ts_barrier;
+
+#define SPIN_MIN_NS 20000
+#define SPIN_MAX_NS 1000000
+static _Thread_local int64_t spin_ns = 200000; /* this thread's current spin bound (adaptive, see above) */
+
+static inline int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void bar_join(ts_barrier *b) { atomic_store_explicit(&b->nthr, omp_get_num_threads(), memory_order_relaxed); }
+
+static void bar_wait(ts_barrier *b) {
+    const int n = atomic_load_explicit(&b->nthr, memory_order_relaxed);
+    if (n <= 1) return;
+    /* read the round before arriving: it cannot move until this thread has arrived */
+    const int g = atomic_load_explicit(&b->gen, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == n - 1) {
+        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed); /* published by the seq_cst store below */
+        atomic_store(&b->gen, g + 1);
+        if (atomic_load(&b->sleepers)) syscall(SYS_futex, &b->gen, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+        return;
+    }
+    const int64_t t0 = now_ns();
+    for (int i = 1;; i++) {
+        if (atomic_load_explicit(&b->gen, memory_order_acquire) != g) {
+            spin_ns = spin_ns * 2 > SPIN_MAX_NS ? SPIN_MAX_NS : spin_ns * 2;
+            return;
+        }
+        _mm_pause();
+        if (i % 8 == 0 && now_ns() - t0 > spin_ns) break;
+    }
+    spin_ns = spin_ns - spin_ns / 4 < SPIN_MIN_NS ? SPIN_MIN_NS : spin_ns - spin_ns / 4;
+    /* seq_cst on both sides: either the last arrival sees this sleeper, or this thread sees the new round */
+    atomic_fetch_add(&b->sleepers, 1);
+    while (atomic_load(&b->gen) == g) syscall(SYS_futex, &b->gen, FUTEX_WAIT_PRIVATE, g, NULL, NULL, 0);
+    atomic_fetch_sub(&b->sleepers, 1);
+}
 
 static inline float hsum8(__m256 v) {
     __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -216,10 +279,10 @@ static void qact_free(ts_qact *a) { free(a->q); free(a->d); free(a->s); }
 /* y[m, n] (+)= sum_k x[m, k] W[n, k] (+ bias[n]), for m < M, n < N; K % 8 == 0 (K % 32 == 0 quantized).
  * Each block of four weight rows is read from memory once and stays in L1 for every batch row.  Quantized
  * weights have N padded to a multiple of 4 (padding rows are computed, never stored) and read x as its int16
- * quantization `a`.  Runs inside a parallel region: the blocks are shared out by an orphaned `omp for`, whose end
- * is the barrier after which y is complete. */
+ * quantization `a`.  Runs inside a parallel region: the blocks are shared out by an orphaned `omp for`, and y is
+ * complete after the barrier `bar` that ends it. */
 static void linear_body(const float *x, int64_t ldx, int64_t M, const ts_weight *W, const float *bias, int64_t N,
-                        int64_t K, float *y, int64_t ldy, int accumulate, const ts_qact *a) {
+                        int64_t K, float *y, int64_t ldy, int accumulate, const ts_qact *a, ts_barrier *bar) {
     if (W->wt == WT_F32) {
         const float *w = (const float *)W->w;
         const int64_t nblk = N / 4;
@@ -236,14 +299,15 @@ static void linear_body(const float *x, int64_t ldx, int64_t M, const ts_weight 
                 }
             }
         }
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
         for (int64_t n = nblk * 4; n < N; n++)
             for (int64_t m = 0; m < M; m++)
                 store(y, m * ldy + n, row1_f32(w, n, K, x + m * ldx), bias, n, accumulate);
+        bar_wait(bar);
         return;
     }
     const int64_t nblk = (N + 3) / 4;
-#pragma omp for schedule(static)
+#pragma omp for schedule(static) nowait
     for (int64_t b = 0; b < nblk; b++) {
         const int64_t n = b * 4;
         float o[MT * 4];
@@ -256,6 +320,7 @@ static void linear_body(const float *x, int64_t ldx, int64_t M, const ts_weight 
                 for (int r = 0; r < 4 && n + r < N; r++) store(y, (m0 + m) * ldy + n + r, o[m * 4 + r], bias, n + r, accumulate);
         }
     }
+    bar_wait(bar);
 }
 
 void ts_linear(const float *x, int64_t ldx, int64_t M, const ts_weight *W, const float *bias, int64_t N, int64_t K,
@@ -265,8 +330,12 @@ void ts_linear(const float *x, int64_t ldx, int64_t M, const ts_weight *W, const
         a = qact_alloc(M, K);
         quantize_act(x, ldx, M, K, &a);
     }
+    ts_barrier bar = {0};
 #pragma omp parallel
-    linear_body(x, ldx, M, W, bias, N, K, y, ldy, accumulate, &a);
+    {
+        bar_join(&bar);
+        linear_body(x, ldx, M, W, bias, N, K, y, ldy, accumulate, &a, &bar);
+    }
     if (W->wt != WT_F32) qact_free(&a);
 }
 
@@ -316,10 +385,10 @@ static inline float dot(const float *a, const float *b, int64_t D) {
  * positions 0..seq_lens[t]-1 of its blocks.  Query head h uses KV head h / G (GQA).  Parallel over (t, kv head). */
 static void attn_body(const float *q, int64_t ldq, const float *kv, int64_t slots, const int64_t *block_ids,
                       int64_t nb, const int64_t *seq_lens, int64_t bs, int64_t T, int64_t H, int64_t Hkv,
-                      int64_t D, float scale, float *out, int64_t ldo) {
+                      int64_t D, float scale, float *out, int64_t ldo, ts_barrier *bar) {
     const int64_t G = H / Hkv, tok = Hkv * D;
     const float *kc = kv, *vc = kv + slots * tok;
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) nowait
     for (int64_t th = 0; th < T * Hkv; th++) {
         const int64_t t = th / Hkv, h = th % Hkv, L = seq_lens[t];
         const int64_t *bt = block_ids + t * nb;
@@ -347,13 +416,18 @@ static void attn_body(const float *q, int64_t ldq, const float *kv, int64_t slot
         }
         free(sc);
     }
+    bar_wait(bar);
 }
 
 void ts_attn_decode(const float *q, int64_t ldq, const float *kv, int64_t slots, const int64_t *block_ids,
                     int64_t nb, const int64_t *seq_lens, int64_t bs, int64_t T, int64_t H, int64_t Hkv,
                     int64_t D, float scale, float *out, int64_t ldo) {
+    ts_barrier bar = {0};
 #pragma omp parallel
-    attn_body(q, ldq, kv, slots, block_ids, nb, seq_lens, bs, T, H, Hkv, D, scale, out, ldo);
+    {
+        bar_join(&bar);
+        attn_body(q, ldq, kv, slots, block_ids, nb, seq_lens, bs, T, H, Hkv, D, scale, out, ldo, &bar);
+    }
 }
 
 /* One decoder layer's weights, as the loader laid them out (fused qkv and gate_up). */
@@ -374,7 +448,7 @@ typedef struct {
 /* Every decoder layer for M tokens: x [M, hidden] is updated in place (the residual stream); scratch holds
  * M * (qkv + H*D + 2*inter + inter) floats (each thread keeps its own normalized input).
  * One parallel region for the whole stack: the threads stay in it, and each step that needs every thread's output
- * ends in a barrier (6 per layer) instead of a fork and a join per parallel loop (10 per layer).  The cheap serial
+ * ends in a barrier (bar_wait, 7 per layer) instead of a fork and a join per parallel loop.  The cheap serial
  * parts (RMSNorm, the activations' int16 quantization) run redundantly on every thread into private buffers, so
  * they need no barrier. */
 void ts_decode_layers(const ts_model *md, float *x, int64_t M, const int64_t *positions, const int64_t *slot_mapping,
@@ -383,8 +457,10 @@ void ts_decode_layers(const ts_model *md, float *x, int64_t M, const int64_t *po
     const int64_t nqkv = (H + 2 * Hkv) * D, tok = Hkv * D, half = D / 2;
     float *qkv = scratch, *att = qkv + M * nqkv, *gu = att + M * H * D, *act = gu + M * 2 * I;
     const int quant = md->layers[0].qkv.wt != WT_F32;
+    ts_barrier bar = {0};
 #pragma omp parallel
     {
+        bar_join(&bar);
         const int64_t kmax = E > I ? (E > H * D ? E : H * D) : (I > H * D ? I : H * D);
         float *h = (float *)malloc(sizeof(float) * (size_t)(M * E)); /* this thread's normalized input */
         ts_qact a = quant ? qact_alloc(M, kmax) : (ts_qact){NULL, NULL, NULL};
@@ -392,8 +468,8 @@ void ts_decode_layers(const ts_model *md, float *x, int64_t M, const int64_t *po
             const ts_layer *L = md->layers + l;
             ts_rmsnorm(x, M, E, L->ln1, md->eps, h);
             if (quant) quantize_act(h, E, M, E, &a);
-            linear_body(h, E, M, &L->qkv, L->qkv_bias, nqkv, E, qkv, nqkv, 0, &a);
-#pragma omp for schedule(static)
+            linear_body(h, E, M, &L->qkv, L->qkv_bias, nqkv, E, qkv, nqkv, 0, &a, &bar);
+#pragma omp for schedule(static) nowait
             for (int64_t m = 0; m < M; m++) {
                 float *row = qkv + m * nqkv;
                 const float *c = md->cos + positions[m] * half, *s = md->sin + positions[m] * half;
@@ -402,17 +478,19 @@ void ts_decode_layers(const ts_model *md, float *x, int64_t M, const int64_t *po
                 memcpy(L->kv + slot_mapping[m] * tok, row + H * D, sizeof(float) * tok);
                 memcpy(L->kv + (md->slots + slot_mapping[m]) * tok, row + H * D + tok, sizeof(float) * tok);
             }
+            bar_wait(&bar);
             attn_body(qkv, nqkv, L->kv, md->slots, block_ids, nb, seq_lens, md->block_size, M, H, Hkv, D,
-                      md->scale, att, H * D);
+                      md->scale, att, H * D, &bar);
             if (quant) quantize_act(att, H * D, M, H * D, &a);
-            linear_body(att, H * D, M, &L->o, NULL, E, H * D, x, E, 1, &a);
+            linear_body(att, H * D, M, &L->o, NULL, E, H * D, x, E, 1, &a, &bar);
             ts_rmsnorm(x, M, E, L->ln2, md->eps, h);
             if (quant) quantize_act(h, E, M, E, &a);
-            linear_body(h, E, M, &L->gate_up, NULL, 2 * I, E, gu, 2 * I, 0, &a);
-#pragma omp for schedule(static)
+            linear_body(h, E, M, &L->gate_up, NULL, 2 * I, E, gu, 2 * I, 0, &a, &bar);
+#pragma omp for schedule(static) nowait
             for (int64_t m = 0; m < M; m++) silu_mul(gu + m * 2 * I, 1, I, act + m * I);
+            bar_wait(&bar);
             if (quant) quantize_act(act, I, M, I, &a);
-            linear_body(act, I, M, &L->down, NULL, E, I, x, E, 1, &a);
+            linear_body(act, I, M, &L->down, NULL, E, I, x, E, 1, &a, &bar);
         }
         free(h);
         if (quant) qact_free(&a);
