@@ -105,20 +105,23 @@ def test_a_draft_that_costs_more_than_a_round_can_emit_never_drafts():
     assert raw.wants_drafts(_req(), False)  # adaptive=False: always (tests)
 
 
-def test_in_a_full_batch_only_requests_that_outlast_every_non_drafter_draft():
+def test_in_a_full_batch_a_request_drafts_only_if_it_would_otherwise_outlast_the_others():
     pol = SpecPolicy(SpeculativeConfig(method="ngram"), 0.0, free_drafts=True)
     slow, a, b = _req("slow"), _req("a"), _req("b")
     a.token_ids += [0] * 10  # a has 10 tokens less of its budget left than the others
-    # slow does not draft, so the batch lasts as long as slow needs: a finishes first anyway and b ties with slow,
-    # so neither's drafts would end the batch any sooner.
-    assert pol.on_critical_path([a, b], [slow, a, b]) == [False, False]
-    slow.token_ids += [0] * 20  # now a and b outlast slow: their drafts shorten the batch
-    assert pol.on_critical_path([a, b], [slow, a, b]) == [True, True]
-    # every request drafts: nothing holds the batch back
-    assert pol.on_critical_path([slow, a, b], [slow, a, b]) == [True, True, True]
+    # slow does not draft (rate 1), so the batch lasts as long as slow needs: a finishes first anyway and b ties
+    # with slow, so neither's drafts would end the batch any sooner.
+    assert pol.on_critical_path([a, b], [slow, a, b], {}) == [False, False]
+    slow.token_ids += [0] * 20  # now b outlasts everyone (its drafts shorten the batch); a still finishes before b
+    assert pol.on_critical_path([a, b], [slow, a, b], {}) == [False, True]
+    slow.token_ids[-20:] = []
+    # slow may draft too (it found no n-gram this step, but its rounds pay ~3.5 tokens): at that pace it needs
+    # fewer steps than a and b without drafts, so they draft
+    assert pol.on_critical_path([a, b], [slow, a, b], {id(slow): 3.5, id(a): 3.5, id(b): 3.5}) == [True, True]
     # seeded sampled requests decide alone (their output must not depend on the batch)
     seeded = _req("s", SEEDED)
-    assert pol.on_critical_path([seeded], [_req("x"), seeded]) == [True]
-    # non-adaptive speculation drafts whatever the batch
+    assert pol.on_critical_path([seeded], [_req("x"), seeded], {}) == [True]
+    # a request alone is never held back; non-adaptive speculation drafts whatever the batch
+    assert pol.on_critical_path([a], [a], {}) == [True]
     fixed = SpecPolicy(SpeculativeConfig(method="ngram", adaptive=False), 0.0, free_drafts=True)
-    assert fixed.on_critical_path([a], [_req("y"), a]) == [True]
+    assert fixed.on_critical_path([a], [_req("y"), a], {}) == [True]

@@ -117,6 +117,7 @@ class EngineCore:
         running = self.scheduler.running
         batched = len(running) > 1
         wanting: list[tuple[Request, list[int] | None, int]] = []  # (request, n-gram drafts, room)
+        rates: dict[int, float] = {}  # tokens per step expected of the requests that may draft (see below)
         for req in running:
             req.spec_token_ids = []
             if req.num_computed_tokens != req.num_tokens - 1 or not spec_eligible(req):
@@ -130,6 +131,8 @@ class EngineCore:
                 # n-gram drafts only.
                 continue
             wants = self.policy.wants_drafts(req, batched)
+            if wants:
+                rates[id(req)] = max(1.0, req.spec_ema)
             if self.proposer is not None:
                 drafts = self.proposer.propose(req.token_ids)[:room]
                 if drafts and req.params.structured_outputs is not None:
@@ -144,7 +147,7 @@ class EngineCore:
             elif wants:
                 wanting.append((req, None, room))
         if batched and not self.scheduler.waiting:
-            keep = self.policy.on_critical_path([r for r, _, _ in wanting], running)
+            keep = self.policy.on_critical_path([r for r, _, _ in wanting], running, rates)
             for (req, drafts, _), k in zip(wanting, keep):
                 if not k and drafts is not None:
                     self.policy.shadow(req, drafts)  # not drafting this step: keep the evidence coming

@@ -82,21 +82,27 @@ class SpecPolicy:
             room -= counts[i]
         return counts
 
-    def on_critical_path(self, wanting: list[Request], running: list[Request]) -> list[bool]:
-        """Which of the requests that want drafts may draft, in a batch with no request waiting for a slot.
+    def on_critical_path(self, drafting: list[Request], running: list[Request], rates: dict[int, float]) -> list[bool]:
+        """Which of the requests with drafts for this step may use them, in a batch with no request waiting for a
+        slot.  rates: tokens per step expected of each running request (id -> its average per round if the policy
+        lets it draft, whether or not it found drafts this step; absent: 1).
 
-        The batch then lasts as many steps as its slowest member needs, and a step costs mostly the weight reads
-        that every row shares (a few extra rows add little to the shared cost but something to each step): drafts
-        for a request that finishes before the slowest non-drafting one save no step, they only make every step
-        dearer (free chat at batch 8: 0.92x with drafts for the requests that matched, ~1.0x without).  So a
-        request drafts only while its remaining budget exceeds that of every request that will not draft.  With
-        requests waiting, finishing early frees a slot for one of them, and the ordinary rule decides.  Seeded
-        sampled requests keep their batch-invariant decisions."""
+        Such a batch lasts as many steps as its slowest member needs, and a step costs mostly the weight reads that
+        every row shares (a few extra rows add little to the shared cost but something to every step): drafts for
+        a request that will finish before the others anyway save no step, they only make every step dearer (free
+        chat at batch 8: 0.92x with drafts for the requests whose n-grams matched).  So a request drafts only if,
+        without drafts, it would outlast every other request at that one's expected pace.  With requests waiting,
+        finishing early frees a slot for one of them, and the ordinary rule decides.  Seeded sampled requests keep
+        their batch-invariant decisions."""
         if not self.spec.adaptive:
-            return [True] * len(wanting)
-        ids = {id(r) for r in wanting}
-        slowest = max((r.max_len - r.num_tokens for r in running if id(r) not in ids), default=0)
-        return [_independent(r) or r.max_len - r.num_tokens > slowest for r in wanting]
+            return [True] * len(drafting)
+        # the two slowest requests' remaining steps: a request is compared with the slowest of the others
+        steps = sorted(((r.max_len - r.num_tokens) / rates.get(id(r), 1.0), id(r)) for r in running)[-2:]
+        keep = []
+        for r in drafting:
+            others = [s for s, rid in steps if rid != id(r)]
+            keep.append(_independent(r) or r.max_len - r.num_tokens > (others[-1] if others else 0.0))
+        return keep
 
     def need(self, req: Request, batched: bool) -> float:
         base = self.spec.min_mean_emitted
