@@ -42,17 +42,20 @@ def unpack_min(packed) -> torch.Tensor:
 @pytest.mark.parametrize("fn,levels", [(quantize_int8, 254), (quantize_int4, 15)])
 @pytest.mark.parametrize("m", [1, 2, 4, 7, 70])
 @pytest.mark.parametrize("n", [5, 64, 130])
-def test_linear_quantized_packed_matches_dequantized(fn, levels, m, n):
+@pytest.mark.parametrize("k", [96, 128])
+def test_linear_quantized_packed_matches_dequantized(fn, levels, m, n, k):
     """Quantized weights x int16 activations: exactly the integer dot products of the quantized values, scaled;
-    Q4's min term uses the exact float group sums of x.  m = 70 spans two passes of the kernel's row tile."""
-    g = torch.Generator().manual_seed(m * 1000 + n)
-    x, w = torch.randn(m, 96, generator=g), torch.randn(n, 96, generator=g)
+    Q4's min term uses the exact float group sums of x.  m = 70 spans two passes of the kernel's row tile; k = 96
+    ends Q4's pairs of groups with a lone group."""
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    G = k // 32
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
     w[0, :32] = 0.0  # an all-zero group must not divide by zero
     x[0, 32:64] = 0.0  # nor an all-zero activation group
     packed, deq = fn(w)
-    groups = w.view(n, 3, 32)
+    groups = w.view(n, G, 32)
     span = groups.amax(-1) - groups.amin(-1)
-    err = (deq - w).abs().view(n, 3, 32).amax(-1)
+    err = (deq - w).abs().view(n, G, 32).amax(-1)
     # half a grid step, plus the float16 rounding of the scale (and min) both formats store
     assert (err <= 0.51 * span / levels + 2e-3 * groups.abs().amax(-1) + 1e-7).all()
     xq = int16_activations(x)
@@ -60,7 +63,7 @@ def test_linear_quantized_packed_matches_dequantized(fn, levels, m, n):
         ref = xq @ deq.T
     else:
         mins = unpack_min(packed)
-        ref = xq @ (deq - mins.repeat_interleave(32, 1)).T + x.view(m, 3, 32).sum(-1) @ mins.T
+        ref = xq @ (deq - mins.repeat_interleave(32, 1)).T + x.view(m, G, 32).sum(-1) @ mins.T
     b = torch.randn(n, generator=g)
     torch.testing.assert_close(cpu.linear(lib, x, packed), ref, atol=5e-4, rtol=1e-4)
     torch.testing.assert_close(cpu.linear(lib, x, packed, bias=b), ref + b, atol=5e-4, rtol=1e-4)

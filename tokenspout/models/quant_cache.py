@@ -72,7 +72,7 @@ def _packed_numels(n: int, k: int, wt: int) -> tuple[int, int, int]:
     """(codes, scale, min) element counts of the kernels' layout (N padded to a multiple of 4, groups of 32)."""
     n4 = -(-n // 4) * 4
     groups = n4 * (k // 32)
-    return (n4 * k // 2, groups, groups) if wt == WT_Q4 else (n4 * k, groups, 0)
+    return (n4 * -(-k // 64) * 32, groups, groups) if wt == WT_Q4 else (n4 * k, groups, 0)
 
 
 def load(file: Path, key: dict, model: LlamaForCausalLM, dtype: torch.dtype,

@@ -31,8 +31,10 @@ WT_Q8, WT_Q4 = 1, 2  # kernel weight types (csrc/decode_cpu.c)
 @dataclass(slots=True)
 class PackedWeight:
     """Codes and group parameters in the kernels' layout: per block of four output rows (N padded with zero rows),
-    per group of 32 columns, the four rows' codes contiguous ([N/4][K/32][4][32 bytes] int8, [.. 16 bytes] int4
-    with code j in the low nibble of byte j and code j + 16 in its high nibble); scale/min [N/4][K/32][4] float16."""
+    per group of 32 columns, the four rows' codes contiguous ([N/4][K/32][4][32 bytes] int8); int4 per pair of
+    groups ([N/4][K/64 rounded up][4][32 bytes]: 16-bit word j of a row's 32 bytes holds the codes of the pair's
+    columns j, 16+j, 32+j, 48+j in its nibbles, low to high; an odd last group leaves the upper two nibbles zero);
+    scale/min [N/4][K/32][4] float16."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -69,8 +71,12 @@ def quantize_int4(w: torch.Tensor) -> tuple[PackedWeight, torch.Tensor]:
     q = torch.where(scale[..., None] > 0, torch.round((g - lo[..., None]) / scale[..., None].clamp_min(1e-30)), 0)
     q = q.clamp_(0, 15)
     deq = (q * scale[..., None] + lo[..., None]).view(n, k)
-    qb = q.to(torch.uint8).view(n, k // GROUP, 2, GROUP // 2)
-    nibbles = qb[:, :, 0] | (qb[:, :, 1] << 4)  # [N, G, 16]
+    qb = q.to(torch.uint8)  # [N, G, 32]
+    if qb.shape[1] % 2:
+        qb = torch.cat([qb, qb.new_zeros(n, 1, GROUP)], 1)
+    qb = qb.view(n, -1, 4, 16)  # [N, pairs, quarter, j]: column 16 * quarter + j of the pair
+    low, high = qb[:, :, 0] | (qb[:, :, 1] << 4), qb[:, :, 2] | (qb[:, :, 3] << 4)  # the bytes of word j (LE)
+    nibbles = torch.stack([low, high], -1).view(n, -1, 32)  # [N, pairs, 32 bytes]
     packed = PackedWeight(_blocks(nibbles).view(-1), _blocks(scale.half()).view(-1), _blocks(lo.half()).view(-1),
                           n, k, WT_Q4)
     return packed, deq
