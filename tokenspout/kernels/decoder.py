@@ -20,7 +20,7 @@ from tokenspout.models.llama import LlamaForCausalLM
 
 # Up to this many tokens a step runs through the kernels (larger: the torch model, MKL GEMMs).  Measured on this
 # 2-core AVX2 machine (offline generation, one core): the float32 row-streaming kernel still beat MKL at 64 decode
-# tokens (128 vs 117 tok/s).  Quantized weights run with int8 activations (integer dot products, the codes unpacked
+# tokens (128 vs 117 tok/s).  Quantized weights run with int16 activations (integer dot products, the codes unpacked
 # once per block for every row), which beat float32 at every batch size measured: 1.6x at one row, 1.2-1.6x at
 # 16-128 rows (168 tok/s at 128 rows on one core), so quantized models keep larger steps in the kernels.
 MAX_TOKENS = 64

@@ -161,8 +161,9 @@ static inline float row1_f32(const float *w, int64_t n, int64_t K, const float *
  * and never converted to float; one conversion and one FMA per 32 weights and row.  int16 rounds the activations
  * by at most 1/65534 of their group's largest value: the results stay within float32-level error of the
  * dequantized weights' float product (llama.cpp's int8 activations cost ~1 logit of error on the default model and
- * flipped greedy near-ties; this costs ~25% more integer work per row, and nothing at one row, which is
- * bandwidth-bound). */
+ * flipped greedy near-ties; this costs ~25% more integer work per row).  At one row this integer work, not the
+ * weight bytes, is the limit: one thread streams int4 at ~8.6 GB/s of the ~13 it can read, and four rows cost
+ * twice one. */
 typedef struct {
     int16_t *q; /* [M, K] */
     float *d;   /* [M, G] scale */
