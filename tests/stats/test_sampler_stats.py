@@ -54,7 +54,7 @@ def target(p: SamplingParams, penalised: bool = False) -> np.ndarray:
 
 
 def draws(rows: list[SamplingParams], tiers: TierConfig = BLOCKS, *, one_seed: bool = False,
-          penalised: bool = False) -> torch.Tensor:
+          penalised: bool = False, kernel: bool = True) -> torch.Tensor:
     state = SamplingState(len(rows), V, torch.device("cpu"))
     out = OUTPUT if penalised else []
     for i, p in enumerate(rows):
@@ -63,7 +63,7 @@ def draws(rows: list[SamplingParams], tiers: TierConfig = BLOCKS, *, one_seed: b
     logits = LOGITS.expand(len(rows), V).contiguous()
     if one_seed and penalised:
         raise ValueError("the extra output would change the penalties")
-    return Sampler(tiers)(logits, state.metadata(list(range(len(rows))))).sampled_token_ids
+    return Sampler(tiers, cpu_kernel=kernel)(logits, state.metadata(list(range(len(rows))))).sampled_token_ids
 
 
 CASES = {
@@ -77,11 +77,18 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("tiers", [BLOCKS, FALLBACK], ids=["blocks", "fallback-tiers"])
+# Top-k rows take the CPU kernel (ops/topk_cpu.py) when it loads; the torch paths are tested with it off.
+PATHS = {"blocks": (BLOCKS, False), "fallback-tiers": (FALLBACK, False), "cpu-kernel": (BLOCKS, True)}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
 @pytest.mark.parametrize("case", list(CASES))
-def test_path_matches_target(case: str, tiers: TierConfig) -> None:
+def test_path_matches_target(case: str, path: str) -> None:
     p, wrong = CASES[case]
-    ids = draws([p] * N, tiers)
+    tiers, kernel = PATHS[path]
+    if kernel and not (p.top_k and Sampler()._lib is not None):
+        pytest.skip("the kernel draws top-k rows, and only where it builds")
+    ids = draws([p] * N, tiers, kernel=kernel)
     assert gof(ids, target(p)) > ALPHA
     assert gof(ids, target(wrong)) < ALPHA
 
@@ -101,10 +108,11 @@ def test_mixed_greedy_random_batch() -> None:
     assert gof(ids[1::2], target(SamplingParams(temperature=0.8))) < ALPHA
 
 
-@pytest.mark.parametrize("p", [SamplingParams(temperature=1.1), SamplingParams(top_p=0.85)], ids=["dense", "sparse"])
+@pytest.mark.parametrize("p", [SamplingParams(temperature=1.1), SamplingParams(top_p=0.85),
+                               SamplingParams(top_k=9, top_p=0.9)], ids=["dense", "sparse", "top-k"])
 def test_hash_noise_along_positions(p: SamplingParams) -> None:
     """One seed, N consecutive output positions: the counter-based noise must be independent across
     positions, not just across seeds."""
     ids = draws([p] * N, one_seed=True)
     assert gof(ids, target(p)) > ALPHA
-    assert gof(ids, target(SamplingParams(temperature=p.temperature * 1.15, top_p=p.top_p))) < ALPHA
+    assert gof(ids, target(SamplingParams(temperature=p.temperature * 1.15, top_p=p.top_p, top_k=p.top_k))) < ALPHA

@@ -20,7 +20,11 @@ def _req(rid: str = "r", params: SamplingParams = GREEDY) -> Request:
 def test_ngram_shadow_rounds_turn_drafting_back_on():
     pol = SpecPolicy(SpeculativeConfig(method="ngram"), 0.0, free_drafts=True)
     req = _req()
-    assert pol.wants_drafts(req, False)  # optimistic start
+    assert not pol.wants_drafts(req, False)  # starts just below the bar: the first shadow round decides
+    pol.shadow(req, [7, 8, 9, 10])
+    req.token_ids += [7, 8, 9, 10]  # a round that would have emitted 5 tokens
+    pol.shadow(req, [])
+    assert pol.wants_drafts(req, False)
     for _ in range(4):
         pol.record(req, 1)  # rounds that emit one token: drafting does not pay
     assert not pol.wants_drafts(req, False)

@@ -1,4 +1,5 @@
-"""Builds (once per machine, cached by source hash) and loads the AVX2 decode kernels in csrc/decode_cpu.c.
+"""Builds (once per machine, cached by source hash) and loads the AVX2 kernels in csrc/: the decode stack
+(decode_cpu.c) and the one-call top-k sampler (sample_cpu.c).
 
 The library is plain C called through ctypes: it compiles in about a second with the system gcc (no torch headers),
 so a fresh machine pays nothing noticeable and a warm start only dlopens it.  `load()` returns None, and the model
@@ -24,7 +25,7 @@ from tokenspout.platform import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "decode_cpu.c"
+SOURCES = (Path(__file__).parent / "csrc" / "decode_cpu.c", Path(__file__).parent / "csrc" / "sample_cpu.c")
 WT_F32 = 0
 
 i64, f32, vp = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -56,7 +57,7 @@ def _build(out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         so = Path(tmp) / out.name
-        cmd = [cc, "-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-o", str(so), str(SOURCE)]
+        cmd = [cc, "-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-o", str(so), *map(str, SOURCES)]
         res = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if res.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
@@ -70,7 +71,7 @@ def load() -> ctypes.CDLL | None:
     if not {"avx2", "fma", "f16c"} <= cpu_flags():
         logger.info("CPU lacks AVX2/FMA/F16C: decode kernels off, torch path only")
         return None
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES)).hexdigest()[:16]
     so = cache_dir() / f"decode_cpu-{digest}.so"
     try:
         if not so.is_file():
@@ -87,6 +88,8 @@ def load() -> ctypes.CDLL | None:
     lib.ts_attn_decode.restype = None
     lib.ts_decode_layers.argtypes = [ctypes.POINTER(Model), vp, i64, vp, vp, vp, i64, vp, vp]
     lib.ts_decode_layers.restype = None
+    lib.ts_sample_topk.argtypes = [vp, i64, i64, vp, i64, vp, vp, vp, vp, vp, vp, i64, vp]
+    lib.ts_sample_topk.restype = None
     return lib
 
 

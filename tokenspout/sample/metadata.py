@@ -19,6 +19,8 @@ from tokenspout.sample.ops.penalties import PenaltyBatch
 from tokenspout.sample.ops.token_counts import SeenTokens
 from tokenspout.sampling_params import LOGIT_BIAS_CLAMP, SamplingParams
 
+TOPK_KERNEL_MAX = 1024  # largest top_k the CPU kernel takes (ops/topk_cpu.py): its heap and sort grow with k
+
 _F = ("temperature", "top_p", "min_p", "repetition", "presence", "frequency")  # columns of the float table
 _I = ("top_k", "seed", "num_logprobs", "greedy", "seed_key")  # columns of the int table
 
@@ -47,6 +49,8 @@ class SamplingMetadata:
     truncated_top_k: list[int]  # host copy of top_k of the truncated rows (plans candidate-set sizes)
     any_top_p: bool  # some truncated row has top_p < 1
     any_min_p: bool  # some truncated row has min_p > 0
+    topk_kernel: list[bool]  # per truncated row: 1 <= top_k <= TOPK_KERNEL_MAX and no processed logprobs,
+    # so the CPU kernel (ops/topk_cpu.py) may draw it (it needs no kept distribution afterwards)
     # Sparse edits; None when no row has any.
     allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, local row, id) allowed pairs
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (row, id) pairs forced to -inf: bad words, min_tokens
@@ -174,6 +178,7 @@ class SamplingState:
         raw_rows, proc_rows = [], []
         max_top_k = 0
         trunc_k: list[int] = []
+        kernel: list[bool] = []
         any_top_p = any_min_p = False
         max_lp = -1
         for row, info in enumerate(infos):
@@ -186,6 +191,7 @@ class SamplingState:
                 max_top_k = max(max_top_k, info.top_k)
                 any_top_p |= info.top_p_on
                 any_min_p |= info.min_p_on
+                kernel.append(0 < info.top_k <= TOPK_KERNEL_MAX and not (info.num_logprobs >= 0 and info.processed))
             else:
                 plain.append(row)
             if info.penalties:
@@ -254,6 +260,7 @@ class SamplingState:
             truncated_top_k=trunc_k,
             any_top_p=any_top_p,
             any_min_p=any_min_p,
+            topk_kernel=kernel,
             allowed=(rows_t(allow_rows), torch.cat(allow_local), torch.cat(allow_ids)) if allow_rows else None,
             banned=(rows_t(ban_r), rows_t(ban_t)) if ban_r else None,
             bias=(torch.cat(bias_r), torch.cat(bias_t), torch.cat(bias_v)) if bias_r else None,

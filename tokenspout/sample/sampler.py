@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenspout.sample.metadata import SamplingMetadata
+from tokenspout.sample.ops import topk_cpu
 from tokenspout.sample.ops.draw import draw_dense, draw_sparse
 from tokenspout.sample.ops.logprobs import gather_logprobs
 from tokenspout.sample.ops.noise import keys_from_seed_keys
@@ -61,8 +62,10 @@ def apply_logits_processors(x: torch.Tensor, meta: SamplingMetadata) -> None:
 
 def draw(kept: Kept, meta: SamplingMetadata, vocab: int, block_size: int) -> torch.Tensor:
     """One drawn token per row [B] (rows without a kept distribution -- greedy ones -- get 0)."""
-    keys = keys_from_seed_keys(meta.seed_keys, meta.positions)
     parts: list[SparseKept | DenseKept] = [*kept.sparse, *kept.dense]
+    if not parts:
+        return torch.zeros(meta.num_rows, dtype=torch.int64, device=meta.seed_keys.device)
+    keys = keys_from_seed_keys(meta.seed_keys, meta.positions)
 
     def one(part: SparseKept | DenseKept, k: torch.Tensor) -> torch.Tensor:
         if isinstance(part, SparseKept):
@@ -97,9 +100,25 @@ def compute_processed_logits(
 
 
 class Sampler(torch.nn.Module):
-    def __init__(self, tiers: TierConfig | None = None) -> None:
+    def __init__(self, tiers: TierConfig | None = None, cpu_kernel: bool = True) -> None:
+        """cpu_kernel: draw top-k rows of CPU logits with the one-call kernel (ops/topk_cpu.py) when it loads."""
         super().__init__()
         self.tiers = tiers or TierConfig()
+        self._lib = topk_cpu.load() if cpu_kernel else None
+
+    def _kernel_split(
+        self, x: torch.Tensor, meta: SamplingMetadata
+    ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, list[int]] | None]:
+        """(truncated rows the kernel draws, (the other truncated rows, their top_k) for the torch path)."""
+        flags = meta.topk_kernel
+        if self._lib is None or x.device.type != "cpu" or not any(flags):
+            return None, None
+        rows = meta.truncated_rows
+        if all(flags):
+            return rows, (rows[:0], [])
+        on = torch.tensor([i for i, f in enumerate(flags) if f], dtype=torch.int64)
+        off = torch.tensor([i for i, f in enumerate(flags) if not f], dtype=torch.int64)
+        return rows[on], (rows[off], [k for k, f in zip(meta.truncated_top_k, flags) if not f])
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         meta = metadata
@@ -120,8 +139,15 @@ class Sampler(torch.nn.Module):
             if meta.any_greedy:  # argmax of the greedy rows only; the others' entries are never read
                 greedy = torch.zeros(batch, dtype=torch.int64, device=x.device)
                 greedy.index_copy_(0, meta.greedy_rows, x.index_select(0, meta.greedy_rows).argmax(-1))
-            kept = truncate(x, meta, self.tiers)
-            sampled = draw(kept, meta, vocab, self.tiers.block_size)
+            kernel_rows, others = self._kernel_split(x, meta)
+            kept = truncate(x, meta, self.tiers, others)
+            if kernel_rows is not None and kernel_rows.numel() == batch:  # every row (ascending): the identity
+                sampled = topk_cpu.sample_topk(self._lib, x, kernel_rows, meta, self.tiers.block_size)
+            else:
+                sampled = draw(kept, meta, vocab, self.tiers.block_size)
+                if kernel_rows is not None:
+                    drawn = topk_cpu.sample_topk(self._lib, x, kernel_rows, meta, self.tiers.block_size)
+                    sampled.index_copy_(0, kernel_rows, drawn)
             if greedy is not None:
                 sampled = torch.where(meta.is_greedy, greedy, sampled)
 

@@ -14,7 +14,8 @@ Evidence while not drafting:
   against the tokens that follow (a *shadow round*).  The accepted length of a real round is the common prefix of
   the draft and the tokens the target emits (greedy: by definition; sampled: accept x with probability p(x) is
   exactly the chance that the sampled token equals x, position by position), so a shadow round is a free,
-  unbiased sample of what a real round would have given.  Requests resume drafting as soon as that pays.
+  unbiased sample of what a real round would have given.  Requests start not drafting and draft as soon as that
+  pays.
 - Draft-model drafts cost forwards, so a request whose average falls below the bar pauses for 16, 32, ... 256
   output tokens (doubling each time a probe round fails again; text often turns repetitive later, so never for
   good).  A probe is one round of a single draft (a draft forward and a two-token verification, about a third of
@@ -111,10 +112,13 @@ class SpecPolicy:
         return base + self.k * self.draft_cost
 
     def start(self, req: Request, batched: bool) -> None:
-        """A request's first decision: optimistic (it drafts), unless the proposer has not been paying lately
-        (then a draft model starts paused; seeded sampled requests ignore other requests)."""
+        """A request's first decision.  n-gram: just below the bar, so its first shadow round decides -- one
+        that emits k or k + 1 tokens turns drafting on -- and a request whose n-grams never match pays no failed
+        real round (free chat at batch 8: ~15 of them, each step ~25% dearer).  Draft model: optimistic (it
+        drafts: there is no free evidence), unless the proposer has not been paying lately (then it starts
+        paused; seeded sampled requests ignore other requests)."""
         need = self.need(req, batched)
-        req.spec_ema = need + 0.5
+        req.spec_ema = need - 0.5 if self.free_drafts else need + 0.5
         if not self.free_drafts and not _independent(req) and self.global_ema < need:
             self._pause(req, 2 * INITIAL_BACKOFF)
 

@@ -256,12 +256,14 @@ def _tiers(
     return plain_rows
 
 
-def truncate(x: torch.Tensor, meta: SamplingMetadata, cfg: TierConfig) -> Kept:
-    """The kept distribution (after temperature, min_p, top-k, top-p) of every random row of x [B, V]."""
+def truncate(x: torch.Tensor, meta: SamplingMetadata, cfg: TierConfig,
+             only: tuple[torch.Tensor, list[int]] | None = None) -> Kept:
+    """The kept distribution (after temperature, min_p, top-k, top-p) of every random row of x [B, V].
+    `only`: (rows, their top_k) to truncate instead of all of meta.truncated_rows (a subset of them)."""
     vocab = x.shape[1]
     out = Kept()
     plain_rows = [meta.plain_rows]
-    rows = meta.truncated_rows
+    rows, top_ks = (meta.truncated_rows, meta.truncated_top_k) if only is None else only
     if rows.numel():
         every = rows.numel() == x.shape[0]
         kn = RowKnobs(*(t if every else t.index_select(0, rows)
@@ -271,7 +273,7 @@ def truncate(x: torch.Tensor, meta: SamplingMetadata, cfg: TierConfig) -> Kept:
         # A top-k row needs candidates past the k-th to show the k-th value is not tied with the rest;
         # bf16 logits tie often, so leave room for a tie group rather than retrying with 1024.
         cap = cfg.first_cap
-        wanted = [min(vocab, min(cap, k + 16 + k // 4) if 0 < k < cap else cfg.first_k) for k in meta.truncated_top_k]
+        wanted = [min(vocab, min(cap, k + 16 + k // 4) if 0 < k < cap else cfg.first_k) for k in top_ks]
         first = max(wanted)
         k_row = None if min(wanted) == first else torch.tensor(wanted, device=x.device)
         nan = torch.full((rows.numel(),), float("nan"), device=x.device)

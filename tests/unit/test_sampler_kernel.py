@@ -1,0 +1,115 @@
+"""The one-call CPU kernel for top-k rows (ops/topk_cpu.py) against the torch path it replaces.
+
+Both compute the same kept distribution and hash the same noise, so they must draw the same token row for
+row.  Float32 sums and exp may round differently in the two (the kernel sums in candidate order, torch in
+its own), which can flip a decision only when it sits within an ulp of a boundary: a few in a million rows.
+The distribution itself is checked by tests/stats/test_sampler_stats.py (path "cpu-kernel").
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenspout.platform import cpu_flags
+from tokenspout.sample.metadata import build_metadata
+from tokenspout.sample.sampler import Sampler
+from tokenspout.sampling_params import SamplingParams
+
+NEG_INF = float("-inf")
+V = 49152  # the default model's vocabulary: many blocks of 256, and a pooled candidate pass in torch
+
+pytestmark = pytest.mark.skipif(Sampler()._lib is None, reason="the kernel library does not build here")
+
+
+def both(x: torch.Tensor, params: list[SamplingParams], **kw: object) -> tuple[torch.Tensor, torch.Tensor]:
+    kernel = Sampler()(x.clone(), build_metadata(params, x.shape[1], **kw)).sampled_token_ids  # type: ignore[arg-type]
+    torch_path = Sampler(cpu_kernel=False)(x.clone(), build_metadata(params, x.shape[1], **kw)).sampled_token_ids  # type: ignore[arg-type]
+    return kernel, torch_path
+
+
+def random_params(g: torch.Generator, n: int, trial: int) -> list[SamplingParams]:
+    def u() -> float:
+        return float(torch.rand(1, generator=g))
+
+    return [SamplingParams(temperature=0.05 + 1.6 * u(), top_k=int(torch.randint(1, 1025, (1,), generator=g)),
+                           top_p=0.05 + 0.95 * u() if trial % 2 else 1.0, min_p=0.3 * u() if trial % 3 == 0 else 0.0,
+                           seed=1000 * trial + i) for i in range(n)]
+
+
+def test_the_kernel_builds_on_an_avx2_machine() -> None:
+    # Not skipped silently where it should run: this machine and CI have AVX2 and gcc.
+    assert {"avx2", "fma", "f16c"} <= cpu_flags()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16-ties"])
+def test_kernel_draws_what_the_torch_path_draws(dtype: str) -> None:
+    g = torch.Generator().manual_seed(7)
+    mismatches = total = 0
+    for trial in range(24):
+        rows = 16
+        x = torch.randn(rows, V, generator=g) * (0.5 + trial % 6)
+        if dtype != "float32":
+            x = x.bfloat16().float()  # many exact ties, also at the k-th value and the top-p boundary
+        if trial % 5 == 0:  # a grammar-like mask: most of the vocabulary at -inf, fewer survivors than top_k
+            x[:, 300:] = NEG_INF
+        kernel, ref = both(x, random_params(g, rows, trial))
+        mismatches += int((kernel != ref).sum())
+        total += rows
+    assert total == 384
+    assert mismatches == 0
+
+
+def test_positions_change_the_draw_like_the_torch_path() -> None:
+    x = torch.randn(1, V, generator=torch.Generator().manual_seed(3)).expand(64, V).contiguous()
+    p = SamplingParams(temperature=1.0, top_k=200, top_p=0.9, seed=5)
+    params = [p] * 64
+    outputs = [[1] * i for i in range(64)]  # one request at 64 output positions
+    kernel, ref = both(x, params, outputs=outputs, seeds=[5] * 64)
+    assert torch.equal(kernel, ref)
+    assert kernel.unique().numel() > 10  # the position really moves the noise
+
+
+def test_ties_wider_than_the_stack_buffer() -> None:
+    """Uniform logits: every token ties with the k-th, so all stay (as HF's top-k); the kernel takes its
+    heap-allocated path.  Draws must be spread over the whole vocabulary, and agree with torch."""
+    x = torch.zeros(8, V)
+    kernel, ref = both(x, [SamplingParams(top_k=5, seed=i) for i in range(8)])
+    assert torch.equal(kernel, ref)
+    assert kernel.max() > 1000
+
+
+def test_fewer_finite_logits_than_top_k() -> None:
+    x = torch.full((4, V), NEG_INF)
+    x[:, [7, 70, 700]] = torch.tensor([1.0, 0.5, 0.25])
+    kernel, ref = both(x, [SamplingParams(top_k=50, seed=i) for i in range(4)])
+    assert torch.equal(kernel, ref)
+    assert set(kernel.tolist()) <= {7, 70, 700}
+
+
+def test_top_k_one_is_the_argmax() -> None:
+    x = torch.randn(8, V, generator=torch.Generator().manual_seed(11))
+    kernel, _ = both(x, [SamplingParams(top_k=1, temperature=1.3, seed=i) for i in range(8)])
+    assert torch.equal(kernel, x.argmax(-1))
+
+
+def test_mixed_batch_routes_each_row() -> None:
+    """Kernel rows (top-k), torch rows (top-p only, processed logprobs, top_k above the cap) and greedy rows in
+    one batch: each row draws what it draws alone, whatever its neighbours."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, V, generator=g) * 2
+    params = [
+        SamplingParams(top_k=40, top_p=0.9, seed=1),
+        SamplingParams(top_p=0.9, seed=2),
+        SamplingParams(temperature=0.0),
+        SamplingParams(top_k=40, seed=3, logprobs=2, logprobs_mode="processed_logprobs"),
+        SamplingParams(top_k=2000, seed=4),
+        SamplingParams(top_k=7, temperature=0.6, seed=5),
+    ]
+    meta = build_metadata(params, V)
+    assert meta.topk_kernel == [True, False, False, False, True]  # the truncated rows: 0, 1, 3, 4, 5
+    kernel, ref = both(x, params)
+    assert torch.equal(kernel, ref)
+    alone = [int(Sampler()(x[i : i + 1].clone(), build_metadata([p], V)).sampled_token_ids[0])
+             for i, p in enumerate(params)]
+    assert kernel.tolist() == alone
