@@ -1,4 +1,4 @@
-"""The one-call CPU kernel for top-k rows (ops/topk_cpu.py) against the torch path it replaces.
+"""The one-call CPU kernel for random rows (ops/rows_cpu.py) against the torch path it replaces.
 
 Both compute the same kept distribution and hash the same noise, so they must draw the same token row for
 row.  Float32 sums and exp may round differently in the two (the kernel sums in candidate order, torch in
@@ -29,11 +29,14 @@ def both(x: torch.Tensor, params: list[SamplingParams], **kw: object) -> tuple[t
 
 
 def random_params(g: torch.Generator, n: int, trial: int) -> list[SamplingParams]:
+    """Every kind of row the kernel takes: top-k (1..1024) or not, with or without top-p and min_p."""
     def u() -> float:
         return float(torch.rand(1, generator=g))
 
-    return [SamplingParams(temperature=0.05 + 1.6 * u(), top_k=int(torch.randint(1, 1025, (1,), generator=g)),
-                           top_p=0.05 + 0.95 * u() if trial % 2 else 1.0, min_p=0.3 * u() if trial % 3 == 0 else 0.0,
+    return [SamplingParams(temperature=0.05 + 1.6 * u(),
+                           top_k=int(torch.randint(1, 1025, (1,), generator=g)) if i % 2 else 0,
+                           top_p=0.05 + 0.95 * u() if (trial + i // 2) % 2 else 1.0,
+                           min_p=0.3 * u() if (trial + i // 4) % 3 == 0 else 0.0,
                            seed=1000 * trial + i) for i in range(n)]
 
 
@@ -58,6 +61,16 @@ def test_kernel_draws_what_the_torch_path_draws(dtype: str) -> None:
         total += rows
     assert total == 384
     assert mismatches == 0
+
+
+def test_wide_nucleus_and_flat_rows() -> None:
+    """Top-p rows whose nucleus holds thousands of tokens (flat logits at a high temperature): the torch path
+    needs its bucketed nucleus there; the kernel walks its thresholds down to them."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(12, V, generator=g) * 0.3
+    params = [SamplingParams(temperature=1.5, top_p=tp, seed=i) for i, tp in enumerate([0.5, 0.9, 0.99] * 4)]
+    kernel, ref = both(x, params)
+    assert torch.equal(kernel, ref)
 
 
 def test_positions_change_the_draw_like_the_torch_path() -> None:
@@ -94,10 +107,9 @@ def test_top_k_one_is_the_argmax() -> None:
 
 
 def test_mixed_batch_routes_each_row() -> None:
-    """Kernel rows (top-k), torch rows (top-p only, processed logprobs, top_k above the cap) and greedy rows in
-    one batch: each row draws what it draws alone, whatever its neighbours."""
+    """Kernel rows (top-k, top-p only, temperature only), torch rows (processed logprobs, top_k above the cap) and
+    greedy rows in one batch: each row draws what it draws alone, whatever its neighbours."""
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(6, V, generator=g) * 2
     params = [
         SamplingParams(top_k=40, top_p=0.9, seed=1),
         SamplingParams(top_p=0.9, seed=2),
@@ -105,9 +117,12 @@ def test_mixed_batch_routes_each_row() -> None:
         SamplingParams(top_k=40, seed=3, logprobs=2, logprobs_mode="processed_logprobs"),
         SamplingParams(top_k=2000, seed=4),
         SamplingParams(top_k=7, temperature=0.6, seed=5),
+        SamplingParams(temperature=0.9, seed=6),
+        SamplingParams(temperature=0.9, seed=7, logprobs=1, logprobs_mode="processed_logprobs"),
     ]
+    x = torch.randn(len(params), V, generator=g) * 2
     meta = build_metadata(params, V)
-    assert meta.topk_kernel == [True, False, False, False, True]  # the truncated rows: 0, 1, 3, 4, 5
+    assert meta.kernel_rows == [0, 1, 5, 6]
     kernel, ref = both(x, params)
     assert torch.equal(kernel, ref)
     alone = [int(Sampler()(x[i : i + 1].clone(), build_metadata([p], V)).sampled_token_ids[0])

@@ -1,5 +1,5 @@
 """Builds (once per machine, cached by source hash) and loads the AVX2 kernels in csrc/: the decode stack
-(decode_cpu.c) and the one-call top-k sampler (sample_cpu.c).
+(decode_cpu.c) and the one-call sampler of random rows (sample_cpu.c).
 
 The library is plain C called through ctypes: it compiles in about a second with the system gcc (no torch headers),
 so a fresh machine pays nothing noticeable and a warm start only dlopens it.  `load()` returns None, and the model
@@ -88,8 +88,8 @@ def load() -> ctypes.CDLL | None:
     lib.ts_attn_decode.restype = None
     lib.ts_decode_layers.argtypes = [ctypes.POINTER(Model), vp, i64, vp, vp, vp, i64, vp, vp]
     lib.ts_decode_layers.restype = None
-    lib.ts_sample_topk.argtypes = [vp, i64, i64, vp, i64, vp, vp, vp, vp, vp, vp, i64, vp]
-    lib.ts_sample_topk.restype = None
+    lib.ts_sample_rows.argtypes = [vp, i64, i64, vp, i64, vp, vp, vp, vp, vp, vp, i64, vp]
+    lib.ts_sample_rows.restype = None
     return lib
 
 

@@ -19,7 +19,7 @@ from tokenspout.sample.ops.penalties import PenaltyBatch
 from tokenspout.sample.ops.token_counts import SeenTokens
 from tokenspout.sampling_params import LOGIT_BIAS_CLAMP, SamplingParams
 
-TOPK_KERNEL_MAX = 1024  # largest top_k the CPU kernel takes (ops/topk_cpu.py): its heap and sort grow with k
+KERNEL_MAX_TOP_K = 1024  # largest top_k the CPU kernel takes (ops/rows_cpu.py): its heap and sort grow with k
 
 _F = ("temperature", "top_p", "min_p", "repetition", "presence", "frequency")  # columns of the float table
 _I = ("top_k", "seed", "num_logprobs", "greedy", "seed_key")  # columns of the int table
@@ -49,8 +49,10 @@ class SamplingMetadata:
     truncated_top_k: list[int]  # host copy of top_k of the truncated rows (plans candidate-set sizes)
     any_top_p: bool  # some truncated row has top_p < 1
     any_min_p: bool  # some truncated row has min_p > 0
-    topk_kernel: list[bool]  # per truncated row: 1 <= top_k <= TOPK_KERNEL_MAX and no processed logprobs,
-    # so the CPU kernel (ops/topk_cpu.py) may draw it (it needs no kept distribution afterwards)
+    truncated_list: list[int]  # host copies of truncated_rows and plain_rows
+    plain_list: list[int]
+    kernel_rows: list[int]  # random rows with top_k <= KERNEL_MAX_TOP_K (0 = off) and no processed logprobs:
+    # the CPU kernel (ops/rows_cpu.py) may draw them (they need no kept distribution afterwards)
     # Sparse edits; None when no row has any.
     allowed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, local row, id) allowed pairs
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (row, id) pairs forced to -inf: bad words, min_tokens
@@ -178,7 +180,7 @@ class SamplingState:
         raw_rows, proc_rows = [], []
         max_top_k = 0
         trunc_k: list[int] = []
-        kernel: list[bool] = []
+        kernel: list[int] = []
         any_top_p = any_min_p = False
         max_lp = -1
         for row, info in enumerate(infos):
@@ -191,9 +193,10 @@ class SamplingState:
                 max_top_k = max(max_top_k, info.top_k)
                 any_top_p |= info.top_p_on
                 any_min_p |= info.min_p_on
-                kernel.append(0 < info.top_k <= TOPK_KERNEL_MAX and not (info.num_logprobs >= 0 and info.processed))
             else:
                 plain.append(row)
+            if not info.greedy and info.top_k <= KERNEL_MAX_TOP_K and not (info.num_logprobs >= 0 and info.processed):
+                kernel.append(row)
             if info.penalties:
                 pen_rows.append(row)
             if info.bad_single:
@@ -260,7 +263,9 @@ class SamplingState:
             truncated_top_k=trunc_k,
             any_top_p=any_top_p,
             any_min_p=any_min_p,
-            topk_kernel=kernel,
+            truncated_list=trunc,
+            plain_list=plain,
+            kernel_rows=kernel,
             allowed=(rows_t(allow_rows), torch.cat(allow_local), torch.cat(allow_ids)) if allow_rows else None,
             banned=(rows_t(ban_r), rows_t(ban_t)) if ban_r else None,
             bias=(torch.cat(bias_r), torch.cat(bias_t), torch.cat(bias_v)) if bias_r else None,

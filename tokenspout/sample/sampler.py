@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenspout.sample.metadata import SamplingMetadata
-from tokenspout.sample.ops import topk_cpu
+from tokenspout.sample.ops import rows_cpu
 from tokenspout.sample.ops.draw import draw_dense, draw_sparse
 from tokenspout.sample.ops.logprobs import gather_logprobs
 from tokenspout.sample.ops.noise import keys_from_seed_keys
@@ -101,24 +101,26 @@ def compute_processed_logits(
 
 class Sampler(torch.nn.Module):
     def __init__(self, tiers: TierConfig | None = None, cpu_kernel: bool = True) -> None:
-        """cpu_kernel: draw top-k rows of CPU logits with the one-call kernel (ops/topk_cpu.py) when it loads."""
+        """cpu_kernel: draw random rows of CPU logits with the one-call kernel (ops/rows_cpu.py) when it loads."""
         super().__init__()
         self.tiers = tiers or TierConfig()
-        self._lib = topk_cpu.load() if cpu_kernel else None
+        self._lib = rows_cpu.load() if cpu_kernel else None
 
     def _kernel_split(
         self, x: torch.Tensor, meta: SamplingMetadata
-    ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, list[int]] | None]:
-        """(truncated rows the kernel draws, (the other truncated rows, their top_k) for the torch path)."""
-        flags = meta.topk_kernel
-        if self._lib is None or x.device.type != "cpu" or not any(flags):
+    ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, list[int], torch.Tensor] | None]:
+        """(random rows the kernel draws, (the other truncated rows, their top_k, the other plain rows) for the
+        torch path)."""
+        if self._lib is None or x.device.type != "cpu" or not meta.kernel_rows:
             return None, None
-        rows = meta.truncated_rows
-        if all(flags):
-            return rows, (rows[:0], [])
-        on = torch.tensor([i for i, f in enumerate(flags) if f], dtype=torch.int64)
-        off = torch.tensor([i for i, f in enumerate(flags) if not f], dtype=torch.int64)
-        return rows[on], (rows[off], [k for k, f in zip(meta.truncated_top_k, flags) if not f])
+        ok = set(meta.kernel_rows)
+        trunc = [(r, k) for r, k in zip(meta.truncated_list, meta.truncated_top_k) if r not in ok]
+        plain = [r for r in meta.plain_list if r not in ok]
+
+        def rows_t(rows: list[int]) -> torch.Tensor:
+            return torch.tensor(rows, dtype=torch.int64)
+
+        return rows_t(meta.kernel_rows), (rows_t([r for r, _ in trunc]), [k for _, k in trunc], rows_t(plain))
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         meta = metadata
@@ -142,11 +144,11 @@ class Sampler(torch.nn.Module):
             kernel_rows, others = self._kernel_split(x, meta)
             kept = truncate(x, meta, self.tiers, others)
             if kernel_rows is not None and kernel_rows.numel() == batch:  # every row (ascending): the identity
-                sampled = topk_cpu.sample_topk(self._lib, x, kernel_rows, meta, self.tiers.block_size)
+                sampled = rows_cpu.sample_rows(self._lib, x, kernel_rows, meta, self.tiers.block_size)
             else:
                 sampled = draw(kept, meta, vocab, self.tiers.block_size)
                 if kernel_rows is not None:
-                    drawn = topk_cpu.sample_topk(self._lib, x, kernel_rows, meta, self.tiers.block_size)
+                    drawn = rows_cpu.sample_rows(self._lib, x, kernel_rows, meta, self.tiers.block_size)
                     sampled.index_copy_(0, kernel_rows, drawn)
             if greedy is not None:
                 sampled = torch.where(meta.is_greedy, greedy, sampled)

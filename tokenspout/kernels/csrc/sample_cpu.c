@@ -1,17 +1,19 @@
-/* One-call sampling of top-k rows on the CPU (tokenspout/sample/ops/topk_cpu.py wraps it).
+/* One-call sampling of random rows on the CPU (tokenspout/sample/ops/rows_cpu.py wraps it).
  *
- * Why: the torch path (sample/ops/topk_topp.py, draw.py, noise.py) runs ~160 small ops for a row with top_k, top_p
- * and a temperature; at a few microseconds of dispatch each that is ~0.8 ms per step at batch 1 -- 10-15% of a
- * decode step -- and under the engine's passive OpenMP policy every op that goes parallel wakes a sleeping thread.
- * This kernel does the same computation for one row in one pass over its logits plus work on its ~k survivors.
+ * Why: the torch path (sample/ops/topk_topp.py, nucleus.py, draw.py, noise.py) runs ~160 small ops for a row with
+ * top_k, top_p and a temperature; at a few microseconds of dispatch each that is ~0.8 ms per step at batch 1 --
+ * 10-15% of a decode step -- and under the engine's passive OpenMP policy every op that goes parallel wakes a
+ * sleeping thread.  A temperature-only row costs ~0.8 ms there too, and a top-p row with a wide nucleus several
+ * ms (candidate sets that do not cover it, then the bucketed nucleus).  This kernel does the same computation for
+ * one row in one or two passes over its logits plus work on its candidates.
  *
- * Semantics: exactly those of topk_topp.py (read its docstring) and draw.py, for rows with 1 <= top_k <= the cap:
- *   y = logits / T;  A = {t : y_t >= the k-th largest y} (ties at the k-th value all stay), ordered by (y desc,
- *   id asc);  w = exp(y - max y);  min_p keeps w >= min_p;  top-p keeps t iff the kept mass ahead of t is
- *   < top_p * Z;  then the two-level Gumbel-max draw of draw.py with the counter-based noise of noise.py
- *   (SplitMix64 of (seed key, position, id)).  The noise is bit-identical to the torch path; float32 sums and exp
- *   may round differently, so the two agree token for token except where a decision sits within an ulp of a
- *   boundary (tests/unit/test_sampler_kernel.py compares them on thousands of rows).
+ * Semantics: exactly those of topk_topp.py (read its docstring) and draw.py:
+ *   y = logits / T;  with top-k, the candidates are {t : y_t >= the k-th largest y} (ties at the k-th value all
+ *   stay), ordered by (y desc, id asc);  w = exp(y - max y);  min_p keeps w >= min_p;  top-p keeps t iff the kept
+ *   mass ahead of t is < top_p * Z;  then the two-level Gumbel-max draw of draw.py with the counter-based noise of
+ *   noise.py (SplitMix64 of (seed key, position, id)).  The noise is bit-identical to the torch path; float32 sums
+ *   and exp may round differently, so the two agree token for token except where a decision sits within an ulp of
+ *   a boundary (tests/unit/test_sampler_kernel.py compares them on thousands of rows).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -124,36 +126,43 @@ static int64_t collect(const float *x, int64_t V, float t, float kth, cand *c, i
     return n;
 }
 
-/* Truncates and draws one row; returns the token id. */
-static int64_t sample_row(const float *x, int64_t V, float t, int64_t k, float top_p, float min_p, uint64_t key,
-                          int64_t bs, float *heap, cand *stack_c) {
-    float kth = kth_largest(x, V, t, k, heap);
-    cand *c = stack_c;
-    int64_t n = collect(x, V, t, kth, c, STACK_CANDS);
-    if (n > STACK_CANDS) { /* a tie group at the k-th value wider than the stack buffer (e.g. uniform logits) */
-        c = malloc((size_t)n * sizeof(cand));
-        collect(x, V, t, kth, c, n);
-    }
-    int64_t out = 0;
-    if (n == 0) goto done; /* every logit is -inf: nothing can be drawn; the torch path returns a top id too */
-    qsort(c, (size_t)n, sizeof(cand), cand_order);
-    float *w = malloc((size_t)n * sizeof(float));
-    float m0 = c[0].y;
+/* exp(x) for x <= 0 (Cephes' single-precision polynomial, ~1 ulp; 0 below -87.3, where float32 would go
+ * denormal: such a token has no probability a draw could ever see).  exp(0) is exactly 1. */
+static inline __m256 exp_neg(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.33654f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* x - n ln2, ln2 in two parts */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* top-p on sorted candidates: keeps c[j] iff the kept weight ahead of it is < top_p * z (w[j] = 0: dropped).
+ * Returns the total weight of the candidates (before the cut). */
+static double cut_top_p(int64_t n, float *w, float top_p, float z) {
+    double run = 0.0; /* torch's CPU cumsum accumulates in double and rounds each prefix to float */
     for (int64_t j = 0; j < n; j++) {
-        w[j] = expf(c[j].y - m0);
-        if (min_p > 0.0f && w[j] < min_p) w[j] = 0.0f;
+        run += w[j];
+        float ahead = (float)run - w[j];
+        if (!(ahead < top_p * z)) w[j] = 0.0f;
     }
-    if (top_p < 1.0f) {
-        float z = 0.0f;
-        for (int64_t j = 0; j < n; j++) z += w[j];
-        double run = 0.0; /* torch's CPU cumsum accumulates in double and rounds each prefix to float */
-        for (int64_t j = 0; j < n; j++) {
-            run += w[j];
-            float ahead = (float)run - w[j];
-            if (!(ahead < top_p * z)) w[j] = 0.0f;
-        }
-    }
-    /* Stage 1: a block with probability mass_b / sum(mass); stage 2: a token of that block by its weight. */
+    return run;
+}
+
+/* The two-level draw over sorted candidates c[0..n) with weights w (0 = dropped; c[0] the row maximum m0):
+ * a block b with probability mass_b / sum(mass) by argmax(log mass_b + G(b)), then a token of b by
+ * argmax(y - m0 + G(t)) over its kept candidates -- draw.py's draw_sparse. */
+static int64_t draw_sorted(const cand *c, int64_t n, const float *w, int64_t V, uint64_t key, int64_t bs) {
     int64_t nb = (V + bs - 1) / bs;
     float *mass = calloc((size_t)nb, sizeof(float));
     for (int64_t j = 0; j < n; j++)
@@ -169,37 +178,171 @@ static int64_t sample_row(const float *x, int64_t V, float t, int64_t k, float t
             chosen = b;
         }
     }
+    free(mass);
     best = -INFINITY;
-    out = c[0].id;
+    int64_t out = c[0].id;
     for (int64_t j = 0; j < n; j++) {
         if (!(w[j] > 0.0f) || c[j].id / bs != chosen) continue;
-        double s = (double)(c[j].y - m0) + gumbel(key, c[j].id, SALT_TOKEN);
+        double s = (double)(c[j].y - c[0].y) + gumbel(key, c[j].id, SALT_TOKEN);
         if (s > best) {
             best = s;
             out = c[j].id;
         }
     }
-    free(mass);
+    return out;
+}
+
+/* A row with 1 <= top_k: its candidates are the tokens tied with or above the k-th largest. */
+static int64_t sample_top_k(const float *x, int64_t V, float t, int64_t k, float top_p, float min_p, uint64_t key,
+                            int64_t bs) {
+    float *heap = malloc((size_t)k * sizeof(float));
+    float kth = kth_largest(x, V, t, k, heap);
+    free(heap);
+    cand *c = malloc(STACK_CANDS * sizeof(cand));
+    int64_t n = collect(x, V, t, kth, c, STACK_CANDS);
+    if (n > STACK_CANDS) { /* a tie group at the k-th value wider than the buffer (e.g. uniform logits) */
+        free(c);
+        c = malloc((size_t)n * sizeof(cand));
+        collect(x, V, t, kth, c, n);
+    }
+    int64_t out = 0; /* every logit -inf: nothing can be drawn (the torch path returns some id too) */
+    if (n > 0) {
+        qsort(c, (size_t)n, sizeof(cand), cand_order);
+        float *w = malloc((size_t)n * sizeof(float));
+        float z = 0.0f;
+        for (int64_t j = 0; j < n; j++) {
+            w[j] = expf(c[j].y - c[0].y);
+            if (min_p > 0.0f && w[j] < min_p) w[j] = 0.0f;
+            z += w[j];
+        }
+        if (top_p < 1.0f) cut_top_p(n, w, top_p, z);
+        out = draw_sorted(c, n, w, V, key, bs);
+        free(w);
+    }
+    free(c);
+    return out;
+}
+
+#define NUM_THETA 6 /* top-p search thresholds on w: 2^-4, 2^-8, ..., 2^-24 */
+
+/* A row without top-k: w = exp(y - max y) over the whole row (min_p applied), then either a dense draw (no
+ * top-p) or, for top-p, the candidates w >= theta for the largest theta whose mass above reaches top_p * Z: any
+ * token below theta has all of them ahead of it, so top-p drops it (topk_topp.py's rule (d)). */
+static int64_t sample_dense(const float *x, int64_t V, float t, float top_p, float min_p, uint64_t key, int64_t bs) {
+    const __m256 tv = _mm256_set1_ps(t);
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 8 <= V; i += 8) mv = _mm256_max_ps(mv, _mm256_div_ps(_mm256_loadu_ps(x + i), tv));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mv);
+    float m = -INFINITY;
+    for (int b = 0; b < 8; b++) m = lanes[b] > m ? lanes[b] : m;
+    for (; i < V; i++) m = x[i] / t > m ? x[i] / t : m;
+    if (m == -INFINITY) return 0;
+
+    int64_t V8 = (V + 7) & ~(int64_t)7;
+    float *w = malloc((size_t)V8 * sizeof(float));
+    const int want_theta = top_p < 1.0f;
+    __m256 zacc = _mm256_setzero_ps(), sacc[NUM_THETA], theta[NUM_THETA];
+    for (int j = 0; j < NUM_THETA; j++) {
+        sacc[j] = _mm256_setzero_ps();
+        theta[j] = _mm256_set1_ps(ldexpf(1.0f, -4 * (j + 1)));
+    }
+    const __m256 mb = _mm256_set1_ps(m), mp = _mm256_set1_ps(min_p);
+    for (i = 0; i < V8; i += 8) {
+        __m256 v;
+        if (i + 8 <= V) {
+            v = _mm256_div_ps(_mm256_loadu_ps(x + i), tv);
+        } else { /* the last, short group: pad with -inf */
+            float tail[8];
+            for (int b = 0; b < 8; b++) tail[b] = i + b < V ? x[i + b] / t : -INFINITY;
+            v = _mm256_loadu_ps(tail);
+        }
+        __m256 e = exp_neg(_mm256_sub_ps(v, mb));
+        if (min_p > 0.0f) e = _mm256_and_ps(e, _mm256_cmp_ps(e, mp, _CMP_GE_OQ));
+        _mm256_storeu_ps(w + i, e);
+        zacc = _mm256_add_ps(zacc, e);
+        if (want_theta)
+            for (int j = 0; j < NUM_THETA; j++)
+                sacc[j] = _mm256_add_ps(sacc[j], _mm256_and_ps(e, _mm256_cmp_ps(e, theta[j], _CMP_GE_OQ)));
+    }
+    float z = 0.0f;
+    _mm256_storeu_ps(lanes, zacc);
+    for (int b = 0; b < 8; b++) z += lanes[b];
+
+    int64_t out = 0;
+    if (!want_theta) { /* dense draw: draw.py's draw_dense over block sums of w */
+        int64_t nb = (V + bs - 1) / bs;
+        double best = -INFINITY;
+        int64_t chosen = 0;
+        for (int64_t b = 0; b < nb; b++) {
+            float mass = 0.0f;
+            for (int64_t j = b * bs; j < V && j < (b + 1) * bs; j++) mass += w[j];
+            if (!(mass > 0.0f)) continue;
+            double s = (double)logf(mass) + gumbel(key, b, SALT_BLOCK);
+            if (s > best) {
+                best = s;
+                chosen = b;
+            }
+        }
+        best = -INFINITY;
+        for (int64_t j = chosen * bs; j < V && j < (chosen + 1) * bs; j++) {
+            if (!(w[j] > 0.0f)) continue;
+            double s = (double)(x[j] / t) + gumbel(key, j, SALT_TOKEN);
+            if (s > best) {
+                best = s;
+                out = j;
+            }
+        }
+        free(w);
+        return out;
+    }
+    const float target = top_p * z;
+    int j0 = NUM_THETA; /* the largest theta whose mass reaches the target (NUM_THETA: every w > 0) */
+    for (int j = 0; j < NUM_THETA; j++) {
+        _mm256_storeu_ps(lanes, sacc[j]);
+        float s = 0.0f;
+        for (int b = 0; b < 8; b++) s += lanes[b];
+        if (s >= target) {
+            j0 = j;
+            break;
+        }
+    }
+    for (int j = j0; j <= NUM_THETA; j++) {
+        float th = j < NUM_THETA ? ldexpf(1.0f, -4 * (j + 1)) : 0.0f;
+        int64_t n = 0;
+        for (int64_t q = 0; q < V; q++) n += w[q] > 0.0f && w[q] >= th;
+        cand *c = malloc((size_t)n * sizeof(cand));
+        float *cw = malloc((size_t)n * sizeof(float));
+        n = 0;
+        for (int64_t q = 0; q < V; q++)
+            if (w[q] > 0.0f && w[q] >= th) c[n++] = (cand){x[q] / t, (int32_t)q};
+        qsort(c, (size_t)n, sizeof(cand), cand_order);
+        for (int64_t q = 0; q < n; q++) cw[q] = w[c[q].id];
+        /* The rows' sums round differently from the block sums above: if the candidates' own total falls short
+         * of the target, tokens below theta could be kept after all -- widen and redo (rare). */
+        double total = cut_top_p(n, cw, top_p, z);
+        int done = total >= target || j == NUM_THETA;
+        if (done) out = draw_sorted(c, n, cw, V, key, bs);
+        free(cw);
+        free(c);
+        if (done) break;
+    }
     free(w);
-done:
-    if (c != stack_c) free(c);
     return out;
 }
 
 /* Draws one token for each of the n rows `rows` of x [*, V] (row stride ldx), with the per-batch-row knobs
- * temperature, top_k (1..V), top_p, min_p, seed_keys and positions indexed by those rows; out[i] for rows[i]. */
-void ts_sample_topk(const float *x, int64_t ldx, int64_t V, const int64_t *rows, int64_t n, const float *temperature,
+ * temperature, top_k (0 = off), top_p, min_p, seed_keys and positions indexed by those rows; out[i] for rows[i]. */
+void ts_sample_rows(const float *x, int64_t ldx, int64_t V, const int64_t *rows, int64_t n, const float *temperature,
                     const int64_t *top_k, const float *top_p, const float *min_p, const int64_t *seed_keys,
                     const int64_t *positions, int64_t block_size, int64_t *out) {
 #pragma omp parallel for schedule(dynamic, 1) if (n >= 8)
     for (int64_t i = 0; i < n; i++) {
         int64_t r = rows[i];
-        int64_t k = top_k[r];
-        float *heap = malloc((size_t)k * sizeof(float));
-        cand *stack_c = malloc(STACK_CANDS * sizeof(cand));
         uint64_t key = mix64((uint64_t)seed_keys[r] + (uint64_t)(positions[r] + 1) * GOLDEN);
-        out[i] = sample_row(x + r * ldx, V, temperature[r], k, top_p[r], min_p[r], key, block_size, heap, stack_c);
-        free(stack_c);
-        free(heap);
+        const float *xr = x + r * ldx;
+        out[i] = top_k[r] > 0 ? sample_top_k(xr, V, temperature[r], top_k[r], top_p[r], min_p[r], key, block_size)
+                              : sample_dense(xr, V, temperature[r], top_p[r], min_p[r], key, block_size);
     }
 }

@@ -257,13 +257,13 @@ def _tiers(
 
 
 def truncate(x: torch.Tensor, meta: SamplingMetadata, cfg: TierConfig,
-             only: tuple[torch.Tensor, list[int]] | None = None) -> Kept:
+             only: tuple[torch.Tensor, list[int], torch.Tensor] | None = None) -> Kept:
     """The kept distribution (after temperature, min_p, top-k, top-p) of every random row of x [B, V].
-    `only`: (rows, their top_k) to truncate instead of all of meta.truncated_rows (a subset of them)."""
+    `only`: (truncated rows, their top_k, plain rows) to do instead of all of meta's (subsets of them)."""
     vocab = x.shape[1]
     out = Kept()
-    plain_rows = [meta.plain_rows]
-    rows, top_ks = (meta.truncated_rows, meta.truncated_top_k) if only is None else only
+    rows, top_ks, plain = (meta.truncated_rows, meta.truncated_top_k, meta.plain_rows) if only is None else only
+    plain_rows = [plain]
     if rows.numel():
         every = rows.numel() == x.shape[0]
         kn = RowKnobs(*(t if every else t.index_select(0, rows)

@@ -1,10 +1,11 @@
-"""Top-k rows on the CPU in one kernel call (kernels/csrc/sample_cpu.c): truncation and draw together.
+"""Random rows on the CPU in one kernel call (kernels/csrc/sample_cpu.c): truncation and draw together.
 
 The torch path runs ~160 small ops for one row with top-k, top-p and a temperature (~0.8 ms at batch 1 on
-this CPU, more when they wake a sleeping OpenMP thread); the kernel does the same work in one pass over the
-row's logits plus its ~k survivors (~0.05 ms).  Same semantics and the same counter-based noise as
-topk_topp.py + draw.py; which path a row takes depends only on the row (its top_k, whether it asks for
-processed logprobs) and the process (the kernel library loaded), never on its batch neighbours.
+this CPU, more when they wake a sleeping OpenMP thread; a temperature-only row costs as much, a top-p row with
+a wide nucleus several ms); the kernel does the same work in one or two passes over the row (~0.05-0.1 ms).
+Same semantics and the same counter-based noise as topk_topp.py + nucleus.py + draw.py.  Which path a row
+takes depends only on the row (its top_k, whether it asks for processed logprobs) and the process (the kernel
+library loaded), never on its batch neighbours.
 """
 
 from __future__ import annotations
@@ -18,18 +19,18 @@ from tokenspout.sample.metadata import SamplingMetadata
 
 def load() -> ctypes.CDLL | None:
     """The kernel library, or None (no AVX2 / compiler / TOKENSPOUT_KERNELS=0): then the torch path only."""
-    from tokenspout.kernels import cpu  # deferred: the sampler must import without the kernels package's deps
+    from tokenspout.kernels import cpu  # deferred: only a CPU sampler needs the kernels
 
     return cpu.load()
 
 
-def sample_topk(lib: ctypes.CDLL, x: torch.Tensor, rows: torch.Tensor, meta: SamplingMetadata,
+def sample_rows(lib: ctypes.CDLL, x: torch.Tensor, rows: torch.Tensor, meta: SamplingMetadata,
                 block_size: int) -> torch.Tensor:
     """One drawn token id per row in `rows` [n] of x [B, V] (float32, CPU, unit stride along V)."""
     assert x.dtype == torch.float32 and x.stride(1) == 1 and x.device.type == "cpu"
     knobs = [t.contiguous() for t in (meta.temperature, meta.top_k, meta.top_p, meta.min_p, meta.seed_keys,
                                       meta.positions)]
     out = torch.empty(rows.numel(), dtype=torch.int64)
-    lib.ts_sample_topk(x.data_ptr(), x.stride(0), x.shape[1], rows.data_ptr(), rows.numel(),
+    lib.ts_sample_rows(x.data_ptr(), x.stride(0), x.shape[1], rows.data_ptr(), rows.numel(),
                        *(t.data_ptr() for t in knobs), block_size, out.data_ptr())
     return out
