@@ -6,7 +6,8 @@
 Cases: greedy (all rows); random (T 0.8, top_p 0.95, top_k 50); top_p (0.9 only); mixed (rows cycle
 greedy / T 0.8 top_p 0.95 top_k 50 / top_p 0.9 / T 0.7 only, every row with repetition 1.1, presence
 0.2, frequency 0.1 over 256 previous output tokens, seeds on a quarter of the rows).  Baselines measured
-in the same run on the same logits: `floor` = logits.argmax(-1); `hf` = transformers' Temperature /
+in the same run on the same logits: `torch` = the same sampler without its CPU kernel (sample/ops/rows_cpu.py:
+the all-torch path, as on a GPU); `floor` = logits.argmax(-1); `hf` = transformers' Temperature /
 TopK / TopP warpers (+ RepetitionPenalty for mixed) + softmax + torch.multinomial, batch-wide settings.
 
 Logits are LLM-like rather than Gaussian: token t gets -s * log(V * u_t + 1) with u_t ~ U(0, 1), a Zipf
@@ -172,7 +173,8 @@ def tier_counts(logits: torch.Tensor, meta: SamplingMetadata, tiers: TierConfig)
     return dict(counts)
 
 
-def bench_case(case: str, batch: int, vocab: int, sampler: Sampler, with_hf: bool) -> dict:
+def bench_case(case: str, batch: int, vocab: int, sampler: Sampler, with_hf: bool,
+               torch_sampler: Sampler | None = None) -> dict:
     gen = torch.Generator().manual_seed(batch * 7 + vocab)
     rng = random.Random(batch + vocab)
     logits = torch.randn(batch, vocab, generator=gen) if case == "flat" else llm_like_logits(batch, vocab, gen)
@@ -183,7 +185,10 @@ def bench_case(case: str, batch: int, vocab: int, sampler: Sampler, with_hf: boo
         state.add_request(i, p, [], history[i].tolist(), p.seed if p.seed is not None else rng.randrange(1 << 62))
     slots = list(range(batch))
     meta = state.metadata(slots)
-    times = interleaved({"ours": lambda: sampler(logits, meta), "floor": lambda: logits.argmax(-1)})
+    fns = {"ours": lambda: sampler(logits, meta), "floor": lambda: logits.argmax(-1)}
+    if torch_sampler is not None:  # the same sampler without the CPU kernel (ops/rows_cpu.py)
+        fns["torch"] = lambda: torch_sampler(logits, meta)
+    times = interleaved(fns)
     row = {
         "case": case,
         "batch": batch,
@@ -196,6 +201,8 @@ def bench_case(case: str, batch: int, vocab: int, sampler: Sampler, with_hf: boo
         "tiers": tier_counts(logits, meta, sampler.tiers),
         "loadavg_1min": os.getloadavg()[0],
     }
+    if torch_sampler is not None:
+        row["torch_path_ms"] = times["torch"]
     if with_hf and case != "greedy":
         hf = hf_pipeline(case, history)
         row["hf_ms"] = timeit(lambda: hf(logits), budget_s=0.3, min_reps=3, max_reps=10)
@@ -252,8 +259,9 @@ def main() -> None:
     vocabs = args.vocabs or ((128_256,) if args.quick else (49_152, 128_256))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, glibc keeps freed memory: {tuned}")
     sampler = Sampler()
+    torch_sampler = Sampler(cpu_kernel=False) if sampler._lib is not None else None
     rows = []
-    print(f"{'case':>7} {'batch':>5} {'vocab':>7} {'ours ms':>8} {'floor ms':>8} {'x floor':>7} "
+    print(f"{'case':>7} {'batch':>5} {'vocab':>7} {'ours ms':>8} {'torch ms':>8} {'floor ms':>8} {'x floor':>7} "
           f"{'hf ms':>8} {'hf/ours':>7} {'meta ms':>7} {'load':>5}  tiers")
     for vocab in vocabs:
         for batch in batches:
@@ -262,11 +270,12 @@ def main() -> None:
                 cases.append("flat")
             for case in cases:
                 idle = wait_idle(args.wait_idle) if args.wait_idle else None
-                r = bench_case(case, batch, vocab, sampler, not args.no_hf)
+                r = bench_case(case, batch, vocab, sampler, not args.no_hf, torch_sampler)
                 r["idle_before"] = idle
                 rows.append(r)
                 hf = f"{r['hf_ms']:8.2f} {r['speedup_vs_hf']:7.1f}" if "hf_ms" in r else f"{'-':>8} {'-':>7}"
-                print(f"{case:>7} {batch:>5} {vocab:>7} {r['ours_ms']:8.2f} {r['floor_ms']:8.2f} "
+                tp = f"{r['torch_path_ms']:8.2f}" if "torch_path_ms" in r else f"{'-':>8}"
+                print(f"{case:>7} {batch:>5} {vocab:>7} {r['ours_ms']:8.2f} {tp} {r['floor_ms']:8.2f} "
                       f"{r['x_floor']:7.2f} {hf} {r['metadata_ms']:7.3f} {r['loadavg_1min']:5.2f}  {r['tiers']}",
                       flush=True)
     if args.wait_idle:

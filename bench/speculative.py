@@ -288,15 +288,17 @@ def main() -> None:
               f"{r['tok_s_on']:>10.1f}{r['speedup']:>9.2f}x{r['acceptance_rate']:>8.2f}"
               f"{r['mean_acceptance_length']:>10.2f}{r['spec_share']:>12.2f}{r['same_outputs']:>7}"
               f"{r['speedup_cpu_time']:>11.2f}x")
-    b1_rep = [r["speedup"] for r in rows if r["workload"] == "repetitive" and r["batch"] == 1
-              and r["proposer"] == "ngram"]
+    b1_rep = {r["mode"]: r["speedup"] for r in rows if r["workload"] == "repetitive" and r["batch"] == 1
+              and r["proposer"] == "ngram"}
     free = [r["speedup"] for r in rows if r["workload"] == "free"]
-    targets = {"repetitive_batch1_ngram_min_speedup": min(b1_rep) if b1_rep else None,
+    targets = {"repetitive_batch1_ngram_min_speedup": min(b1_rep.values()) if b1_rep else None,
+               "repetitive_batch1_ngram_speedup_by_mode": b1_rep,
                "repetitive_batch1_target": 1.8, "free_min_speedup": min(free) if free else None,
                "free_target": 0.95}
-    if b1_rep:
-        print(f"target >= 1.8x at batch 1 on the repetitive workload (n-gram): min {min(b1_rep):.2f}x "
-              f"({'met' if min(b1_rep) >= 1.8 else 'NOT met'})")
+    for mode, x in b1_rep.items():
+        # Sampled modes are bounded by the target's own probability of the copied token (README: Speculative decoding).
+        print(f"target >= 1.8x at batch 1 on the repetitive workload (n-gram), {mode}: {x:.2f}x "
+              f"({'met' if x >= 1.8 else 'NOT met'})")
     if free:
         print(f"target >= 0.95x on free chat: min {min(free):.2f}x ({'met' if min(free) >= 0.95 else 'NOT met'})")
     config = {"k": args.k, "ngram_min": args.ngram_min, "ngram_max": args.ngram_max, "max_tokens": args.max_tokens,

@@ -44,6 +44,12 @@ static inline double gumbel(uint64_t key, int64_t id, uint64_t salt) {
     return -log(-log(u));
 }
 
+/* y = x / t for 8 logits (a division, as torch's `logits / temperature`; skipped at t = 1, where it is exact). */
+static inline __m256 load_scaled(const float *x, __m256 tv, float t) {
+    const __m256 v = _mm256_loadu_ps(x);
+    return t == 1.0f ? v : _mm256_div_ps(v, tv);
+}
+
 typedef struct {
     float y;
     int32_t id;
@@ -74,7 +80,7 @@ static float kth_largest(const float *x, int64_t V, float t, int64_t k, float *h
     const __m256 tv = _mm256_set1_ps(t);
     int64_t i = 0;
     for (; i + 8 <= V; i += 8) {
-        __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), tv);
+        __m256 v = load_scaled(x + i, tv, t);
         int m = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(heap[0]), _CMP_GT_OQ));
         if (!m) continue;
         float vals[8];
@@ -104,7 +110,7 @@ static int64_t collect(const float *x, int64_t V, float t, float kth, cand *c, i
     const __m256 tv = _mm256_set1_ps(t), kv = _mm256_set1_ps(kth), ninf = _mm256_set1_ps(-INFINITY);
     int64_t i = 0;
     for (; i + 8 <= V; i += 8) {
-        __m256 v = _mm256_div_ps(_mm256_loadu_ps(x + i), tv);
+        __m256 v = load_scaled(x + i, tv, t);
         int m = _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(v, kv, _CMP_GE_OQ), _mm256_cmp_ps(v, ninf, _CMP_GT_OQ)));
         if (!m) continue;
         float vals[8];
@@ -223,6 +229,94 @@ static int64_t sample_top_k(const float *x, int64_t V, float t, int64_t k, float
     return out;
 }
 
+/* draw.py's draw_dense over weights w [V] (0 = dropped): a block by argmax(log sum_b w + G(b)), then a token of
+ * that block by argmax(y + G(t)) over its kept tokens. */
+static int64_t draw_dense(const float *x, float t, const float *w, int64_t V, uint64_t key, int64_t bs) {
+    int64_t nb = (V + bs - 1) / bs, chosen = 0, out = 0;
+    double best = -INFINITY;
+    for (int64_t b = 0; b < nb; b++) {
+        float mass = 0.0f;
+        for (int64_t j = b * bs; j < V && j < (b + 1) * bs; j++) mass += w[j];
+        if (!(mass > 0.0f)) continue;
+        double s = (double)logf(mass) + gumbel(key, b, SALT_BLOCK);
+        if (s > best) {
+            best = s;
+            chosen = b;
+        }
+    }
+    best = -INFINITY;
+    for (int64_t j = chosen * bs; j < V && j < (chosen + 1) * bs; j++) {
+        if (!(w[j] > 0.0f)) continue;
+        double s = (double)(x[j] / t) + gumbel(key, j, SALT_TOKEN);
+        if (s > best) {
+            best = s;
+            out = j;
+        }
+    }
+    return out;
+}
+
+/* top-p on a whole row without sorting it (nucleus.py's method): bucket the weights by the top bits of their float
+ * pattern (monotone in w >= 0), walk the buckets from the top to the one where the mass reaches the target, keep
+ * every token above it, drop every token below it, and order only the boundary bucket's tokens exactly.  Zeroes
+ * w of the dropped tokens. */
+#define WIDE_SHIFT 16
+static inline int64_t bucket(float w) {
+    uint32_t b;
+    memcpy(&b, &w, sizeof b);
+    return (int64_t)(b >> WIDE_SHIFT);
+}
+static void wide_top_p(const float *x, float t, float *w, int64_t V, float target) {
+    const int64_t nbk = (0x3F800000 >> WIDE_SHIFT) + 1;
+    double *mass = calloc((size_t)nbk, sizeof(double));
+    for (int64_t i = 0; i < V; i++)
+        if (w[i] > 0.0f) mass[bucket(w[i])] += w[i];
+    double above = 0.0;
+    int64_t bstar = 0;
+    for (int64_t b = nbk - 1; b >= 0; b--) {
+        if (above + mass[b] >= target) {
+            bstar = b;
+            break;
+        }
+        above += mass[b];
+    }
+    free(mass);
+    int64_t n = 0;
+    for (int64_t i = 0; i < V; i++) n += w[i] > 0.0f && bucket(w[i]) == bstar;
+    cand *c = malloc((size_t)(n ? n : 1) * sizeof(cand));
+    n = 0;
+    for (int64_t i = 0; i < V; i++)
+        if (w[i] > 0.0f && bucket(w[i]) == bstar) c[n++] = (cand){x[i] / t, (int32_t)i};
+    qsort(c, (size_t)n, sizeof(cand), cand_order);
+    double run = above;
+    for (int64_t j = 0; j < n; j++) {
+        float wj = w[c[j].id];
+        if (!((float)run < target)) w[c[j].id] = 0.0f;
+        run += wj;
+    }
+    free(c);
+    for (int64_t i = 0; i < V; i++)
+        if (bucket(w[i]) < bstar) w[i] = 0.0f;
+}
+
+/* The tokens with w > 0 and w >= th into c (up to cap; returns how many there are, may exceed cap); w is padded
+ * with zeros to a multiple of 8 (V8). */
+static int64_t heavy(const float *x, float t, const float *w, int64_t V8, float th, cand *c, int64_t cap) {
+    const __m256 tv = _mm256_set1_ps(th), zero = _mm256_setzero_ps();
+    int64_t n = 0;
+    for (int64_t i = 0; i < V8; i += 8) {
+        const __m256 v = _mm256_loadu_ps(w + i);
+        int m = _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(v, tv, _CMP_GE_OQ), _mm256_cmp_ps(v, zero, _CMP_GT_OQ)));
+        while (m) {
+            int b = __builtin_ctz(m);
+            m &= m - 1;
+            if (n < cap) c[n] = (cand){x[i + b] / t, (int32_t)(i + b)};
+            n++;
+        }
+    }
+    return n;
+}
+
 #define NUM_THETA 6 /* top-p search thresholds on w: 2^-4, 2^-8, ..., 2^-24 */
 
 /* A row without top-k: w = exp(y - max y) over the whole row (min_p applied), then either a dense draw (no
@@ -232,7 +326,7 @@ static int64_t sample_dense(const float *x, int64_t V, float t, float top_p, flo
     const __m256 tv = _mm256_set1_ps(t);
     __m256 mv = _mm256_set1_ps(-INFINITY);
     int64_t i = 0;
-    for (; i + 8 <= V; i += 8) mv = _mm256_max_ps(mv, _mm256_div_ps(_mm256_loadu_ps(x + i), tv));
+    for (; i + 8 <= V; i += 8) mv = _mm256_max_ps(mv, load_scaled(x + i, tv, t));
     float lanes[8];
     _mm256_storeu_ps(lanes, mv);
     float m = -INFINITY;
@@ -252,7 +346,7 @@ static int64_t sample_dense(const float *x, int64_t V, float t, float top_p, flo
     for (i = 0; i < V8; i += 8) {
         __m256 v;
         if (i + 8 <= V) {
-            v = _mm256_div_ps(_mm256_loadu_ps(x + i), tv);
+            v = load_scaled(x + i, tv, t);
         } else { /* the last, short group: pad with -inf */
             float tail[8];
             for (int b = 0; b < 8; b++) tail[b] = i + b < V ? x[i + b] / t : -INFINITY;
@@ -270,30 +364,8 @@ static int64_t sample_dense(const float *x, int64_t V, float t, float top_p, flo
     _mm256_storeu_ps(lanes, zacc);
     for (int b = 0; b < 8; b++) z += lanes[b];
 
-    int64_t out = 0;
-    if (!want_theta) { /* dense draw: draw.py's draw_dense over block sums of w */
-        int64_t nb = (V + bs - 1) / bs;
-        double best = -INFINITY;
-        int64_t chosen = 0;
-        for (int64_t b = 0; b < nb; b++) {
-            float mass = 0.0f;
-            for (int64_t j = b * bs; j < V && j < (b + 1) * bs; j++) mass += w[j];
-            if (!(mass > 0.0f)) continue;
-            double s = (double)logf(mass) + gumbel(key, b, SALT_BLOCK);
-            if (s > best) {
-                best = s;
-                chosen = b;
-            }
-        }
-        best = -INFINITY;
-        for (int64_t j = chosen * bs; j < V && j < (chosen + 1) * bs; j++) {
-            if (!(w[j] > 0.0f)) continue;
-            double s = (double)(x[j] / t) + gumbel(key, j, SALT_TOKEN);
-            if (s > best) {
-                best = s;
-                out = j;
-            }
-        }
+    if (!want_theta) {
+        int64_t out = draw_dense(x, t, w, V, key, bs);
         free(w);
         return out;
     }
@@ -308,25 +380,26 @@ static int64_t sample_dense(const float *x, int64_t V, float t, float top_p, flo
             break;
         }
     }
-    for (int j = j0; j <= NUM_THETA; j++) {
+    int64_t out = -1;
+    for (int j = j0; j <= NUM_THETA && out < 0; j++) {
         float th = j < NUM_THETA ? ldexpf(1.0f, -4 * (j + 1)) : 0.0f;
-        int64_t n = 0;
-        for (int64_t q = 0; q < V; q++) n += w[q] > 0.0f && w[q] >= th;
-        cand *c = malloc((size_t)n * sizeof(cand));
-        float *cw = malloc((size_t)n * sizeof(float));
-        n = 0;
-        for (int64_t q = 0; q < V; q++)
-            if (w[q] > 0.0f && w[q] >= th) c[n++] = (cand){x[q] / t, (int32_t)q};
+        cand *c = malloc(STACK_CANDS * sizeof(cand));
+        int64_t n = heavy(x, t, w, V8, th, c, STACK_CANDS);
+        if (n > STACK_CANDS) { /* a wide nucleus: sorting it all would cost more than the bucketed cut */
+            free(c);
+            wide_top_p(x, t, w, V, target);
+            out = draw_dense(x, t, w, V, key, bs);
+            break;
+        }
+        float *cw = malloc((size_t)(n ? n : 1) * sizeof(float));
         qsort(c, (size_t)n, sizeof(cand), cand_order);
         for (int64_t q = 0; q < n; q++) cw[q] = w[c[q].id];
-        /* The rows' sums round differently from the block sums above: if the candidates' own total falls short
+        /* The rows' sums round differently from the lane sums above: if the candidates' own total falls short
          * of the target, tokens below theta could be kept after all -- widen and redo (rare). */
         double total = cut_top_p(n, cw, top_p, z);
-        int done = total >= target || j == NUM_THETA;
-        if (done) out = draw_sorted(c, n, cw, V, key, bs);
+        if (total >= target || j == NUM_THETA) out = draw_sorted(c, n, cw, V, key, bs);
         free(cw);
         free(c);
-        if (done) break;
     }
     free(w);
     return out;
