@@ -113,8 +113,9 @@ class SpecPolicy:
 
     def start(self, req: Request, batched: bool) -> None:
         """A request's first decision.  n-gram: just below the bar, so its first shadow round decides -- one
-        that emits k or k + 1 tokens turns drafting on -- and a request whose n-grams never match pays no failed
-        real round (free chat at batch 8: ~15 of them, each step ~25% dearer).  Draft model: optimistic (it
+        that would have emitted about need + 1 tokens or more turns drafting on (with k = 4: 4 or 5 tokens alone,
+        5 in a batch) -- and a request whose n-grams never match pays no failed real round (free chat at batch 8:
+        ~15 of them, each step ~25% dearer).  Draft model: optimistic (it
         drafts: there is no free evidence), unless the proposer has not been paying lately (then it starts
         paused; seeded sampled requests ignore other requests)."""
         need = self.need(req, batched)

@@ -27,7 +27,7 @@
 #define MIX_ID 0xD6E8FEB86659FD93ULL
 #define SALT_TOKEN 0x243F6A8885A308D3ULL
 #define SALT_BLOCK 0x13198A2E03707344ULL
-#define STACK_CANDS 4096
+#define CAND_CAP 4096 /* candidates collected per row before a wider set takes another path (sorting them stays cheap) */
 
 static inline uint64_t mix64(uint64_t z) {
     z ^= z >> 30;
@@ -204,9 +204,9 @@ static int64_t sample_top_k(const float *x, int64_t V, float t, int64_t k, float
     float *heap = malloc((size_t)k * sizeof(float));
     float kth = kth_largest(x, V, t, k, heap);
     free(heap);
-    cand *c = malloc(STACK_CANDS * sizeof(cand));
-    int64_t n = collect(x, V, t, kth, c, STACK_CANDS);
-    if (n > STACK_CANDS) { /* a tie group at the k-th value wider than the buffer (e.g. uniform logits) */
+    cand *c = malloc(CAND_CAP * sizeof(cand));
+    int64_t n = collect(x, V, t, kth, c, CAND_CAP);
+    if (n > CAND_CAP) { /* a tie group at the k-th value wider than the buffer (e.g. uniform logits) */
         free(c);
         c = malloc((size_t)n * sizeof(cand));
         collect(x, V, t, kth, c, n);
@@ -383,9 +383,9 @@ static int64_t sample_dense(const float *x, int64_t V, float t, float top_p, flo
     int64_t out = -1;
     for (int j = j0; j <= NUM_THETA && out < 0; j++) {
         float th = j < NUM_THETA ? ldexpf(1.0f, -4 * (j + 1)) : 0.0f;
-        cand *c = malloc(STACK_CANDS * sizeof(cand));
-        int64_t n = heavy(x, t, w, V8, th, c, STACK_CANDS);
-        if (n > STACK_CANDS) { /* a wide nucleus: sorting it all would cost more than the bucketed cut */
+        cand *c = malloc(CAND_CAP * sizeof(cand));
+        int64_t n = heavy(x, t, w, V8, th, c, CAND_CAP);
+        if (n > CAND_CAP) { /* a wide nucleus: sorting it all would cost more than the bucketed cut */
             free(c);
             wide_top_p(x, t, w, V, target);
             out = draw_dense(x, t, w, V, key, bs);
