@@ -94,13 +94,15 @@ def test_rmsnorm_matches_reference():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_paged_decode_attention_matches_sdpa():
-    """GQA over a shuffled block table, ragged lengths, a partial last block: reads the cache in place."""
+@pytest.mark.parametrize("d, lens", [(16, [1, 7, 13]), (64, [8, 16, 9]), (104, [15, 2, 16])])
+def test_paged_decode_attention_matches_sdpa(d: int, lens: list[int]):
+    """GQA over a shuffled block table, ragged lengths (multiples of 8 and not), a partial last block, head dims
+    that take each width of the kernel's value accumulators (64, 32, 8): reads the cache in place."""
     g = torch.Generator().manual_seed(0)
-    bs, hkv, group, d, nblocks = 4, 2, 3, 16, 12
+    bs, hkv, group, nblocks = 4, 2, 3, 12
     h = hkv * group
     kv = torch.randn(2, nblocks * bs, hkv, d, generator=g)
-    lens = torch.tensor([1, 7, 13], dtype=torch.int64)
+    lens = torch.tensor(lens, dtype=torch.int64)
     perm = torch.randperm(nblocks, generator=g)
     table = torch.stack([perm[0:4], perm[4:8], perm[8:12]]).contiguous()
     q = torch.randn(3, h, d, generator=g)

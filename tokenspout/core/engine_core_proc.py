@@ -24,6 +24,7 @@ import zmq
 
 from tokenspout.config import EngineConfig
 from tokenspout.engine.messages import EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest, EngineCoreUtility
+from tokenspout.platform import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
         out_sock.close()
         ctx.term()
         return
+    freeze_startup_heap()
     loaded = core.loaded
     out_sock.send_multipart([READY, encoder.encode(EngineReady(
         core.max_model_len, loaded.arch.vocab_size, core.kv.num_blocks, core.kv.block_size, str(loaded.dtype),

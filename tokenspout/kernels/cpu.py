@@ -25,7 +25,9 @@ from tokenspout.platform import cpu_flags
 
 logger = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).parent / "csrc" / "decode_cpu.c", Path(__file__).parent / "csrc" / "sample_cpu.c")
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "decode_cpu.c", CSRC / "sample_cpu.c")
+HEADERS = (CSRC / "simd.h",)
 WT_F32 = 0
 
 i64, f32, vp = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -71,7 +73,7 @@ def load() -> ctypes.CDLL | None:
     if not {"avx2", "fma", "f16c"} <= cpu_flags():
         logger.info("CPU lacks AVX2/FMA/F16C: decode kernels off, torch path only")
         return None
-    digest = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES)).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES + HEADERS)).hexdigest()[:16]
     so = cache_dir() / f"decode_cpu-{digest}.so"
     try:
         if not so.is_file():

@@ -37,6 +37,7 @@ from tokenspout.entrypoints.openai.serving_common import EngineClient
 from tokenspout.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenspout.entrypoints.openai.sse import ClientDisconnected, SSEResponse, run_until_disconnect
 from tokenspout.metrics import PROMETHEUS_CONTENT_TYPE, ServerMetrics
+from tokenspout.platform import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,7 @@ def build_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if factory is not None:
             _install(app, factory(), metrics, record_request_metrics)  # type: ignore[operator]
+        freeze_startup_heap()
         try:
             yield
         finally:

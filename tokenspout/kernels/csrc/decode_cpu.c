@@ -30,6 +30,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "simd.h"
+
 #define WT_F32 0
 #define WT_Q8 1
 #define WT_Q4 2
@@ -94,13 +96,6 @@ static void bar_wait(ts_barrier *b) {
     atomic_fetch_add(&b->sleepers, 1);
     while (atomic_load(&b->gen) == g) syscall(SYS_futex, &b->gen, FUTEX_WAIT_PRIVATE, g, NULL, NULL, 0);
     atomic_fetch_sub(&b->sleepers, 1);
-}
-
-static inline float hsum8(__m256 v) {
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
 }
 
 /* float32 weights: four output rows n..n+3 against one or two batch rows (x1 may be NULL): out0[r], out1[r].
@@ -404,14 +399,32 @@ static void rope(float *v, int64_t nh, int64_t D, const float *cos, const float 
     }
 }
 
-static inline float dot(const float *a, const float *b, int64_t D) {
-    __m256 s = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; d += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s);
-    return hsum8(s);
+/* Eight float vectors -> one: lane j holds the sum of v[j]'s lanes (eight dot products reduced at once). */
+static inline __m256 sum8(const __m256 v[8]) {
+    const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
+/* out[0..8*NV) = sum_p w[p] * V[p][0..8*NV): NV accumulators live in registers (NV a literal at each call). */
+static inline __attribute__((always_inline)) void weighted_rows(const float *const *rows, const float *w,
+                                                                int64_t L, int64_t d0, int NV, float inv, float *out) {
+    __m256 acc[8];
+    for (int j = 0; j < NV; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t p = 0; p < L; p++) {
+        const __m256 pw = _mm256_set1_ps(w[p]);
+        const float *v = rows[p] + d0;
+        for (int j = 0; j < NV; j++) acc[j] = _mm256_fmadd_ps(pw, _mm256_loadu_ps(v + 8 * j), acc[j]);
+    }
+    for (int j = 0; j < NV; j++) _mm256_storeu_ps(out + d0 + 8 * j, _mm256_mul_ps(acc[j], _mm256_set1_ps(inv)));
 }
 
 /* Decode attention over the paged cache, in place (no gather): token t's query heads (row stride ldq) attend to
- * positions 0..seq_lens[t]-1 of its blocks.  Query head h uses KV head h / G (GQA).  Parallel over (t, kv head). */
+ * positions 0..seq_lens[t]-1 of its blocks.  Query head h uses KV head h / G (GQA).  Parallel over (t, kv head).
+ * Per (t, kv head): the K and V row addresses of every position first (one walk of the block table, no division
+ * per position), then per query head the scores eight positions at a time (eight dot products reduced together,
+ * not one horizontal sum each), a vectorised softmax, and the weighted sum of V rows with up to 64 dims of
+ * accumulators in registers. */
 static void attn_body(const float *q, int64_t ldq, const float *kv, int64_t slots, const int64_t *block_ids,
                       int64_t nb, const int64_t *seq_lens, int64_t bs, int64_t T, int64_t H, int64_t Hkv,
                       int64_t D, float scale, float *out, int64_t ldo, ts_barrier *bar) {
@@ -419,30 +432,56 @@ static void attn_body(const float *q, int64_t ldq, const float *kv, int64_t slot
     const float *kc = kv, *vc = kv + slots * tok;
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t th = 0; th < T * Hkv; th++) {
-        const int64_t t = th / Hkv, h = th % Hkv, L = seq_lens[t];
+        const int64_t t = th / Hkv, h = th % Hkv, L = seq_lens[t], L8 = (L + 7) / 8 * 8;
         const int64_t *bt = block_ids + t * nb;
-        float *sc = (float *)malloc(sizeof(float) * (size_t)(G * L));
-        for (int64_t p = 0; p < L; p++) {
-            const int64_t off = (bt[p / bs] * bs + p % bs) * tok + h * D;
-            for (int64_t g = 0; g < G; g++) sc[g * L + p] = dot(q + t * ldq + (h * G + g) * D, kc + off, D) * scale;
-        }
-        for (int64_t g = 0; g < G; g++) {
-            float *s = sc + g * L, mx = -INFINITY, sum = 0.0f;
-            for (int64_t p = 0; p < L; p++) mx = s[p] > mx ? s[p] : mx;
-            for (int64_t p = 0; p < L; p++) { s[p] = expf(s[p] - mx); sum += s[p]; }
-            const float inv = 1.0f / sum;
-            float *o = out + t * ldo + (h * G + g) * D;
-            for (int64_t d0 = 0; d0 < D; d0 += 32) {  /* 4 accumulators of 8 lanes = 32 dims per pass */
-                const int64_t w = D - d0 < 32 ? D - d0 : 32;
-                __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-                for (int64_t p = 0; p < L; p++) {
-                    const float *vp = vc + (bt[p / bs] * bs + p % bs) * tok + h * D + d0;
-                    const __m256 pw = _mm256_set1_ps(s[p]);
-                    for (int64_t j = 0; j < w / 8; j++) acc[j] = _mm256_fmadd_ps(pw, _mm256_loadu_ps(vp + 8 * j), acc[j]);
-                }
-                for (int64_t j = 0; j < w / 8; j++) _mm256_storeu_ps(o + d0 + 8 * j, _mm256_mul_ps(acc[j], _mm256_set1_ps(inv)));
+        /* scores padded to a multiple of 8 (the padding scores -inf: weight 0); K/V row addresses per position */
+        float *sc = (float *)malloc(sizeof(float) * (size_t)L8);
+        const float **krow = (const float **)malloc(sizeof(float *) * (size_t)(2 * L8));
+        const float **vrow = krow + L8;
+        for (int64_t p = 0, i = 0; p < L; i++)
+            for (int64_t j = 0; j < bs && p < L; j++, p++) {
+                const int64_t off = (bt[i] * bs + j) * tok + h * D;
+                krow[p] = kc + off;
+                vrow[p] = vc + off;
             }
+        for (int64_t p = L; p < L8; p++) krow[p] = krow[0];
+        const __m256 vscale = _mm256_set1_ps(scale);
+        for (int64_t g = 0; g < G; g++) {
+            const float *qg = q + t * ldq + (h * G + g) * D;
+            __m256 vmax = _mm256_set1_ps(-INFINITY);
+            for (int64_t p0 = 0; p0 < L8; p0 += 8) {
+                __m256 a[8];
+                for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+                for (int64_t d = 0; d < D; d += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qg + d);
+                    for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(krow[p0 + j] + d), qv, a[j]);
+                }
+                __m256 s = _mm256_mul_ps(sum8(a), vscale);
+                if (p0 + 8 > L) { /* the padding lanes */
+                    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+                    s = _mm256_blendv_ps(s, _mm256_set1_ps(-INFINITY),
+                                         _mm256_cmp_ps(lane, _mm256_set1_ps((float)(L - p0)), _CMP_GE_OQ));
+                }
+                vmax = _mm256_max_ps(vmax, s);
+                _mm256_storeu_ps(sc + p0, s);
+            }
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            const __m256 mx = _mm256_set1_ps(_mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))));
+            __m256 vsum = _mm256_setzero_ps();
+            for (int64_t p0 = 0; p0 < L8; p0 += 8) {
+                const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(sc + p0), mx));
+                vsum = _mm256_add_ps(vsum, e);
+                _mm256_storeu_ps(sc + p0, e);
+            }
+            const float inv = 1.0f / hsum8(vsum);
+            float *o = out + t * ldo + (h * G + g) * D;
+            int64_t d0 = 0;
+            for (; d0 + 64 <= D; d0 += 64) weighted_rows(vrow, sc, L, d0, 8, inv, o);
+            for (; d0 + 32 <= D; d0 += 32) weighted_rows(vrow, sc, L, d0, 4, inv, o);
+            for (; d0 < D; d0 += 8) weighted_rows(vrow, sc, L, d0, 1, inv, o);
         }
+        free(krow);
         free(sc);
     }
     bar_wait(bar);

@@ -21,6 +21,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "simd.h"
+
 #define GOLDEN 0x9E3779B97F4A7C15ULL
 #define MIX_M1 0xBF58476D1CE4E5B9ULL
 #define MIX_M2 0x94D049BB133111EBULL
@@ -130,27 +132,6 @@ static int64_t collect(const float *x, int64_t V, float t, float kth, cand *c, i
         }
     }
     return n;
-}
-
-/* exp(x) for x <= 0 (Cephes' single-precision polynomial, ~1 ulp; 0 below -87.3, where float32 would go
- * denormal: such a token has no probability a draw could ever see).  exp(0) is exactly 1. */
-static inline __m256 exp_neg(__m256 x) {
-    const __m256 lo = _mm256_set1_ps(-87.33654f);
-    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_max_ps(x, lo);
-    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x); /* x - n ln2, ln2 in two parts */
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
 /* top-p on sorted candidates: keeps c[j] iff the kept weight ahead of it is < top_p * z (w[j] = 0: dropped).
