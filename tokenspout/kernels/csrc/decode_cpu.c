@@ -177,10 +177,7 @@ static void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, ts_q
                 mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
                 sm = _mm256_add_ps(sm, v[j]);
             }
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-            const float amax = _mm_cvtss_f32(m4);
+            const float amax = hmax8(mx);
             a->d[m * G + g] = amax / 32767.0f;
             a->s[m * G + g] = hsum8(sm);
             const __m256 mul = _mm256_set1_ps(amax > 0 ? 32767.0f / amax : 0.0f);
@@ -465,9 +462,7 @@ static void attn_body(const float *q, int64_t ldq, const float *kv, int64_t slot
                 vmax = _mm256_max_ps(vmax, s);
                 _mm256_storeu_ps(sc + p0, s);
             }
-            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            const __m256 mx = _mm256_set1_ps(_mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))));
+            const __m256 mx = _mm256_set1_ps(hmax8(vmax));
             __m256 vsum = _mm256_setzero_ps();
             for (int64_t p0 = 0; p0 < L8; p0 += 8) {
                 const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(sc + p0), mx));
