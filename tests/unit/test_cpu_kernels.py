@@ -40,13 +40,15 @@ def unpack_min(packed) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("fn,levels", [(quantize_int8, 254), (quantize_int4, 15)])
-@pytest.mark.parametrize("m", [1, 2, 4, 7, 70])
+@pytest.mark.parametrize("m", [1, 2, 4, 7, 15, 16, 17, 70])
 @pytest.mark.parametrize("n", [5, 64, 130])
 @pytest.mark.parametrize("k", [96, 128])
 def test_linear_quantized_packed_matches_dequantized(fn, levels, m, n, k):
     """Quantized weights x int16 activations: exactly the integer dot products of the quantized values, scaled;
-    Q4's min term uses the exact float group sums of x.  m = 70 spans two passes of the kernel's row tile; k = 96
-    ends Q4's pairs of groups with a lone group."""
+    Q4's min term uses the exact float group sums of x.  m < 16 takes the row path (m = 15 its largest batch),
+    m >= 16 the tiled path: 16 is one tile of 16 rows, 17 a tile of 16 and one of 8 with 7 padding rows, 70 four
+    and one; n = 5 and 130 end on a lone block of four weight rows (the tiled path takes them in pairs) and on
+    padding rows; k = 96 ends Q4's pairs of groups with a lone group."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     G = k // 32
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
@@ -67,6 +69,8 @@ def test_linear_quantized_packed_matches_dequantized(fn, levels, m, n, k):
     b = torch.randn(n, generator=g)
     torch.testing.assert_close(cpu.linear(lib, x, packed), ref, atol=5e-4, rtol=1e-4)
     torch.testing.assert_close(cpu.linear(lib, x, packed, bias=b), ref + b, atol=5e-4, rtol=1e-4)
+    y = torch.randn(m, n, generator=g)
+    torch.testing.assert_close(cpu.linear(lib, x, packed, out=y.clone(), accumulate=True), y + ref, atol=5e-4, rtol=1e-4)
     # and the activation rounding costs little against the float product (a bound, not the oracle)
     assert (cpu.linear(lib, x, packed) - x @ deq.T).abs().max() < 1e-3 * (x @ deq.T).abs().max()
 
