@@ -426,6 +426,36 @@ static inline void store(float *y, int64_t i, float v, const float *bias, int64_
     y[i] = acc ? y[i] + v : v;
 }
 
+/* y[m, 0..7] (+)= f[r * mp + m] for r < 8 (+ bias[r]), m < M: the tiled path's output, eight batch rows at a
+ * time through an 8x8 transpose (scalar stores with their branches were ~5% of a c=64 step). */
+static void store8(const float *f, int64_t mp, int64_t M, float *y, int64_t ldy, const float *bias, int acc) {
+    const __m256 bv = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+    for (int64_t m0 = 0; m0 < M; m0 += 8) {
+        __m256 v[8], t[8];
+        for (int r = 0; r < 8; r++) v[r] = _mm256_loadu_ps(f + r * mp + m0);
+        for (int r = 0; r < 8; r += 2) {
+            t[r] = _mm256_unpacklo_ps(v[r], v[r + 1]);
+            t[r + 1] = _mm256_unpackhi_ps(v[r], v[r + 1]);
+        }
+        for (int r = 0; r < 8; r += 4)
+            for (int i = 0; i < 2; i++) {
+                v[r + 2 * i] = _mm256_shuffle_ps(t[r + i], t[r + 2 + i], 0x44);
+                v[r + 2 * i + 1] = _mm256_shuffle_ps(t[r + i], t[r + 2 + i], 0xEE);
+            }
+        /* v[0..3]: batch rows m0+{0,4}, {1,5}, {2,6}, {3,7} of weight rows 0..3 (low / high 128 bits); v[4..7]: rows 4..7 */
+        for (int j = 0; j < 4; j++) {
+            t[j] = _mm256_permute2f128_ps(v[j], v[j + 4], 0x20);
+            t[j + 4] = _mm256_permute2f128_ps(v[j], v[j + 4], 0x31);
+        }
+        for (int j = 0; j < 8 && m0 + j < M; j++) {
+            float *o = y + (m0 + j) * ldy;
+            __m256 r = _mm256_add_ps(t[j], bv);
+            if (acc) r = _mm256_add_ps(r, _mm256_loadu_ps(o));
+            _mm256_storeu_ps(o, r);
+        }
+    }
+}
+
 static ts_qact qact_alloc(int64_t M, int64_t K) {
     M = (M + 7) / 8 * 8; /* room for the tiled layout's padding rows */
     ts_qact a = {(int16_t *)malloc(sizeof(int16_t) * (size_t)(M * K)), (float *)malloc(sizeof(float) * (size_t)(M * K / 32)),
@@ -478,9 +508,11 @@ static void linear_body(const float *x, int64_t ldx, int64_t M, const ts_weight 
             const int nb = b + 1 < nblk ? 2 : 1;
             for (int i = 0; i < nb; i++) widen_block(W, (int)W->wt, b + i, K, t + i);
             blocks_tile(t, nb, (int)W->wt, K, a, f);
-            for (int64_t m = 0; m < M; m++)
-                for (int r = 0; r < 4 * nb && 4 * b + r < N; r++)
-                    store(y, m * ldy + 4 * b + r, f[r * a->mp + m], bias, 4 * b + r, accumulate);
+            if (nb == 2 && 4 * b + 8 <= N) store8(f, a->mp, M, y + 4 * b, ldy, bias ? bias + 4 * b : NULL, accumulate);
+            else
+                for (int64_t m = 0; m < M; m++)
+                    for (int r = 0; r < 4 * nb && 4 * b + r < N; r++)
+                        store(y, m * ldy + 4 * b + r, f[r * a->mp + m], bias, 4 * b + r, accumulate);
         }
         for (int i = 0; i < 2; i++) { free(t[i].w); free(t[i].sc); free(t[i].mn); }
         free(f);
@@ -534,12 +566,23 @@ void ts_rmsnorm(const float *x, int64_t M, int64_t K, const float *weight, float
 }
 
 /* act[m, i] = silu(gu[m, i]) * gu[m, I + i]. */
+/* act = silu(gate) * up, silu(g) = g * sigmoid(g), with sigmoid from e = exp(-|g|) (never overflows):
+ * 1 / (1 + e) for g >= 0, e / (1 + e) below.  Vectorised: libm's scalar expf was ~3% of a c=64 step. */
 static void silu_mul(const float *gu, int64_t M, int64_t I, float *act) {
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t i = 0; i < I; i++) {
-            const float g = gu[m * 2 * I + i];
-            act[m * I + i] = g / (1.0f + expf(-g)) * gu[m * 2 * I + I + i];
+    const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+    for (int64_t m = 0; m < M; m++) {
+        const float *g = gu + m * 2 * I, *u = g + I;
+        float *o = act + m * I;
+        int64_t i = 0;
+        for (; i + 8 <= I; i += 8) {
+            const __m256 x = _mm256_loadu_ps(g + i);
+            const __m256 e = exp_neg(_mm256_or_ps(x, sign)); /* exp(-|x|) */
+            const __m256 num = _mm256_blendv_ps(one, e, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_LT_OQ));
+            const __m256 sig = _mm256_div_ps(num, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(x, sig), _mm256_loadu_ps(u + i)));
         }
+        for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
 }
 
 /* Rotate-half RoPE in place on nh heads of one token: v[h, :D/2], v[h, D/2:]. */
