@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+KV_CACHE_DTYPES = ("auto", "float16")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
@@ -31,6 +32,9 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = 16
     kv_cache_memory_gib: float = 1.0  # budget for the paged KV cache
+    # "auto": the model's dtype; "float16": half the bytes of a float32 cache (twice the tokens per budget, half the
+    # memory traffic of decode attention), K/V rounded to float16 as llama.cpp's default cache type does
+    kv_cache_dtype: str = "auto"
     num_gpu_blocks_override: int | None = None  # tests: force a small cache
     # Automatic prefix caching: full blocks are shared by content hash between sequences (core/kv_cache_manager.py)
     enable_prefix_caching: bool = True
@@ -40,6 +44,8 @@ class CacheConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_memory_gib <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory_gib}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
 
 @dataclass(slots=True)

@@ -38,3 +38,14 @@ def test_speculative_flags_reach_the_engine():
     k = kwargs("--speculative", "ngram", "--num-speculative-tokens", "3", "--ngram-min", "1", "--ngram-max", "5")
     assert (k["speculative"], k["num_speculative_tokens"], k["ngram_min"], k["ngram_max"]) == ("ngram", 3, 1, 5)
     assert kwargs()["speculative"] is None
+
+
+def test_kv_cache_dtype_flag():
+    assert kwargs()["kv_cache_dtype"] == "auto"
+    assert kwargs("--kv-cache-dtype", "float16")["kv_cache_dtype"] == "float16"
+    with pytest.raises(SystemExit):
+        kwargs("--kv-cache-dtype", "int8")
+    from tokenspout.config import CacheConfig
+
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        CacheConfig(kv_cache_dtype="fp8").validate()

@@ -98,21 +98,24 @@ def test_rmsnorm_matches_reference():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("d, lens", [(16, [1, 7, 13]), (64, [8, 16, 9]), (104, [15, 2, 16])])
-def test_paged_decode_attention_matches_sdpa(d: int, lens: list[int]):
+def test_paged_decode_attention_matches_sdpa(d: int, lens: list[int], dtype: torch.dtype):
     """GQA over a shuffled block table, ragged lengths (multiples of 8 and not), a partial last block, head dims
-    that take each width of the kernel's value accumulators (64, 32, 8): reads the cache in place."""
+    that take each width of the kernel's value accumulators (64, 32, 8): reads the cache in place, float32 or
+    float16 (--kv-cache-dtype float16: against SDPA over the same float16 values widened)."""
     g = torch.Generator().manual_seed(0)
     bs, hkv, group, nblocks = 4, 2, 3, 12
     h = hkv * group
-    kv = torch.randn(2, nblocks * bs, hkv, d, generator=g)
+    kv = torch.randn(2, nblocks * bs, hkv, d, generator=g).to(dtype)
     lens = torch.tensor(lens, dtype=torch.int64)
     perm = torch.randperm(nblocks, generator=g)
     table = torch.stack([perm[0:4], perm[4:8], perm[8:12]]).contiguous()
     q = torch.randn(3, h, d, generator=g)
     out = torch.empty_like(q)
     lib.ts_attn_decode(q.data_ptr(), h * d, kv.data_ptr(), nblocks * bs, table.data_ptr(), 4, lens.data_ptr(), bs,
-                       3, h, hkv, d, ctypes.c_float(d**-0.5), out.data_ptr(), h * d)
+                       3, h, hkv, d, ctypes.c_float(d**-0.5), out.data_ptr(), h * d, int(dtype == torch.float16))
+    kv = kv.float()
     for t in range(3):
         slots = torch.cat([torch.arange(b * bs, b * bs + bs) for b in table[t].tolist()])[: lens[t]]
         k = kv[0][slots].repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]

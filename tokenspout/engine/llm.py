@@ -35,8 +35,8 @@ Prompt = str | list[int]
 
 def build_engine_config(model: str | None = None, *, dtype: str = "float32", quantization: str | None = None,
                         max_model_len: int | None = None,
-                        kv_cache_memory: float = 1.0, block_size: int = 16, max_num_seqs: int = 64,
-                        max_num_batched_tokens: int = 512, num_kv_blocks: int | None = None,
+                        kv_cache_memory: float = 1.0, kv_cache_dtype: str = "auto", block_size: int = 16,
+                        max_num_seqs: int = 64, max_num_batched_tokens: int = 512, num_kv_blocks: int | None = None,
                         served_model_name: str | None = None, num_threads: int | None = None,
                         speculative: str | None = None, num_speculative_tokens: int = 4, ngram_min: int = 2,
                         ngram_max: int = 4, enable_prefix_caching: bool = True, draft_model: str | None = None,
@@ -49,7 +49,7 @@ def build_engine_config(model: str | None = None, *, dtype: str = "float32", qua
     cfg = EngineConfig(
         model=ModelConfig(model=str(path), dtype=dtype, quantization=quantization, max_model_len=max_model_len,
                           served_model_name=served_model_name or (None if model else path.name.removesuffix("-f32"))),
-        cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory,
+        cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
                           num_gpu_blocks_override=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
         speculative=SpeculativeConfig(method=speculative, num_speculative_tokens=num_speculative_tokens,

@@ -45,7 +45,7 @@ class Layer(ctypes.Structure):
 class Model(ctypes.Structure):
     _fields_ = [("num_layers", i64), ("hidden", i64), ("inter", i64), ("H", i64), ("Hkv", i64), ("D", i64),
                 ("slots", i64), ("block_size", i64), ("eps", f32), ("scale", f32),
-                ("layers", ctypes.POINTER(Layer)), ("cos", vp), ("sin", vp)]
+                ("layers", ctypes.POINTER(Layer)), ("cos", vp), ("sin", vp), ("kv_half", i64)]
 
 
 def cache_dir() -> Path:
@@ -86,7 +86,7 @@ def load() -> ctypes.CDLL | None:
     lib.ts_linear.restype = None
     lib.ts_rmsnorm.argtypes = [vp, i64, i64, vp, f32, vp]
     lib.ts_rmsnorm.restype = None
-    lib.ts_attn_decode.argtypes = [vp, i64, vp, i64, vp, i64, vp, i64, i64, i64, i64, i64, f32, vp, i64]
+    lib.ts_attn_decode.argtypes = [vp, i64, vp, i64, vp, i64, vp, i64, i64, i64, i64, i64, f32, vp, i64, i64]
     lib.ts_attn_decode.restype = None
     lib.ts_decode_layers.argtypes = [ctypes.POINTER(Model), vp, i64, vp, vp, vp, i64, vp, vp]
     lib.ts_decode_layers.restype = None

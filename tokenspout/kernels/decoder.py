@@ -54,6 +54,11 @@ class CpuDecoder:
             self._keep.append(t)
             return t.data_ptr()
 
+        def cache_ptr(kv: torch.Tensor) -> int:
+            """A layer's KV cache: float32, or float16 in every layer (--kv-cache-dtype float16)."""
+            assert kv.is_contiguous() and kv.dtype in (torch.float32, torch.float16) and kv.dtype == kv_caches[0].dtype
+            return kv.data_ptr()
+
         def weight(name: str, module, quant: bool) -> cpu.Weight:
             w = q.get(name, module.weight.data) if quant else module.weight.data
             for t in (w,) if isinstance(w, torch.Tensor) else (w.codes, w.scale, w.min):
@@ -75,11 +80,12 @@ class CpuDecoder:
                     weight(p + "self_attn.qkv_proj", att.qkv_proj, quant),
                     weight(p + "self_attn.o_proj", att.o_proj, quant),
                     weight(p + "mlp.gate_up_proj", mlp.gate_up_proj, quant),
-                    weight(p + "mlp.down_proj", mlp.down_proj, quant), ptr(bias), ptr(kv))
+                    weight(p + "mlp.down_proj", mlp.down_proj, quant), ptr(bias), cache_ptr(kv))
             self._keep.append(layers)
             return cpu.Model(n, a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads,
                              a.head_dim, slots, block_size, a.rms_norm_eps, a.head_dim**-0.5, layers,
-                             ptr(model.rotary.cos.contiguous()), ptr(model.rotary.sin.contiguous()))
+                             ptr(model.rotary.cos.contiguous()), ptr(model.rotary.sin.contiguous()),
+                             int(kv_caches[0].dtype == torch.float16))
 
         # quantized models stream their packed codes at every batch size; float32 ones their float32 weights
         self.desc = descriptor(bool(q))

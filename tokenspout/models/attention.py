@@ -1,6 +1,7 @@
 """Attention over the paged KV cache for one flat batch (prefill and decode tokens mixed).
 
-The KV cache of a layer is one tensor [2, num_slots, num_kv_heads, head_dim] (num_slots = num_blocks * block_size);
+The KV cache of a layer is one tensor [2, num_slots, num_kv_heads, head_dim] (num_slots = num_blocks * block_size),
+in the model's dtype or float16 (--kv-cache-dtype; values are rounded when written and widened when read);
 a token's slot is block_table[pos // block_size] * block_size + pos % block_size.  The model runner builds an
 AttentionMetadata once per step; every layer reuses it:
 
@@ -41,12 +42,13 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillChunk] = field(default_factory=list)
     decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64, for the C kernel
-    kernels: object | None = None  # the C kernel library (float32 caches only), or None for SDPA
+    kernels: object | None = None  # the C kernel library (float32 models), or None for SDPA
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    kv_cache[0].index_copy_(0, slot_mapping, k)
-    kv_cache[1].index_copy_(0, slot_mapping, v)
+    """The cache may be narrower than the model (--kv-cache-dtype float16): values are rounded on the way in."""
+    kv_cache[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    kv_cache[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
 def paged_attention(
@@ -66,17 +68,18 @@ def paged_attention(
         meta.kernels.ts_attn_decode(qd.data_ptr(), num_heads * head_dim, kv_cache.data_ptr(), kv_cache.shape[1],
                                     meta.decode_block_ids.data_ptr(), meta.decode_block_ids.numel() // nd,
                                     meta.decode_seq_lens.data_ptr(), meta.block_size, nd, num_heads, num_kv,
-                                    head_dim, scale, out.data_ptr(), num_heads * head_dim)
+                                    head_dim, scale, out.data_ptr(), num_heads * head_dim,
+                                    int(kv_cache.dtype == torch.float16))
     elif nd:
-        k = blocks[0].index_select(0, meta.decode_block_ids).view(nd, -1, num_kv, head_dim).transpose(1, 2)
-        v = blocks[1].index_select(0, meta.decode_block_ids).view(nd, -1, num_kv, head_dim).transpose(1, 2)
+        k = blocks[0].index_select(0, meta.decode_block_ids).view(nd, -1, num_kv, head_dim).transpose(1, 2).to(q.dtype)
+        v = blocks[1].index_select(0, meta.decode_block_ids).view(nd, -1, num_kv, head_dim).transpose(1, 2).to(q.dtype)
         qd = q[:nd].view(nd, num_kv, group, head_dim)  # [R, Hkv, G, D]
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale)
         out[:nd] = o.reshape(nd, num_heads, head_dim)
     for p in meta.prefills:
         ql = p.token_end - p.token_start
-        k = blocks[0].index_select(0, p.block_ids).view(-1, num_kv, head_dim)[: p.ctx_len]
-        v = blocks[1].index_select(0, p.block_ids).view(-1, num_kv, head_dim)[: p.ctx_len]
+        k = blocks[0].index_select(0, p.block_ids).view(-1, num_kv, head_dim)[: p.ctx_len].to(q.dtype)
+        v = blocks[1].index_select(0, p.block_ids).view(-1, num_kv, head_dim)[: p.ctx_len].to(q.dtype)
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)  # [1, Hkv, L, D]
         # [ql, H, D] -> [Hkv, G*ql, D]: head h = kv*G + g
         qp = q[p.token_start : p.token_end].view(ql, num_kv, group, head_dim).permute(1, 2, 0, 3)

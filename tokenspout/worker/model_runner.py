@@ -27,9 +27,13 @@ from tokenspout.worker.spec_verify import verify_drafts
 logger = logging.getLogger(__name__)
 
 
-def kv_block_bytes(loaded: LoadedModel, block_size: int) -> int:
+def kv_dtype(loaded: LoadedModel, cache: CacheConfig) -> torch.dtype:
+    return torch.float16 if cache.kv_cache_dtype == "float16" else loaded.dtype
+
+
+def kv_block_bytes(loaded: LoadedModel, block_size: int, dtype: torch.dtype | None = None) -> int:
     a = loaded.arch
-    return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * loaded.dtype.itemsize
+    return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * (dtype or loaded.dtype).itemsize
 
 
 def zeroed_kv_caches(num_layers: int, slots: int, num_kv_heads: int, head_dim: int,
@@ -67,10 +71,11 @@ class ModelRunner:
         self.device = torch.device("cpu")
         self.block_size = cache.block_size
         # extra_block_bytes: a draft model's KV cache, which shares the block ids (and so the count).
-        block_bytes = kv_block_bytes(loaded, cache.block_size) + extra_block_bytes
+        self.kv_dtype = kv_dtype(loaded, cache)
+        block_bytes = kv_block_bytes(loaded, cache.block_size, self.kv_dtype) + extra_block_bytes
         self.num_blocks = cache.num_gpu_blocks_override or int(cache.kv_cache_memory_gib * (1 << 30) // block_bytes)
         slots = self.num_blocks * self.block_size
-        self.kv_caches = zeroed_kv_caches(a.num_layers, slots, a.num_kv_heads, a.head_dim, loaded.dtype)
+        self.kv_caches = zeroed_kv_caches(a.num_layers, slots, a.num_kv_heads, a.head_dim, self.kv_dtype)
         self.group = a.num_heads // a.num_kv_heads
         self.max_num_seqs = sched.max_num_seqs
         max_blocks = -(-loaded.max_model_len // self.block_size)
@@ -86,8 +91,8 @@ class ModelRunner:
         # Tests and debugging: called with (request ids, float32 logits) of every sampling step when set.
         self.logits_hook = None
         self.drafter = None  # DraftProposer (speculative method "draft"), set by the engine core
-        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB)", self.num_blocks, self.block_size,
-                    self.num_blocks * block_bytes / (1 << 30))
+        logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", self.num_blocks, self.block_size,
+                    self.num_blocks * block_bytes / (1 << 30), str(self.kv_dtype).removeprefix("torch."))
 
     def _cpu_decoder(self, loaded: LoadedModel):
         """The C decode kernels for small decode-only steps, when this CPU and model can use them (else None)."""

@@ -15,7 +15,7 @@
  *            (q 0..15, four per 16-bit word); codes Q8 [N/4][K/32][4][32 bytes], Q4 [N/4][K/64 rounded up][4][32
  *            bytes] (pairs of groups, see block_q), scale/min [N/4][K/32][4] float16
  *            (llama.cpp's Q8_0 / Q4_1 store them as float16 too);
- *   KV cache of a layer: [2, slots, Hkv, D]; slot of position p = block_ids[p / bs] * bs + p % bs.
+ *   KV cache of a layer: [2, slots, Hkv, D] float32 or float16; slot of position p = block_ids[p / bs] * bs + p % bs.
  * Quantized weights take one of two paths by batch size: the row path (block_q, up to TILE_MIN - 1 rows: streams
  * the codes, bound by weight bytes) and the tiled path (blocks_tile, TILE_MIN rows and more: bound by integer
  * multiply-adds, so it widens each block's codes once and reuses them across the batch).
@@ -605,15 +605,30 @@ static inline __m256 sum8(const __m256 v[8]) {
     return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
 }
 
+/* Eight cache values from row p (float32 or, HALF, float16: llama.cpp's default KV type). */
+static inline __attribute__((always_inline)) __m256 ldkv(const void *p, int64_t i, const int HALF) {
+    return HALF ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)))
+                : _mm256_loadu_ps((const float *)p + i);
+}
+
+/* n values (a multiple of 8) into the cache, rounded to float16 when HALF. */
+static inline void store_kv(void *dst, const float *src, int64_t n, const int HALF) {
+    if (!HALF) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    for (int64_t i = 0; i < n; i += 8)
+        _mm_storeu_si128((__m128i *)((uint16_t *)dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+}
+
 /* out[0..8*NV) = sum_p w[p] * V[p][0..8*NV): NV accumulators live in registers (NV a literal at each call). */
-static inline __attribute__((always_inline)) void weighted_rows(const float *const *rows, const float *w,
-                                                                int64_t L, int64_t d0, int NV, float inv, float *out) {
+static inline __attribute__((always_inline)) void weighted_rows(const char *const *rows, const float *w, int64_t L,
+                                                                int64_t d0, int NV, float inv, float *out, const int HALF) {
     __m256 acc[8];
     for (int j = 0; j < NV; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t p = 0; p < L; p++) {
         const __m256 pw = _mm256_set1_ps(w[p]);
-        const float *v = rows[p] + d0;
-        for (int j = 0; j < NV; j++) acc[j] = _mm256_fmadd_ps(pw, _mm256_loadu_ps(v + 8 * j), acc[j]);
+        for (int j = 0; j < NV; j++) acc[j] = _mm256_fmadd_ps(pw, ldkv(rows[p], d0 + 8 * j, HALF), acc[j]);
     }
     for (int j = 0; j < NV; j++) _mm256_storeu_ps(out + d0 + 8 * j, _mm256_mul_ps(acc[j], _mm256_set1_ps(inv)));
 }
@@ -623,23 +638,25 @@ static inline __attribute__((always_inline)) void weighted_rows(const float *con
  * Per (t, kv head): the K and V row addresses of every position first (one walk of the block table, no division
  * per position), then per query head the scores eight positions at a time (eight dot products reduced together,
  * not one horizontal sum each), a vectorised softmax, and the weighted sum of V rows with up to 64 dims of
- * accumulators in registers. */
-static void attn_body(const float *q, int64_t ldq, const float *kv, int64_t slots, const int64_t *block_ids,
-                      int64_t nb, const int64_t *seq_lens, int64_t bs, int64_t T, int64_t H, int64_t Hkv,
-                      int64_t D, float scale, float *out, int64_t ldo, ts_barrier *bar) {
-    const int64_t G = H / Hkv, tok = Hkv * D;
-    const float *kc = kv, *vc = kv + slots * tok;
+ * accumulators in registers.  A float16 cache (HALF) halves the bytes read, which bound this at large batches. */
+static inline __attribute__((always_inline)) void attn_impl(const float *q, int64_t ldq, const void *kv, int64_t slots,
+                                                            const int64_t *block_ids, int64_t nb, const int64_t *seq_lens,
+                                                            int64_t bs, int64_t T, int64_t H, int64_t Hkv, int64_t D,
+                                                            float scale, float *out, int64_t ldo, ts_barrier *bar,
+                                                            const int HALF) {
+    const int64_t G = H / Hkv, tok = Hkv * D, esz = HALF ? 2 : 4;
+    const char *kc = (const char *)kv, *vc = kc + slots * tok * esz;
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t th = 0; th < T * Hkv; th++) {
         const int64_t t = th / Hkv, h = th % Hkv, L = seq_lens[t], L8 = (L + 7) / 8 * 8;
         const int64_t *bt = block_ids + t * nb;
         /* scores padded to a multiple of 8 (the padding scores -inf: weight 0); K/V row addresses per position */
         float *sc = (float *)malloc(sizeof(float) * (size_t)L8);
-        const float **krow = (const float **)malloc(sizeof(float *) * (size_t)(2 * L8));
-        const float **vrow = krow + L8;
+        const char **krow = (const char **)malloc(sizeof(char *) * (size_t)(2 * L8));
+        const char **vrow = krow + L8;
         for (int64_t p = 0, i = 0; p < L; i++)
             for (int64_t j = 0; j < bs && p < L; j++, p++) {
-                const int64_t off = (bt[i] * bs + j) * tok + h * D;
+                const int64_t off = ((bt[i] * bs + j) * tok + h * D) * esz;
                 krow[p] = kc + off;
                 vrow[p] = vc + off;
             }
@@ -653,7 +670,7 @@ static void attn_body(const float *q, int64_t ldq, const float *kv, int64_t slot
                 for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
                 for (int64_t d = 0; d < D; d += 8) {
                     const __m256 qv = _mm256_loadu_ps(qg + d);
-                    for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(krow[p0 + j] + d), qv, a[j]);
+                    for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(ldkv(krow[p0 + j], d, HALF), qv, a[j]);
                 }
                 __m256 s = _mm256_mul_ps(sum8(a), vscale);
                 if (p0 + 8 > L) { /* the padding lanes */
@@ -674,9 +691,9 @@ static void attn_body(const float *q, int64_t ldq, const float *kv, int64_t slot
             const float inv = 1.0f / hsum8(vsum);
             float *o = out + t * ldo + (h * G + g) * D;
             int64_t d0 = 0;
-            for (; d0 + 64 <= D; d0 += 64) weighted_rows(vrow, sc, L, d0, 8, inv, o);
-            for (; d0 + 32 <= D; d0 += 32) weighted_rows(vrow, sc, L, d0, 4, inv, o);
-            for (; d0 < D; d0 += 8) weighted_rows(vrow, sc, L, d0, 1, inv, o);
+            for (; d0 + 64 <= D; d0 += 64) weighted_rows(vrow, sc, L, d0, 8, inv, o, HALF);
+            for (; d0 + 32 <= D; d0 += 32) weighted_rows(vrow, sc, L, d0, 4, inv, o, HALF);
+            for (; d0 < D; d0 += 8) weighted_rows(vrow, sc, L, d0, 1, inv, o, HALF);
         }
         free(krow);
         free(sc);
@@ -684,14 +701,22 @@ static void attn_body(const float *q, int64_t ldq, const float *kv, int64_t slot
     bar_wait(bar);
 }
 
-void ts_attn_decode(const float *q, int64_t ldq, const float *kv, int64_t slots, const int64_t *block_ids,
+static void attn_body(const float *q, int64_t ldq, const void *kv, int64_t slots, const int64_t *block_ids,
+                      int64_t nb, const int64_t *seq_lens, int64_t bs, int64_t T, int64_t H, int64_t Hkv,
+                      int64_t D, float scale, float *out, int64_t ldo, ts_barrier *bar, int64_t kv_half) {
+    if (kv_half) attn_impl(q, ldq, kv, slots, block_ids, nb, seq_lens, bs, T, H, Hkv, D, scale, out, ldo, bar, 1);
+    else attn_impl(q, ldq, kv, slots, block_ids, nb, seq_lens, bs, T, H, Hkv, D, scale, out, ldo, bar, 0);
+}
+
+/* kv_half: the cache holds float16 (else float32). */
+void ts_attn_decode(const float *q, int64_t ldq, const void *kv, int64_t slots, const int64_t *block_ids,
                     int64_t nb, const int64_t *seq_lens, int64_t bs, int64_t T, int64_t H, int64_t Hkv,
-                    int64_t D, float scale, float *out, int64_t ldo) {
+                    int64_t D, float scale, float *out, int64_t ldo, int64_t kv_half) {
     ts_barrier bar = {0};
 #pragma omp parallel
     {
         bar_join(&bar);
-        attn_body(q, ldq, kv, slots, block_ids, nb, seq_lens, bs, T, H, Hkv, D, scale, out, ldo, &bar);
+        attn_body(q, ldq, kv, slots, block_ids, nb, seq_lens, bs, T, H, Hkv, D, scale, out, ldo, &bar, kv_half);
     }
 }
 
@@ -700,7 +725,7 @@ typedef struct {
     const float *ln1, *ln2;
     ts_weight qkv, o, gate_up, down;
     const float *qkv_bias; /* NULL when the model has none */
-    float *kv;             /* this layer's cache [2, slots, Hkv, D] */
+    void *kv;              /* this layer's cache [2, slots, Hkv, D], float32 or float16 (ts_model.kv_half) */
 } ts_layer;
 
 typedef struct {
@@ -708,6 +733,7 @@ typedef struct {
     float eps, scale;
     const ts_layer *layers;
     const float *cos, *sin; /* [max_pos, D/2] */
+    int64_t kv_half;        /* the caches hold float16 */
 } ts_model;
 
 /* Every decoder layer for M tokens: x [M, hidden] is updated in place (the residual stream); scratch holds
@@ -719,7 +745,7 @@ typedef struct {
 void ts_decode_layers(const ts_model *md, float *x, int64_t M, const int64_t *positions, const int64_t *slot_mapping,
                       const int64_t *block_ids, int64_t nb, const int64_t *seq_lens, float *scratch) {
     const int64_t E = md->hidden, H = md->H, Hkv = md->Hkv, D = md->D, I = md->inter;
-    const int64_t nqkv = (H + 2 * Hkv) * D, tok = Hkv * D, half = D / 2;
+    const int64_t nqkv = (H + 2 * Hkv) * D, tok = Hkv * D, half = D / 2, esz = md->kv_half ? 2 : 4;
     float *qkv = scratch, *att = qkv + M * nqkv, *gu = att + M * H * D, *act = gu + M * 2 * I;
     const int quant = md->layers[0].qkv.wt != WT_F32;
     ts_barrier bar = {0};
@@ -740,12 +766,13 @@ void ts_decode_layers(const ts_model *md, float *x, int64_t M, const int64_t *po
                 const float *c = md->cos + positions[m] * half, *s = md->sin + positions[m] * half;
                 rope(row, H, D, c, s);
                 rope(row + H * D, Hkv, D, c, s);
-                memcpy(L->kv + slot_mapping[m] * tok, row + H * D, sizeof(float) * tok);
-                memcpy(L->kv + (md->slots + slot_mapping[m]) * tok, row + H * D + tok, sizeof(float) * tok);
+                char *k = (char *)L->kv + slot_mapping[m] * tok * esz, *v = k + md->slots * tok * esz;
+                if (md->kv_half) { store_kv(k, row + H * D, tok, 1); store_kv(v, row + H * D + tok, tok, 1); }
+                else { store_kv(k, row + H * D, tok, 0); store_kv(v, row + H * D + tok, tok, 0); }
             }
             bar_wait(&bar);
             attn_body(qkv, nqkv, L->kv, md->slots, block_ids, nb, seq_lens, md->block_size, M, H, Hkv, D,
-                      md->scale, att, H * D, &bar);
+                      md->scale, att, H * D, &bar, md->kv_half);
             if (quant) quantize_act(att, H * D, M, H * D, &a);
             linear_body(att, H * D, M, &L->o, NULL, E, H * D, x, E, 1, &a, &bar);
             ts_rmsnorm(x, M, E, L->ln2, md->eps, h);
