@@ -52,14 +52,16 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TOKENSPOUT_CACHE", Path.home() / ".cache" / "tokenspout")) / "kernels"
 
 
-def _build(out: Path) -> None:
+def _build(out: Path, defines: tuple[str, ...] = ()) -> None:
+    """Compiles the library to `out`; `defines` (e.g. "TILE_MIN=1000000") are for benchmarks of variants."""
     cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler (gcc/cc) on PATH")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         so = Path(tmp) / out.name
-        cmd = [cc, "-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-o", str(so), *map(str, SOURCES)]
+        cmd = [cc, "-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", *(f"-D{d}" for d in defines),
+               "-o", str(so), *map(str, SOURCES)]
         res = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if res.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")

@@ -1,0 +1,119 @@
+"""Quantized linear kernels: the C library's row and tiled paths against torch's float32 GEMM (MKL), per batch size.
+
+    python -m bench.linear             # M = 1, 4, 8, 16, 32, 64, 128; int4 layers + int8 LM head (~1 min)
+    python -m bench.linear --threads 1
+
+One "pass" = the default model's linear shapes of one decoder layer (qkv 960x576, o 576x576, gate_up 3072x576,
+down 576x1536, int4 = Q4_1) plus 1/30 of its LM head (49,152x576, int8 = Q8_0), so a pass is 1/30 of a decode
+step's linear work.  Columns, measured in alternating rounds (median ms per pass):
+* `kernels`: tokenspout's library as shipped (row path below TILE_MIN = 16 rows, tiled path from there);
+* `row`: the same library built with the tiled path off (-DTILE_MIN=1000000), to show what the tiled path buys;
+* `torch`: F.linear on the dequantized float32 weights (what the torch model computes; MKL sgemm).
+Rounds rotate the order of the three (see `rotated`).  Below 16 rows `kernels` and `row` run the same code: their
+ratio there (0.90-0.97x measured: the two builds differ only in code layout) is this benchmark's noise floor.
+Weights are cycled through 24 copies (twice the L3) so each pass reads them from memory, as a real step does.  Results go to
+bench/results/linear.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the engine process runs (set before torch loads libgomp)
+import torch
+import torch.nn.functional as F
+
+from bench.common import write_json
+from tokenspout.kernels import cpu
+from tokenspout.models.quantize import quantize_int4, quantize_int8
+
+LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+LM_HEAD = (49152 // 30, 576)  # a 30th of the LM head per pass: one decode step = 30 passes
+COPIES = 24  # ~65 MB of weights, twice this VM's 32 MB L3; the three columns start 8 copies apart
+
+
+def row_only_library(tmp: Path) -> ctypes.CDLL:
+    so = tmp / "decode_cpu-row-only.so"
+    cpu._build(so, defines=("TILE_MIN=1000000",))
+    lib = ctypes.CDLL(str(so))
+    lib.ts_linear.argtypes = cpu.load().ts_linear.argtypes
+    lib.ts_linear.restype = None
+    return lib
+
+
+def rotated(fns: dict[str, Callable[[], None]], budget_s: float = 1.0, min_rounds: int = 9) -> dict[str, float]:
+    """Median ms per call, in rounds of one call each whose order rotates every round: the call right after torch's
+    MKL GEMM measured 10-20% slow whichever it was, so each column takes each place equally often."""
+    names = list(fns)
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in names}
+    start, r = time.perf_counter(), 0
+    while r < min_rounds or time.perf_counter() - start < budget_s:
+        for i in range(len(names)):
+            name = names[(r + i) % len(names)]
+            t0 = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - t0)
+        r += 1
+    return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+
+
+def one_pass(fn, xs: list[torch.Tensor], weights: list[list], start: int) -> Callable[[], None]:
+    """A pass over every shape, each call on the next of the COPIES weight copies (from `start`)."""
+    state = {"copy": start}
+
+    def call() -> None:
+        c = state["copy"] = (state["copy"] + 1) % COPIES
+        for x, copies in zip(xs, weights, strict=True):
+            fn(x, copies[c])
+
+    return call
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: torch's)")
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128])
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lib = cpu.load()
+    if lib is None:
+        raise SystemExit("the C kernels are unavailable on this machine")
+    g = torch.Generator().manual_seed(0)
+    shapes = [(n, k, quantize_int4) for n, k in LAYER] + [(*LM_HEAD, quantize_int8)]
+    weights = [[fn(torch.randn(n, k, generator=g) * 0.05) for _ in range(COPIES)] for n, k, fn in shapes]
+    flops_per_row = sum(2 * n * k for n, k, _ in shapes)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        row_lib = row_only_library(Path(tmp))
+        for m in args.rows:
+            xs = [torch.randn(m, k, generator=g) for _, k, _ in shapes]
+            t = rotated({
+                "kernels": one_pass(lambda x, w: cpu.linear(lib, x, w[0]), xs, weights, 0),
+                "row": one_pass(lambda x, w: cpu.linear(row_lib, x, w[0]), xs, weights, COPIES // 3),
+                "torch": one_pass(lambda x, w: F.linear(x, w[1]), xs, weights, 2 * COPIES // 3),
+            })
+            gf = {k: flops_per_row * m / (t[k] * 1e-3) / 1e9 for k in ("kernels", "row", "torch")}
+            rows.append({"rows": m, **{f"{k}_ms": round(t[k], 3) for k in gf},
+                         **{f"{k}_gflops": round(v, 1) for k, v in gf.items()},
+                         "kernels_vs_row": round(t["row"] / t["kernels"], 2),
+                         "kernels_vs_torch": round(t["torch"] / t["kernels"], 2)})
+            r = rows[-1]
+            print(f"M={m:4d}  kernels {r['kernels_ms']:7.3f} ms ({r['kernels_gflops']:5.1f} GF/s)  "
+                  f"row {r['row_ms']:7.3f} ms  torch {r['torch_ms']:7.3f} ms  | kernels vs row "
+                  f"{r['kernels_vs_row']:.2f}x, vs torch {r['kernels_vs_torch']:.2f}x", flush=True)
+    path = write_json("linear.json", {"threads": torch.get_num_threads(), "copies": COPIES, "rows": rows})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
