@@ -38,7 +38,7 @@ from tokenspout.sample.ops.draw import DEFAULT_BLOCK_SIZE, block_mass, draw_dens
 from tokenspout.sample.ops.noise import row_keys
 from tokenspout.sample.rejection_sampler import draft_seeds, probs_from_logits
 from tokenspout.sample.sampler import compute_processed_logits
-from tokenspout.worker.model_runner import zeroed_kv_caches
+from tokenspout.worker.model_runner import kv_block_bytes, zeroed_kv_caches
 
 logger = logging.getLogger(__name__)
 
@@ -90,9 +90,9 @@ def check_compatible(target: LoadedModel, draft: LoadedModel) -> None:
 
 
 def draft_block_bytes(draft: LoadedModel, block_size: int) -> int:
-    """KV bytes per cache block of a separate draft model (added to the target's when sizing the cache)."""
-    a = draft.arch
-    return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * draft.dtype.itemsize
+    """KV bytes per cache block of a separate draft model (added to the target's when sizing the cache); its cache
+    holds the draft's own dtype."""
+    return kv_block_bytes(draft, block_size, draft.dtype)
 
 
 def _decoder(loaded: LoadedModel, caches: list[torch.Tensor], block_size: int, num_layers: int | None):

@@ -31,9 +31,10 @@ def kv_dtype(loaded: LoadedModel, cache: CacheConfig) -> torch.dtype:
     return torch.float16 if cache.kv_cache_dtype == "float16" else loaded.dtype
 
 
-def kv_block_bytes(loaded: LoadedModel, block_size: int, dtype: torch.dtype | None = None) -> int:
+def kv_block_bytes(loaded: LoadedModel, block_size: int, dtype: torch.dtype) -> int:
+    """KV bytes per cache block of `loaded`'s layers, its cache holding `dtype`."""
     a = loaded.arch
-    return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * (dtype or loaded.dtype).itemsize
+    return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * dtype.itemsize
 
 
 def zeroed_kv_caches(num_layers: int, slots: int, num_kv_heads: int, head_dim: int,

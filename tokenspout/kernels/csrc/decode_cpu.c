@@ -567,7 +567,6 @@ void ts_rmsnorm(const float *x, int64_t M, int64_t K, const float *weight, float
     }
 }
 
-/* act[m, i] = silu(gu[m, i]) * gu[m, I + i]. */
 /* act = silu(gate) * up, silu(g) = g * sigmoid(g), with sigmoid from e = exp(-|g|) (never overflows):
  * 1 / (1 + e) for g >= 0, e / (1 + e) below.  Vectorised: libm's scalar expf was ~3% of a c=64 step. */
 static void silu_mul(const float *gu, int64_t M, int64_t I, float *act) {
@@ -613,9 +612,9 @@ static inline __attribute__((always_inline)) __m256 ldkv(const void *p, int64_t 
                 : _mm256_loadu_ps((const float *)p + i);
 }
 
-/* n values (a multiple of 8) into the cache, rounded to float16 when HALF. */
-static inline void store_kv(void *dst, const float *src, int64_t n, const int HALF) {
-    if (!HALF) {
+/* n values (a multiple of 8) into the cache, rounded to float16 when half. */
+static inline void store_kv(void *dst, const float *src, int64_t n, int64_t half) {
+    if (!half) {
         memcpy(dst, src, sizeof(float) * (size_t)n);
         return;
     }
@@ -769,8 +768,8 @@ void ts_decode_layers(const ts_model *md, float *x, int64_t M, const int64_t *po
                 rope(row, H, D, c, s);
                 rope(row + H * D, Hkv, D, c, s);
                 char *k = (char *)L->kv + slot_mapping[m] * tok * esz, *v = k + md->slots * tok * esz;
-                if (md->kv_half) { store_kv(k, row + H * D, tok, 1); store_kv(v, row + H * D + tok, tok, 1); }
-                else { store_kv(k, row + H * D, tok, 0); store_kv(v, row + H * D + tok, tok, 0); }
+                store_kv(k, row + H * D, tok, md->kv_half);
+                store_kv(v, row + H * D + tok, tok, md->kv_half);
             }
             bar_wait(&bar);
             attn_body(qkv, nqkv, L->kv, md->slots, block_ids, nb, seq_lens, md->block_size, M, H, Hkv, D,
