@@ -445,6 +445,18 @@ def test_bench_serve_smoke(base_url, model, tmp_path):
         assert row["ttft_p50_ms"] is not None and row["output_tok_s"] > 0
 
 
+def test_bench_serve_reports_failures(base_url, model):
+    """The benchmark's client turns a non-200 answer and a refused connection into per-request errors."""
+    from bench import serve
+
+    args = serve.parse_args(["--base-url", base_url, "--model", "no-such-model"])
+    res = asyncio.run(serve.one_request(serve.Target.from_args(args), serve.request_body(args, "Hi", "greedy", 2)))
+    assert not res.ok and res.error.startswith("HTTP 404") and "does not exist" in res.error
+    args = serve.parse_args(["--base-url", "http://127.0.0.1:9/v1", "--model", model])
+    res = asyncio.run(serve.one_request(serve.Target.from_args(args), serve.request_body(args, "Hi", "greedy", 2)))
+    assert not res.ok and res.error.startswith(("ConnectionRefusedError", "OSError"))
+
+
 # ---------------------------------------------------------------------------------------------- fake-engine only
 
 
