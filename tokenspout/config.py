@@ -53,6 +53,9 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # token budget per step; long prompts are chunked to fit
     enable_chunked_prefill: bool = True
+    # Schedule and prepare step N+1 while step N runs (the engine core's stepper thread); see README for what it
+    # buys here.  Off with speculative decoding, and step by step while a grammar or guided request runs.
+    async_scheduling: bool = False
 
     def validate(self) -> None:
         if self.max_num_seqs < 1:

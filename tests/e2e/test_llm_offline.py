@@ -69,3 +69,17 @@ def test_bad_input_is_a_value_error(llm):
         llm.generate("hi", SamplingParams(logit_bias={10**7: 1.0}))
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
+
+
+def test_async_scheduling_in_the_engine_process(llm):
+    """The engine process steps with async scheduling: same texts and finish reasons as the synchronous engine,
+    with stop strings (frontend aborts arriving while a step is in flight) and across back-to-back calls."""
+    prompts = ["Write a short poem about the ocean.", "1, 2, 3, 4,", "The capital of France is", "Hi"] * 2
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=s, max_tokens=20, stop=[" the", "7"]) for s in range(4)]
+    params += [SamplingParams(temperature=0.0, max_tokens=12 + s, logprobs=2) for s in range(4)]
+    want = [(c.text, c.finish_reason) for o in llm.generate(prompts, params) for c in o.outputs]
+    assert any(r == "stop" for _, r in want)
+    with LLM(max_model_len=2048, kv_cache_memory=0.25, async_scheduling=True) as fast:
+        for _ in range(2):
+            got = [(c.text, c.finish_reason) for o in fast.generate(prompts, params) for c in o.outputs]
+            assert got == want

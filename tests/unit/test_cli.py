@@ -49,3 +49,8 @@ def test_kv_cache_dtype_flag():
 
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         CacheConfig(kv_cache_dtype="fp8").validate()
+
+
+def test_async_scheduling_flag():
+    assert kwargs()["async_scheduling"] is False
+    assert kwargs("--async-scheduling")["async_scheduling"] is True

@@ -6,13 +6,14 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from tokenspout.config import EngineConfig
 from tokenspout.core.kv_cache_manager import KVCacheManager
 from tokenspout.core.request import Request
-from tokenspout.core.scheduler import Scheduler
+from tokenspout.core.scheduler import Scheduler, SchedulerOutput
 from tokenspout.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from tokenspout.models.loader import LoadedModel, load_model
 from tokenspout.spec_decode.draft_model import DraftProposer, draft_block_bytes, forward_params, load_draft_model
@@ -54,6 +55,14 @@ class EngineCore:
         self.policy = SpecPolicy(spec, cost, free_drafts=self.proposer is not None, small_step_tokens=small)
         self.scheduler.on_spec_round = self.policy.record
         self._tokenizer = None  # the HF tokenizer, for grammars: loaded by warm_up() or the first grammar request
+        # Async scheduling: one thread steps the model (the kernels release the GIL) while this one schedules;
+        # speculative decoding drafts from the tokens of the step before, so it always steps synchronously.
+        self._stepper: ThreadPoolExecutor | None = None
+        self._in_flight: tuple[SchedulerOutput, Future] | None = None
+        if config.scheduler.async_scheduling and spec.method is None:
+            threads = torch.get_num_threads()  # a thread's OpenMP team size is its own: set it there too
+            self._stepper = ThreadPoolExecutor(1, "engine-step", initializer=torch.set_num_threads,
+                                               initargs=(threads,))
 
     def warm_up(self) -> None:
         """Loads what a first grammar request would otherwise wait for, while the engine is idle (EngineCoreProc
@@ -88,16 +97,45 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Requests to serve, or a step in flight whose results are still to be taken."""
+        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     def step(self) -> EngineCoreOutputs:
-        sched = self.scheduler.schedule()
-        result = self.runner.execute(sched, self.kv)  # also releases rows of removed requests when empty
-        outputs = self.scheduler.update_from_output(sched, result)
-        if self.proposer is not None or self.drafter is not None:
-            self._propose()
+        if self._stepper is None:
+            sched = self.scheduler.schedule()
+            result = self.runner.execute(sched, self.kv)  # also releases rows of removed requests when empty
+            outputs = self.scheduler.update_from_output(sched, result)
+            if self.proposer is not None or self.drafter is not None:
+                self._propose()
+        else:
+            outputs = self._step_async()
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.stats(),
                                  timestamp=time.monotonic())
+
+    def _step_async(self) -> list:
+        """Async scheduling: schedules and prepares step N+1 while step N runs on the stepper thread, then takes
+        step N's results.  Step N+1 assumes every request of step N that samples goes on; the ones that end
+        there (a stop token) get one wasted token, dropped.  Batches that need step N's tokens on the host before
+        step N+1 can be built (grammars, guidance companions, speculation) step synchronously."""
+        if self._in_flight is None:
+            self._in_flight = self._submit(self.scheduler.schedule())
+        ahead = None
+        if self._can_schedule_ahead():
+            ahead = self._submit(self.scheduler.schedule())
+        sched, future = self._in_flight
+        self._in_flight = ahead
+        return self.scheduler.update_from_output(sched, future.result())
+
+    def _submit(self, sched):
+        step = self.runner.prepare(sched, self.kv)
+        return sched, self._stepper.submit(self.runner.run, step)
+
+    def _can_schedule_ahead(self) -> bool:
+        s = self.scheduler
+        if not s.has_unfinished_requests() or (s.structured is not None and s.structured.num_requests):
+            return False
+        return not any(r.companion is not None for r in s.running) and not any(
+            r.companion is not None for r in s.waiting)
 
     def _structured(self):
         """The grammar manager, created on the first structured request (engines without one pay nothing)."""
@@ -173,5 +211,7 @@ class EngineCore:
         return self.scheduler.stats()
 
     def shutdown(self) -> None:
+        if self._stepper is not None:
+            self._stepper.shutdown(wait=True)
         if self.scheduler.structured is not None:
             self.scheduler.structured.shutdown()

@@ -32,6 +32,8 @@ class Request:
         "max_len",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_inflight_tokens",
+        "num_placeholders",
         "num_preemptions",
         "num_prompt_tokens",
         "params",
@@ -56,6 +58,11 @@ class Request:
         self.num_prompt_tokens = len(req.prompt_token_ids)
         self.token_ids: list[int] = list(req.prompt_token_ids)
         self.num_computed_tokens = 0
+        # Async scheduling (the next step is scheduled before this one's results are in): tokens whose KV steps
+        # in flight are computing, and tokens those steps are sampling, whose ids the scheduler does not know yet.
+        # Both are 0 whenever no step is in flight (always, with synchronous scheduling).
+        self.num_inflight_tokens = 0
+        self.num_placeholders = 0
         # Prefix caching: the chain hashes of this sequence's full blocks (kept across preemption: its tokens never
         # change), and how many prompt tokens its first admission found cached (reported with its outputs).
         self.block_hashes: list[bytes] = []
@@ -86,6 +93,16 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Tokens whose KV is computed or being computed: where the next step's tokens start."""
+        return self.num_computed_tokens + self.num_inflight_tokens
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Tokens the sequence holds once the steps in flight return (without any that ends it)."""
+        return len(self.token_ids) + self.num_placeholders
 
     @property
     def num_output_tokens(self) -> int:

@@ -26,10 +26,19 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class ScheduledRequest:
+    """One sequence's share of a step.  What the model runner reads is copied here when the step is scheduled
+    (with async scheduling the scheduler goes on changing the Request while the step runs)."""
+
     request: Request
-    num_new_tokens: int  # tokens whose KV this step computes: token_ids[num_computed : num_computed + num_new]
+    num_new_tokens: int  # tokens whose KV this step computes, from position `start`
     samples: bool  # True when this step reaches the end of the known tokens, so a token is sampled
-    spec_token_ids: list[int] = field(default_factory=list)  # drafts verified this step (after the known tokens)
+    spec_token_ids: list[int]  # drafts verified this step (after the known tokens)
+    start: int  # position of the first new token
+    # The new tokens the scheduler knows (num_new_tokens - len(spec_token_ids) of them, or one fewer when
+    # `placeholder`: then the last input is the token the step in flight samples for this request, which the
+    # model runner takes from that step's output without a trip through Python).
+    token_ids: list[int]
+    placeholder: bool
 
 
 @dataclass(slots=True)
@@ -114,7 +123,7 @@ class Scheduler:
 
     def _release_companion(self, comp: Request, had_row: bool) -> None:
         self.kv.free(comp.request_id)
-        comp.num_computed_tokens = 0
+        comp.num_computed_tokens = comp.num_inflight_tokens = comp.num_placeholders = 0
         if had_row:
             self._removed.append(comp.request_id)
 
@@ -125,7 +134,9 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
+        # A step in flight for it returns into nothing (update_from_output skips requests not running); its
+        # resumption recomputes from the tokens known then.
+        req.num_computed_tokens = req.num_inflight_tokens = req.num_placeholders = 0
         req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -152,7 +163,7 @@ class Scheduler:
                 i += 1
                 continue
             drafts: list[int] = []
-            if req.spec_token_ids and num_new == req.num_tokens - req.num_computed_tokens == 1:
+            if req.spec_token_ids and num_new == req.num_tokens - req.num_scheduled_tokens == 1:
                 drafts = req.spec_token_ids[: budget - 1]
                 num_new += len(drafts)
             req.spec_token_ids = []
@@ -221,11 +232,13 @@ class Scheduler:
         """Tokens to compute this step for the request and for its CFG companion (0 without one).  A pair only
         samples when both reach the end of their known tokens in the same step, so while they cannot both finish,
         each keeps its last token for that step."""
-        rem = req.num_tokens - req.num_computed_tokens
+        if req.num_placeholders and req.num_tokens_with_placeholders >= req.max_len:
+            return 0, 0  # the token in flight ends it ("length"): nothing more to compute
+        rem = req.num_tokens_with_placeholders - req.num_scheduled_tokens
         comp = req.companion
         if comp is None:
             return min(rem, budget), 0
-        rem_c = comp.num_tokens - comp.num_computed_tokens
+        rem_c = comp.num_tokens_with_placeholders - comp.num_scheduled_tokens
         if rem + rem_c <= budget:
             return rem, rem_c
         m = min(max(rem - 1, 0), budget)
@@ -234,7 +247,7 @@ class Scheduler:
     def _lookahead(self, req: Request, num_known_new: int) -> int:
         """Lookahead slots for a request whose step reaches its last known token (so it samples)."""
         if (not self.num_lookahead_tokens or req.companion is not None
-                or req.num_computed_tokens + num_known_new != req.num_tokens):
+                or req.num_scheduled_tokens + num_known_new != req.num_tokens):
             return 0
         return self.num_lookahead_tokens
 
@@ -244,14 +257,14 @@ class Scheduler:
         _start_from_cache) when they are joining the running set.  `lookahead` more slots for the draft model to
         write into after the step when the cache has them (never a reason to fail)."""
         hits = hits or [[], []]
-        total = req.num_computed_tokens + num_new
+        total = req.num_scheduled_tokens + num_new
         lookahead = max(0, min(lookahead, req.max_len - total))  # never past the request's length limit
         comp = req.companion
 
         def asks(extra: int) -> list[BlockAsk]:
             out = [BlockAsk(req.request_id, total + extra, hits[0])]
             if comp is not None:
-                out.append(BlockAsk(comp.request_id, comp.num_computed_tokens + comp_new, hits[1]))
+                out.append(BlockAsk(comp.request_id, comp.num_scheduled_tokens + comp_new, hits[1]))
             return out
 
         return bool(lookahead and self.kv.allocate_all(asks(lookahead))) or self.kv.allocate_all(asks(0))
@@ -282,15 +295,15 @@ class Scheduler:
 
     def _entries(self, req: Request, num_new: int, comp_new: int,
                  drafts: list[int] | None = None) -> list[ScheduledRequest]:
+        drafts = drafts or []
         comp = req.companion
-        entries = [self._entry(req, num_new, drafts)] if num_new else []
+        reaches_end = req.num_scheduled_tokens + num_new - len(drafts) == req.num_tokens_with_placeholders
         if comp is not None:
-            both_done = (req.num_computed_tokens + num_new == req.num_tokens
-                         and comp.num_computed_tokens + comp_new == comp.num_tokens)
-            if entries:
-                entries[0].samples = both_done
-            if comp_new:
-                entries.append(ScheduledRequest(comp, comp_new, False))
+            # a guided pair samples only when both reach the end of their tokens in this step
+            reaches_end = reaches_end and comp.num_scheduled_tokens + comp_new == comp.num_tokens_with_placeholders
+        entries = [self._entry(req, num_new, reaches_end, drafts)] if num_new else []
+        if comp is not None and comp_new:
+            entries.append(self._entry(comp, comp_new, False, []))
         return entries
 
     def _grammar_ready(self, req: Request) -> bool:
@@ -309,9 +322,17 @@ class Scheduler:
         return self.kv.blocks_needed(req.request_id, req.num_tokens) > self.kv.num_blocks
 
     @staticmethod
-    def _entry(req: Request, num_new: int, drafts: list[int] | None = None) -> ScheduledRequest:
-        known = num_new - len(drafts or ())
-        return ScheduledRequest(req, num_new, req.num_computed_tokens + known == req.num_tokens, drafts or [])
+    def _entry(req: Request, num_new: int, samples: bool, drafts: list[int]) -> ScheduledRequest:
+        """The step's entry for req, with its input tokens copied; counts the step as in flight."""
+        start = req.num_scheduled_tokens
+        end = start + num_new - len(drafts)
+        tokens = req.token_ids[start:end]
+        placeholder = len(tokens) < end - start
+        if end - start - len(tokens) > 1 or (placeholder and drafts):
+            raise RuntimeError(f"{req.request_id}: more than one input token unknown (scheduler bug)")
+        req.num_inflight_tokens += num_new
+        req.num_placeholders += samples
+        return ScheduledRequest(req, num_new, samples, drafts, start, tokens, placeholder)
 
     # ---- after the model ran -------------------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -319,8 +340,10 @@ class Scheduler:
         for entry in sched.scheduled:
             req = entry.request
             if req.status is not RequestStatus.RUNNING:
-                continue  # aborted while the step ran
+                continue  # aborted, finished or preempted while the step ran: its results are dropped
             req.num_computed_tokens += entry.num_new_tokens
+            req.num_inflight_tokens -= entry.num_new_tokens
+            req.num_placeholders -= entry.samples
             if req.is_companion:
                 self.kv.cache_full_blocks(req)
                 continue  # it takes the tokens its guided request samples (below)

@@ -40,7 +40,8 @@ def build_engine_config(model: str | None = None, *, dtype: str = "float32", qua
                         served_model_name: str | None = None, num_threads: int | None = None,
                         speculative: str | None = None, num_speculative_tokens: int = 4, ngram_min: int = 2,
                         ngram_max: int = 4, enable_prefix_caching: bool = True, draft_model: str | None = None,
-                        draft_layers: int | None = None, adaptive_speculation: bool = True) -> EngineConfig:
+                        draft_layers: int | None = None, adaptive_speculation: bool = True,
+                        async_scheduling: bool = False) -> EngineConfig:
     path, _ = resolve_model_path(model)  # converts the default model here, once, before any engine starts
     if draft_model is not None:
         draft_path = Path(draft_model).expanduser()
@@ -51,7 +52,8 @@ def build_engine_config(model: str | None = None, *, dtype: str = "float32", qua
                           served_model_name=served_model_name or (None if model else path.name.removesuffix("-f32"))),
         cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
                           num_gpu_blocks_override=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens),
+        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                  async_scheduling=async_scheduling),
         speculative=SpeculativeConfig(method=speculative, num_speculative_tokens=num_speculative_tokens,
                                       ngram_min=ngram_min, ngram_max=ngram_max, draft_model=draft_model,
                                       draft_layers=draft_layers, adaptive=adaptive_speculation),

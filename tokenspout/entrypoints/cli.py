@@ -28,6 +28,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--num-threads", type=int, default=None, help="torch threads in the engine process")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+                   help="schedule and prepare step N+1 while step N runs (see README: on this 2-core CPU the "
+                        "overlap takes a core from the model)")
     p.add_argument("--speculative", default=None, choices=["ngram", "draft"], help="speculative decoding proposer")
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--ngram-min", type=int, default=2)
@@ -55,7 +58,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             "num_threads": args.num_threads, "speculative": args.speculative,
             "num_speculative_tokens": args.num_speculative_tokens, "ngram_min": args.ngram_min,
             "ngram_max": args.ngram_max, "enable_prefix_caching": args.enable_prefix_caching,
-            "draft_model": args.draft_model, "draft_layers": args.draft_layers}
+            "draft_model": args.draft_model, "draft_layers": args.draft_layers,
+            "async_scheduling": args.async_scheduling}
 
 
 class Spinner:

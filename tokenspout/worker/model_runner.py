@@ -1,27 +1,30 @@
 """Runs one scheduled step: flat batch in, sampled tokens out.
 
-Per step it builds the flat inputs (input ids, positions, slot mapping, query_start_loc, attention metadata) from
-the persistent per-row block table, runs the model, projects only the last position of each sampling request
-(logits_indices = query_start_loc[1:] - 1, DESIGN invariant 1), samples, and brings the results to Python with one
-.tolist() (invariant 6).
+In two halves.  prepare() builds the flat inputs (input ids, positions, slot mapping, query_start_loc, attention
+metadata) from the persistent per-row block table and the scheduler's output; run() runs the model, projects only
+the last position of each sampling request (logits_indices = query_start_loc[1:] - 1, DESIGN invariant 1), samples,
+and brings the results to Python with one .tolist() (invariant 6).  With async scheduling the engine core prepares
+step N+1 while step N runs on another thread; an input step N samples is filled in by run() from step N's output
+tensor.
 """
 
 from __future__ import annotations
 
 import logging
 import mmap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from tokenspout.config import CacheConfig, SchedulerConfig
 from tokenspout.core.kv_cache_manager import KVCacheManager
-from tokenspout.core.scheduler import ModelRunnerOutput, SchedulerOutput
+from tokenspout.core.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenspout.engine.messages import TokenLogprobs
 from tokenspout.models.attention import AttentionMetadata, PrefillChunk, causal_mask
 from tokenspout.models.loader import LoadedModel
 from tokenspout.sample.metadata import SamplingState
 from tokenspout.sample.sampler import Sampler, SamplerOutput
+from tokenspout.sampling_params import SamplingParams
 from tokenspout.worker.spec_verify import verify_drafts
 
 logger = logging.getLogger(__name__)
@@ -52,6 +55,17 @@ def zeroed_kv_caches(num_layers: int, slots: int, num_kv_heads: int, head_dim: i
 
 
 @dataclass(slots=True)
+class _RowAdd:
+    """A request taking a row: its sampling state is set up by run(), in step order."""
+
+    row: int
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    seed: int
+
+
+@dataclass(slots=True)
 class FlatBatch:
     positions: torch.Tensor  # [T] position of every token
     slot_mapping: torch.Tensor  # [T] where each token's K/V is written
@@ -61,6 +75,22 @@ class FlatBatch:
     decode_block_ids: torch.Tensor | None = None  # [kernel_tokens, nb] block table row of each C decoder token
     seq_lens: torch.Tensor | None = None  # [kernel_tokens] = positions + 1
     kernel_tokens: int = 0  # the first tokens, which the C decoder runs
+
+
+@dataclass(slots=True)
+class PreparedStep:
+    """A scheduled step with its host-side inputs built (ModelRunner.prepare), ready for ModelRunner.run."""
+
+    entries: list[ScheduledRequest]  # decodes first
+    rows: list[int] = field(default_factory=list)  # persistent row of each entry
+    input_ids: torch.Tensor | None = None
+    flat: FlatBatch | None = None  # None: nothing to compute (rows may still be released or added)
+    # (positions in input_ids, rows of the previous step's sampled ids) of the inputs sampled by that step
+    placeholders: tuple[torch.Tensor, torch.Tensor] | None = None
+    sample_idx: list[int] = field(default_factory=list)  # entries that sample a token
+    spec_idx: list[int] = field(default_factory=list)  # entries that verify drafts
+    released: list[tuple[str, int]] = field(default_factory=list)  # (request id, row) given back
+    added: list[_RowAdd] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -85,6 +115,8 @@ class ModelRunner:
         self._num_blocks_in_row = [0] * sched.max_num_seqs
         self.row_of: dict[str, int] = {}
         self._free_rows = list(range(sched.max_num_seqs - 1, -1, -1))
+        self._sample_pos: dict[str, int] = {}  # row of each sampling request in the last prepared step's output
+        self._last_sampled: torch.Tensor | None = None  # the sampled ids of the last step run
         self.decoder = self._cpu_decoder(loaded)
         self.sampling = SamplingState(sched.max_num_seqs, a.vocab_size, self.device)
         self.sampler = Sampler()
@@ -110,21 +142,23 @@ class ModelRunner:
         return self.decoder.logits(hidden) if self.decoder is not None else self.model.compute_logits(hidden)
 
     # ---- persistent rows -----------------------------------------------------------------------------------
-    def _release(self, request_id: str) -> None:
+    # Rows are handed out and taken back by prepare() (the scheduling thread); the sampling state of a row changes
+    # only in run() (the thread that steps the model), in step order.  So a row given back may go to another
+    # request in the same prepare() even while a step in flight still uses it: that step's inputs, block ids
+    # included, are copies, and its sampling state is replaced only when the next step runs.
+    def _release(self, request_id: str, step: PreparedStep) -> None:
         row = self.row_of.pop(request_id, None)
         if row is not None:
-            if self.drafter is not None:
-                self.drafter.forget(request_id)
-            self.sampling.remove_request(row)
+            step.released.append((request_id, row))
             self._num_blocks_in_row[row] = 0
             self._free_rows.append(row)
 
-    def _ensure_row(self, req) -> int:
+    def _ensure_row(self, req, step: PreparedStep) -> int:
         row = self.row_of.get(req.request_id)
         if row is None:
             row = self._free_rows.pop()
             self.row_of[req.request_id] = row
-            self.sampling.add_request(row, req.params, req.prompt_token_ids, req.output_token_ids, req.seed)
+            step.added.append(_RowAdd(row, req.params, req.prompt_token_ids, req.output_token_ids, req.seed))
         return row
 
     def sync_blocks(self, row: int, blocks: list[int]) -> None:
@@ -134,34 +168,73 @@ class ModelRunner:
             self._num_blocks_in_row[row] = len(blocks)
 
     # ---- one step ------------------------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> ModelRunnerOutput:
+        """One step, synchronously: prepare() then run()."""
+        return self.run(self.prepare(sched, kv))
+
+    def prepare(self, sched: SchedulerOutput, kv: KVCacheManager) -> PreparedStep:
+        """The host side of a step, from the scheduler's output alone (with async scheduling it runs while the
+        previous step computes, so it reads nothing that step changes): rows, block table rows, the flat
+        inputs and where the tokens sampled by the previous step go."""
+        step = PreparedStep(sched.scheduled)
         for rid in sched.removed_request_ids:
-            self._release(rid)
+            self._release(rid, step)
         if sched.is_empty:
-            return ModelRunnerOutput(sampled={})
+            self._sample_pos = {}
+            return step
         # Decodes (query length 1) first: they share one batched attention call.
-        entries = sorted(sched.scheduled, key=lambda e: e.num_new_tokens != 1)
-        rows, starts, lens, tokens = [], [], [], []
+        entries = step.entries = sorted(sched.scheduled, key=lambda e: e.num_new_tokens != 1)
+        rows, starts, lens, tokens = step.rows, [], [], []
+        dst, src = [], []
         for e in entries:
             req = e.request
-            row = self._ensure_row(req)
+            row = self._ensure_row(req, step)
             self.sync_blocks(row, kv.blocks_of(req.request_id))
-            nc = req.num_computed_tokens
             rows.append(row)
-            starts.append(nc)
+            starts.append(e.start)
             lens.append(e.num_new_tokens)
-            tokens.extend(req.token_ids[nc : nc + e.num_new_tokens - len(e.spec_token_ids)])
+            tokens.extend(e.token_ids)
+            if e.placeholder:
+                pos = self._sample_pos.get(req.request_id)
+                if pos is None:
+                    raise RuntimeError(f"{req.request_id}: placeholder input without a sampled token in flight")
+                dst.append(len(tokens))
+                src.append(pos)
+                tokens.append(0)
             tokens.extend(e.spec_token_ids)
-        input_ids = torch.tensor(tokens, dtype=torch.int64)
-        flat = self.flat_batch(rows, starts, lens, self.decoder)
-        qsl = flat.query_start_loc
-        hidden = self.forward(self.model, self.decoder, self.kv_caches, input_ids, flat)
+        step.input_ids = torch.tensor(tokens, dtype=torch.int64)
+        if dst:
+            step.placeholders = (torch.tensor(dst, dtype=torch.int64), torch.tensor(src, dtype=torch.int64))
+        step.flat = self.flat_batch(rows, starts, lens, self.decoder)
+        step.spec_idx = [i for i, e in enumerate(entries) if e.samples and e.spec_token_ids]
+        step.sample_idx = [i for i, e in enumerate(entries) if e.samples and not e.spec_token_ids]
+        self._sample_pos = {entries[i].request.request_id: j for j, i in enumerate(step.sample_idx)}
+        return step
 
-        spec_idx = [i for i, e in enumerate(entries) if e.samples and e.spec_token_ids]
-        sample_idx = [i for i, e in enumerate(entries) if e.samples and not e.spec_token_ids]
-        spec_result = self._verify(entries, spec_idx, rows, qsl, hidden) if spec_idx else {}
+    @torch.inference_mode()
+    def run(self, step: PreparedStep) -> ModelRunnerOutput:
+        """The model side of a prepared step: forward, logits of the sampling rows, sampler, one transfer."""
+        for rid, row in step.released:
+            if self.drafter is not None:
+                self.drafter.forget(rid)
+            self.sampling.remove_request(row)
+        for a in step.added:
+            self.sampling.add_request(a.row, a.params, a.prompt_token_ids, a.output_token_ids, a.seed)
+        if step.flat is None:
+            self._last_sampled = None
+            return ModelRunnerOutput(sampled={})
+        entries, rows, input_ids = step.entries, step.rows, step.input_ids
+        if step.placeholders is not None:
+            # The tokens the previous step sampled, straight from its output tensor.
+            dst, src = step.placeholders
+            input_ids[dst] = self._last_sampled[src]
+        qsl = step.flat.query_start_loc
+        hidden = self.forward(self.model, self.decoder, self.kv_caches, input_ids, step.flat)
+
+        sample_idx = step.sample_idx
+        spec_result = self._verify(entries, step.spec_idx, rows, qsl, hidden) if step.spec_idx else {}
         if not sample_idx:
+            self._last_sampled = None
             return ModelRunnerOutput(sampled=spec_result)
         sel = torch.tensor(sample_idx, dtype=torch.int64)
         logits_indices = qsl[1:][sel] - 1
@@ -173,11 +246,12 @@ class ModelRunner:
         if self.logits_hook is not None:
             self.logits_hook(req_ids, logits)
         md = self.sampling.metadata(sample_rows)
-        if self.structured is not None and self.structured.num_requests:
-            md.grammar_bitmask = self.structured.grammar_bitmask(
-                [r if entries[i].request.params.structured_outputs is not None else None
-                 for i, r in zip(sample_idx, req_ids)])
+        grammars = [r if entries[i].request.params.structured_outputs is not None else None
+                    for i, r in zip(sample_idx, req_ids)]
+        if any(grammars):  # (the manager is never touched by a step without grammar requests)
+            md.grammar_bitmask = self.structured.grammar_bitmask(grammars)
         out = self.sampler(logits, md)
+        self._last_sampled = out.sampled_token_ids
         result = self._to_python(out, req_ids, [entries[i].request.params.logprobs for i in sample_idx])
         self.sampling.append_tokens(sample_rows, [result.sampled[r] for r in req_ids])
         result.sampled.update(spec_result)
@@ -293,7 +367,8 @@ class ModelRunner:
         prefills = []
         for i in range(nd, len(rows_t)):
             ctx = int(starts_t[i] + lens_t[i])
-            prefills.append(PrefillChunk(int(qsl[i]), int(qsl[i + 1]), self.block_table[rows_t[i], : -(-ctx // bs)],
+            blocks = self.block_table[int(rows_t[i]), : -(-ctx // bs)].clone()  # a copy: see _release
+            prefills.append(PrefillChunk(int(qsl[i]), int(qsl[i + 1]), blocks,
                                          ctx, causal_mask(int(lens_t[i]), ctx, self.group, self.device)))
         return AttentionMetadata(slot_mapping, bs, nd, dec_blocks, dec_mask, prefills,
                                  decode_seq_lens=seq_lens if nd else None,
