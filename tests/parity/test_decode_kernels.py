@@ -165,3 +165,25 @@ def test_mixed_step_runs_decodes_in_kernels_and_chunks_in_torch(loaded_model, pr
     for r in ref:
         for a, b in zip(lk[r], lt[r]):
             assert float((a - b).abs().max()) < 1e-3
+
+
+def test_decode_only_batch_metadata_matches_the_general_path(int4_model, prompt_ids):
+    """Pure decode steps build their flat batch in numpy (ModelRunner._decode_batch): the same positions, slots,
+    sequence lengths and block ids as the torch path computes for the same rows."""
+    core = make_core(int4_model, block_size=4)  # small blocks: the rows span several
+    for i, ids in enumerate(prompt_ids[:5]):
+        core.add_request(EngineCoreRequest(str(i), ids + [7] * (3 * i), SamplingParams(max_tokens=9, ignore_eos=True)))
+    for _ in range(4):
+        core.step()
+    r = core.runner
+    sched = core.scheduler.schedule()
+    step = r.prepare(sched, core.kv)
+    starts = [e.start for e in step.entries]
+    assert len(step.rows) == 5 and len(set(starts)) == 5 and step.flat.meta is None
+    fast = step.flat
+    ref = r.flat_batch(step.rows, starts, [1] * 5, None)  # no decoder: the general path, with torch metadata
+    assert torch.equal(fast.positions, ref.positions) and torch.equal(fast.slot_mapping, ref.slot_mapping)
+    assert torch.equal(fast.query_start_loc, ref.query_start_loc)
+    assert torch.equal(fast.seq_lens, ref.meta.decode_seq_lens)
+    assert torch.equal(fast.decode_block_ids.reshape(-1), ref.meta.decode_block_ids)
+    assert fast.kernel_tokens == 5
