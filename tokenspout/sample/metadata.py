@@ -18,6 +18,7 @@ from tokenspout.sample.ops.noise import seed_key
 from tokenspout.sample.ops.penalties import PenaltyBatch
 from tokenspout.sample.ops.token_counts import SeenTokens
 from tokenspout.sampling_params import LOGIT_BIAS_CLAMP, SamplingParams
+from tokenspout.tensors import long_tensor
 
 KERNEL_MAX_TOP_K = 1024  # largest top_k the CPU kernel takes (ops/rows_cpu.py): its heap and sort grow with k
 
@@ -225,10 +226,10 @@ class SamplingState:
                 max_lp = max(max_lp, info.num_logprobs)
 
         def rows_t(rows: list[int]) -> torch.Tensor:
-            return torch.tensor(rows, dtype=torch.int64, device=dev)
+            return long_tensor(rows, dev)
 
         positions = [info.position for info in infos]  # type: ignore[union-attr]
-        cpu_idx = torch.tensor(slots, dtype=torch.int64)
+        cpu_idx = long_tensor(slots)
         floats = self._f.index_select(0, cpu_idx).t().to(dev).contiguous()
         ints = self._i.index_select(0, cpu_idx).t().to(dev).contiguous()
         temperature, top_p, min_p, rep, pres, freq = floats.unbind(0)
@@ -252,7 +253,7 @@ class SamplingState:
             min_p=min_p,
             seeds=seeds,
             seed_keys=seed_keys,
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            positions=long_tensor(positions, dev),
             num_logprobs=num_logprobs,
             greedy_rows=rows_t(greedy),
             truncated_rows=rows_t(trunc),

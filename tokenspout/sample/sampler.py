@@ -29,6 +29,7 @@ from tokenspout.sample.ops.penalties import (
     apply_penalties,
 )
 from tokenspout.sample.ops.topk_topp import DenseKept, Kept, SparseKept, TierConfig, materialize, truncate
+from tokenspout.tensors import long_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -116,11 +117,8 @@ class Sampler(torch.nn.Module):
         ok = set(meta.kernel_rows)
         trunc = [(r, k) for r, k in zip(meta.truncated_list, meta.truncated_top_k) if r not in ok]
         plain = [r for r in meta.plain_list if r not in ok]
-
-        def rows_t(rows: list[int]) -> torch.Tensor:
-            return torch.tensor(rows, dtype=torch.int64)
-
-        return rows_t(meta.kernel_rows), (rows_t([r for r, _ in trunc]), [k for _, k in trunc], rows_t(plain))
+        return (long_tensor(meta.kernel_rows),
+                (long_tensor([r for r, _ in trunc]), [k for _, k in trunc], long_tensor(plain)))
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         meta = metadata

@@ -26,6 +26,7 @@ from tokenspout.models.loader import LoadedModel
 from tokenspout.sample.metadata import SamplingState
 from tokenspout.sample.sampler import Sampler, SamplerOutput
 from tokenspout.sampling_params import SamplingParams
+from tokenspout.tensors import long_tensor
 from tokenspout.worker.spec_verify import verify_drafts
 
 logger = logging.getLogger(__name__)
@@ -166,7 +167,7 @@ class ModelRunner:
     def sync_blocks(self, row: int, blocks: list[int]) -> None:
         have = self._num_blocks_in_row[row]
         if len(blocks) > have:
-            self.block_table[row, have : len(blocks)] = torch.tensor(blocks[have:], dtype=torch.int64)
+            self._block_table_np[row, have : len(blocks)] = blocks[have:]
             self._num_blocks_in_row[row] = len(blocks)
 
     # ---- one step ------------------------------------------------------------------------------------------
@@ -204,9 +205,9 @@ class ModelRunner:
                 src.append(pos)
                 tokens.append(0)
             tokens.extend(e.spec_token_ids)
-        step.input_ids = torch.tensor(tokens, dtype=torch.int64)
+        step.input_ids = long_tensor(tokens)
         if dst:
-            step.placeholders = (torch.tensor(dst, dtype=torch.int64), torch.tensor(src, dtype=torch.int64))
+            step.placeholders = (long_tensor(dst), long_tensor(src))
         step.flat = self.flat_batch(rows, starts, lens, self.decoder)
         step.spec_idx = [i for i, e in enumerate(entries) if e.samples and e.spec_token_ids]
         step.sample_idx = [i for i, e in enumerate(entries) if e.samples and not e.spec_token_ids]
@@ -238,7 +239,7 @@ class ModelRunner:
         if not sample_idx:
             self._last_sampled = None
             return ModelRunnerOutput(sampled=spec_result)
-        sel = torch.tensor(sample_idx, dtype=torch.int64)
+        sel = long_tensor(sample_idx)
         logits_indices = qsl[1:][sel] - 1
         logits = self._logits(hidden[logits_indices])
         if any(entries[i].request.companion is not None for i in sample_idx):
