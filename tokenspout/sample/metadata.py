@@ -10,6 +10,7 @@ metadata never synchronises with the device.  Token counts for the penalties are
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -114,6 +115,11 @@ class SamplingState:
         self._iv = self._i.numpy()
         self.seen = SeenTokens(max_num_reqs, self.device)
         self._slots: list[_Slot | None] = [None] * max_num_reqs
+        # The last metadata built, for the next step over the same requests: decode steps usually are, and then
+        # everything but the positions is unchanged unless a row's bans or penalties follow its tokens.  Keyed on
+        # the slots and a count of add/remove calls (a slot reused by another request changes the key).
+        self._generation = 0
+        self._last: tuple[tuple, SamplingMetadata] | None = None
 
     def add_request(
         self, slot: int, params: SamplingParams, prompt_token_ids: list[int], output_token_ids: list[int],
@@ -152,10 +158,12 @@ class SamplingState:
             self.seen.reset(slot, prompt_token_ids, output_token_ids)
         else:
             self.seen.clear(slot)
+        self._generation += 1
 
     def remove_request(self, slot: int) -> None:
         self._slots[slot] = None
         self.seen.clear(slot)
+        self._generation += 1
 
     def append_tokens(self, slots: list[int], token_ids: list[list[int]]) -> None:
         for slot, toks in zip(slots, token_ids):
@@ -171,6 +179,19 @@ class SamplingState:
         return self.seen.dense_counts(slot, self.vocab_size)
 
     def metadata(self, slots: list[int]) -> SamplingMetadata:
+        """The step's metadata (a fresh object: callers set fields of their own, e.g. grammar_bitmask)."""
+        key = (self._generation, *slots)
+        if self._last is not None and self._last[0] == key:
+            positions = [self._slots[s].position for s in slots]  # type: ignore[union-attr]
+            return dataclasses.replace(self._last[1], positions=long_tensor(positions, self.device))
+        md = self._build(slots)
+        infos = [self._slots[s] for s in slots]
+        follows_tokens = md.penalties is not None or any(  # bans that depend on the tokens so far
+            i.bad_multi or (i.position < i.min_tokens and i.stop_ids) for i in infos)  # type: ignore[union-attr]
+        self._last = None if follows_tokens else (key, md)
+        return dataclasses.replace(md)
+
+    def _build(self, slots: list[int]) -> SamplingMetadata:
         dev = self.device
         infos = [self._slots[s] for s in slots]
         assert all(i is not None for i in infos), "metadata() for a slot with no request"
