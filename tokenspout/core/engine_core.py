@@ -14,7 +14,7 @@ from tokenspout.config import EngineConfig
 from tokenspout.core.kv_cache_manager import KVCacheManager
 from tokenspout.core.request import Request
 from tokenspout.core.scheduler import Scheduler, SchedulerOutput
-from tokenspout.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from tokenspout.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from tokenspout.models.loader import LoadedModel, load_model
 from tokenspout.spec_decode.draft_model import DraftProposer, draft_block_bytes, forward_params, load_draft_model
 from tokenspout.spec_decode.ngram_proposer import NgramProposer
@@ -112,7 +112,7 @@ class EngineCore:
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.stats(),
                                  timestamp=time.monotonic())
 
-    def _step_async(self) -> list:
+    def _step_async(self) -> list[EngineCoreOutput]:
         """Async scheduling: schedules and prepares step N+1 while step N runs on the stepper thread, then takes
         step N's results.  Step N+1 assumes every request of step N that samples goes on; the ones that end
         there (a stop token) get one wasted token, dropped.  Batches that need step N's tokens on the host before
@@ -126,7 +126,7 @@ class EngineCore:
         self._in_flight = ahead
         return self.scheduler.update_from_output(sched, future.result())
 
-    def _submit(self, sched):
+    def _submit(self, sched: SchedulerOutput) -> tuple[SchedulerOutput, Future]:
         step = self.runner.prepare(sched, self.kv)
         return sched, self._stepper.submit(self.runner.run, step)
 

@@ -184,14 +184,13 @@ class SamplingState:
         if self._last is not None and self._last[0] == key:
             positions = [self._slots[s].position for s in slots]  # type: ignore[union-attr]
             return dataclasses.replace(self._last[1], positions=long_tensor(positions, self.device))
-        md = self._build(slots)
-        infos = [self._slots[s] for s in slots]
-        follows_tokens = md.penalties is not None or any(  # bans that depend on the tokens so far
-            i.bad_multi or (i.position < i.min_tokens and i.stop_ids) for i in infos)  # type: ignore[union-attr]
+        md, follows_tokens = self._build(slots)
         self._last = None if follows_tokens else (key, md)
         return dataclasses.replace(md)
 
-    def _build(self, slots: list[int]) -> SamplingMetadata:
+    def _build(self, slots: list[int]) -> tuple[SamplingMetadata, bool]:
+        """(the metadata, whether some row's penalties or bans follow its tokens so far: then it is rebuilt each
+        step)."""
         dev = self.device
         infos = [self._slots[s] for s in slots]
         assert all(i is not None for i in infos), "metadata() for a slot with no request"
@@ -205,6 +204,7 @@ class SamplingState:
         kernel: list[int] = []
         any_top_p = any_min_p = False
         max_lp = -1
+        follows_tokens = False
         for row, info in enumerate(infos):
             assert info is not None
             if info.greedy:
@@ -221,10 +221,12 @@ class SamplingState:
                 kernel.append(row)
             if info.penalties:
                 pen_rows.append(row)
+                follows_tokens = True
             if info.bad_single:
                 ban_r += [row] * len(info.bad_single)
                 ban_t += info.bad_single
             if info.bad_multi:
+                follows_tokens = True
                 out = info.output or []
                 for word in info.bad_multi:
                     n = len(word) - 1
@@ -232,6 +234,7 @@ class SamplingState:
                         ban_r.append(row)
                         ban_t.append(word[-1])
             if info.position < info.min_tokens and info.stop_ids:
+                follows_tokens = True
                 ban_r += [row] * len(info.stop_ids)
                 ban_t += info.stop_ids
             if info.bias_ids is not None:
@@ -266,7 +269,7 @@ class SamplingState:
                 any(self._slots[s].repetition for s in pslots),  # type: ignore[union-attr]
                 any(self._slots[s].additive for s in pslots),  # type: ignore[union-attr]
             )
-        return SamplingMetadata(
+        md = SamplingMetadata(
             temperature=temperature,
             is_greedy=greedy_flag.bool(),
             top_k=top_k,
@@ -296,6 +299,7 @@ class SamplingState:
             raw_logprob_rows=rows_t(raw_rows),
             processed_logprob_rows=rows_t(proc_rows),
         )
+        return md, follows_tokens
 
 
 def build_metadata(
