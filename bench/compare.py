@@ -108,6 +108,8 @@ def main() -> None:
             sargs = serve.parse_args(["--base-url", f"http://127.0.0.1:{PORTS[name]}/v1", "--model", model,
                                       "--concurrency", *map(str, args.concurrency), "--mode", *args.mode,
                                       "--max-tokens", str(args.max_tokens), "--label", name]
+                                     # llama.cpp's repetition penalty defaults on; the others' are off already
+                                     + (["--extra-body", '{"repeat_penalty": 1.0}'] if name == "llamacpp" else [])
                                      + (["--num-requests", str(args.num_requests)] if args.num_requests else []))
             res = asyncio.run(serve.run(sargs))
         finally:

@@ -12,8 +12,9 @@ exactly max_tokens tokens on servers that honour it.  Reported per level:
 - TTFT p50/p99: request sent → first non-empty content chunk,
 - ITL p50/p99: gaps between consecutive content chunks,
 - errors: non-200 answers, error frames and transport failures.
-Sampling: greedy = temperature 0; random = temperature 0.8, top_p 0.95, top_k 50.  Both send `min_p: 0` and
-`repeat_penalty: 1` so that llama.cpp's server (whose defaults differ) samples the same way.
+Sampling: greedy = temperature 0; random = temperature 0.8, top_p 0.95, top_k 50.  Both send `min_p: 0`, and
+`--extra-body '{"repeat_penalty": 1}'` (what bench.compare passes to llama.cpp's server, whose defaults differ)
+adds fields to every request; tokenspout answers 400 to fields it does not know, so they are not sent to it.
 
 The client shares the machine with the server it measures, so it is lean: one plain HTTP/1.1 connection per
 request over asyncio, the response parsed by httptools (uvicorn's C parser), SSE lines split by hand.  httpx's
@@ -106,7 +107,7 @@ MODES: dict[str, dict] = {
     "greedy": {"temperature": 0.0},
     "random": {"temperature": 0.8, "top_p": 0.95, "top_k": 50},
 }
-_FAIRNESS_EXTRAS = {"min_p": 0.0, "repeat_penalty": 1.0}
+_FAIRNESS_EXTRAS = {"min_p": 0.0}
 
 
 @dataclass
@@ -255,6 +256,7 @@ def request_body(args: argparse.Namespace, prompt: str, mode: str, max_tokens: i
         "ignore_eos": True,
         **MODES[mode],
         **_FAIRNESS_EXTRAS,
+        **json.loads(args.extra_body),
     }
 
 
@@ -343,6 +345,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--label", default="server")
     p.add_argument("--out", type=Path, default=None, help="JSON results file")
     p.add_argument("--api-key", default=None)
+    p.add_argument("--extra-body", default="{}", help="JSON object of fields added to every request body")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     return p.parse_args(argv)
 

@@ -18,8 +18,13 @@ class ModelConfig:
     served_model_name: str | None = None
     seed: int = 0  # seeds random choices the engine makes (e.g. seeds for unseeded requests)
     quantization: str | None = None  # None | "int8" | "int4" (weight-only, groups of 32; see models/quantize.py)
+    # "auto": generation_config.json's sampling values are the defaults of requests that omit them (vLLM's
+    # --generation-config auto); "vllm": neutral defaults whatever the model folder says.
+    generation_config: str = "auto"
 
     def validate(self) -> None:
+        if self.generation_config not in ("auto", "vllm"):
+            raise ValueError(f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
         if self.dtype not in ("float32", "bfloat16", "auto"):
             raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'auto', got {self.dtype!r}")
         if self.quantization not in (None, "int8", "int4"):

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
 LOGIT_BIAS_CLAMP = 100.0
+# vLLM's seed range (a torch.long).
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -55,6 +57,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     max_tokens: int | None = 16  # None: until the model's context is full
+    # A max_tokens longer than the room the prompt leaves is an error, unless this is set (then it is cut to the
+    # room): the server sets it when max_tokens is a default the client did not choose.
+    clamp_max_tokens: bool = False
     min_tokens: int = 0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
@@ -66,6 +71,10 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     skip_special_tokens: bool = True
+    # Keep only this many prompt tokens (-1: as many as the context allows, leaving room for one generated token),
+    # cut from the left (the start: vLLM's default) or the right.
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str = "left"
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -124,8 +133,14 @@ class SamplingParams:
             raise bad("logprobs", f"in [0, {MAX_LOGPROBS}]", self.logprobs)
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise bad("logprobs_mode", "'raw_logprobs' or 'processed_logprobs'", self.logprobs_mode)
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "an integer", self.seed)
+        if self.seed is not None and (not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX):
+            raise bad("seed", f"an integer in [{SEED_MIN}, {SEED_MAX}]", self.seed)
+        if self.truncate_prompt_tokens is not None and (not isinstance(self.truncate_prompt_tokens, int)
+                                                        or self.truncate_prompt_tokens < -1
+                                                        or self.truncate_prompt_tokens == 0):
+            raise bad("truncate_prompt_tokens", "-1 or an integer >= 1", self.truncate_prompt_tokens)
+        if self.truncation_side not in ("left", "right"):
+            raise bad("truncation_side", "'left' or 'right'", self.truncation_side)
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "a list of non-empty strings", self.stop)
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

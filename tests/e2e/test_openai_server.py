@@ -134,9 +134,17 @@ def test_content_parts_and_roles(client, model):
     assert r.choices[0].message.content is not None
 
 
-def test_unknown_fields_are_ignored(client, model):
-    r = chat(client, model, max_tokens=2, user="someone", extra_body={"no_such_field": [1, 2], "another": {"x": 1}})
+def test_unknown_fields_are_rejected_by_name(client, model):
+    """A field the server would silently ignore is a 400 naming it (OpenAI's own API answers so too)."""
+    r = chat(client, model, max_tokens=2, user="someone", extra_body={"metadata": {"k": "v"}, "store": False})
     assert r.choices
+    for field in ("no_such_field", "logits_processors", "priority"):
+        with pytest.raises(openai.BadRequestError) as e:
+            chat(client, model, max_tokens=2, extra_body={field: [1, 2]})
+        assert e.value.body["param"] == field and "unsupported field" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(client, model, max_tokens=2, messages=[{"role": "user", "content": "hi", "audio": {"id": "x"}}])
+    assert e.value.body["param"] == "messages.0.audio"
 
 
 def test_vllm_extras_are_accepted(client, model):

@@ -58,8 +58,31 @@ def test_prompt_too_long_names_length_and_limit(proc):
 def test_max_tokens_fill_and_clamp(proc):
     (req,), _ = proc.process("a", [7] * 10, SamplingParams(max_tokens=None))
     assert req.sampling_params.max_tokens == 54
-    (req,), _ = proc.process("a", [7] * 10, SamplingParams(max_tokens=1000, min_tokens=100))
-    assert req.sampling_params.max_tokens == 54 and req.sampling_params.min_tokens == 54
+    # A default the client did not choose is cut to the room left (min_tokens with it) ...
+    (req,), _ = proc.process("a", [7] * 10, SamplingParams(max_tokens=1000, min_tokens=40, clamp_max_tokens=True))
+    assert req.sampling_params.max_tokens == 54 and req.sampling_params.min_tokens == 40
+    # ... one the client chose is a 400 naming the prompt length and max_model_len, as OpenAI and vLLM answer.
+    with pytest.raises(ValueError, match=r"^max_tokens .* 1000\. .*max_model_len\) is 64 .* prompt has 10 tokens"):
+        proc.process("a", [7] * 10, SamplingParams(max_tokens=1000))
+    with pytest.raises(ValueError, match=r"^min_tokens is too large: 55"):
+        proc.process("a", [7] * 10, SamplingParams(max_tokens=None, min_tokens=55))
+    (req,), _ = proc.process("a", [7] * 10, SamplingParams(max_tokens=54, min_tokens=54))
+    assert req.sampling_params.max_tokens == 54
+
+
+def test_truncate_prompt_tokens(proc):
+    ids = list(range(3, 23))  # 20 tokens
+    (req,), text = proc.process("a", ids, SamplingParams(truncate_prompt_tokens=5))
+    assert req.prompt_token_ids == ids[-5:]
+    (req,), _ = proc.process("a", ids, SamplingParams(truncate_prompt_tokens=5, truncation_side="right"))
+    assert req.prompt_token_ids == ids[:5]
+    (req,), _ = proc.process("a", ids, SamplingParams(truncate_prompt_tokens=50))
+    assert req.prompt_token_ids == ids
+    # -1: as much as leaves room for max_tokens (64 - 10)
+    (req,), _ = proc.process("a", list(range(3, 103)), SamplingParams(truncate_prompt_tokens=-1, max_tokens=10))
+    assert req.prompt_token_ids == list(range(3, 103))[-54:] and req.sampling_params.max_tokens == 10
+    with pytest.raises(ValueError, match="^truncate_prompt_tokens"):
+        SamplingParams(truncate_prompt_tokens=0)
     (req,), _ = proc.process("a", [7] * 10, SamplingParams(max_tokens=20, min_tokens=3))
     assert (req.sampling_params.max_tokens, req.sampling_params.min_tokens) == (20, 3)
 

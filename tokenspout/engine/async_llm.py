@@ -18,7 +18,7 @@ from tokenspout.engine.core_client import AsyncMPClient
 from tokenspout.engine.exceptions import EngineDeadError
 from tokenspout.engine.messages import SchedulerStats
 from tokenspout.engine.output_processor import OutputProcessor, RequestOutputCollector
-from tokenspout.engine.processor import Processor
+from tokenspout.engine.processor import Processor, read_generation_config, sampling_defaults
 from tokenspout.engine.tokenizer import load_tokenizer
 from tokenspout.outputs import RequestOutput
 from tokenspout.sampling_params import SamplingParams
@@ -46,6 +46,11 @@ class AsyncLLM:
         self.vocab_size = info.vocab_size
         self.num_kv_blocks = info.num_kv_blocks
         self.processor = Processor(self.tokenizer, info.max_model_len, info.vocab_size)
+        # Sampling defaults for the fields a request omits (the server applies them; empty with generation_config
+        # "vllm" or when the model folder sets none).
+        self.default_sampling_params = (
+            sampling_defaults(read_generation_config(config.model.model))
+            if config.model.generation_config == "auto" else {})
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=True)
         self.scheduler_stats = SchedulerStats(num_total_blocks=info.num_kv_blocks,
                                               num_free_blocks=info.num_kv_blocks)

@@ -41,7 +41,7 @@ def build_engine_config(model: str | None = None, *, dtype: str = "float32", qua
                         speculative: str | None = None, num_speculative_tokens: int = 4, ngram_min: int = 2,
                         ngram_max: int = 4, enable_prefix_caching: bool = True, draft_model: str | None = None,
                         draft_layers: int | None = None, adaptive_speculation: bool = True,
-                        async_scheduling: bool = False) -> EngineConfig:
+                        async_scheduling: bool = False, generation_config: str = "auto") -> EngineConfig:
     path, _ = resolve_model_path(model)  # converts the default model here, once, before any engine starts
     if draft_model is not None:
         draft_path = Path(draft_model).expanduser()
@@ -49,6 +49,7 @@ def build_engine_config(model: str | None = None, *, dtype: str = "float32", qua
         draft_model = str(draft_path.resolve())
     cfg = EngineConfig(
         model=ModelConfig(model=str(path), dtype=dtype, quantization=quantization, max_model_len=max_model_len,
+                          generation_config=generation_config,
                           served_model_name=served_model_name or (None if model else path.name.removesuffix("-f32"))),
         cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
                           num_gpu_blocks_override=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),

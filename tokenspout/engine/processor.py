@@ -6,9 +6,11 @@ What it decides (vLLM semantics unless noted):
   `add_special_tokens=False` since the template already holds every special token.
 * The prompt must be non-empty, use ids inside the model's vocabulary, and leave room for at least one generated
   token: len(prompt) >= max_model_len is a ValueError.
-* max_tokens None means "fill the context": max_model_len - len(prompt).  A max_tokens that would run past the
-  context is clamped to what is left (what vLLM's OpenAI server does since v0.10; OpenAI itself returns 400).
-  min_tokens is clamped with it so that min_tokens <= max_tokens still holds.
+* max_tokens None means "fill the context": max_model_len - len(prompt).  A max_tokens (or min_tokens) that would
+  run past the context is a ValueError naming the prompt length and max_model_len (as OpenAI and current vLLM
+  answer), unless `clamp_max_tokens` says the value is a default the client did not choose: then it is cut to the
+  room left (and min_tokens with it).
+* truncate_prompt_tokens keeps the last (truncation_side "left") or first k prompt tokens before any check.
 * eos_token_id comes from the tokenizer; further EOS ids of generation_config.json (e.g. Llama 3's <|end_of_text|>
   next to <|eot_id|>) join stop_token_ids unless ignore_eos.
 * bad_words are tokenized as written (left-stripped) and with a leading space, since a word mid-text starts with a
@@ -52,6 +54,17 @@ def read_generation_config(model_path: str | Path | None) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         logger.warning("ignoring unreadable %s: %s", path, e)
         return {}
+
+
+# generation_config.json keys that are request sampling defaults (vLLM's --generation-config auto takes these).
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(generation_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The sampling defaults a model folder sets, e.g. {"temperature": 0.6, "top_p": 0.9} (as vLLM, `do_sample` is
+    not read: the keys alone decide)."""
+    return {k: generation_config[k] for k in SAMPLING_DEFAULT_KEYS
+            if isinstance(generation_config.get(k), int | float) and not isinstance(generation_config.get(k), bool)}
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -111,7 +124,7 @@ class Processor:
                  add_special_tokens: bool) -> tuple[list[EngineCoreRequest], str | None, SamplingParams]:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        prompt_ids, prompt_text = self._prompt_token_ids(prompt, add_special_tokens)
+        prompt_ids, prompt_text = self._prompt_token_ids(prompt, add_special_tokens, params)
         params = self._prepare_params(params, len(prompt_ids))
         arrival = time.time() if arrival_time is None else arrival_time
         if params.n == 1:
@@ -127,7 +140,8 @@ class Processor:
         ids, _ = self._prompt_token_ids(prompt, add_special_tokens)
         return ids
 
-    def _prompt_token_ids(self, prompt: str | Sequence[int], add_special_tokens: bool) -> tuple[list[int], str | None]:
+    def _prompt_token_ids(self, prompt: str | Sequence[int], add_special_tokens: bool,
+                          params: SamplingParams | None = None) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
@@ -145,6 +159,8 @@ class Processor:
             raise ValueError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")  # noqa: TRY004
         if not ids:
             raise ValueError("prompt must not be empty")
+        if params is not None and params.truncate_prompt_tokens is not None:
+            ids, text = self._truncate(ids, text, params)
         lo, hi = min(ids), max(ids)
         if lo < 0 or hi >= self.vocab_size:
             bad = lo if lo < 0 else hi
@@ -154,6 +170,18 @@ class Processor:
                 f"prompt is {len(ids)} tokens long, but max_model_len (the model's context length) is "
                 f"{self.max_model_len} tokens and at least one must be left for generation")
         return ids, text
+
+    def _truncate(self, ids: list[int], text: str | None, params: SamplingParams) -> tuple[list[int], str | None]:
+        """truncate_prompt_tokens: keep k tokens (-1: as many as leave room for max_tokens, or one token)."""
+        keep = params.truncate_prompt_tokens
+        if keep == -1:
+            wanted = params.max_tokens if params.max_tokens is not None and not params.clamp_max_tokens else 1
+            keep = max(1, self.max_model_len - wanted)
+        assert keep is not None
+        if len(ids) <= keep:
+            return ids, text
+        ids = ids[-keep:] if params.truncation_side == "left" else ids[:keep]
+        return ids, None  # the text no longer matches: echo and prompt text come from the kept ids
 
     # ---- sampling params ---------------------------------------------------------------------------------------
 
@@ -168,18 +196,25 @@ class Processor:
             validate_grammar(params.structured_outputs)  # an invalid schema/regex/grammar is the user's 400
         room = self.max_model_len - prompt_len
         max_tokens = params.max_tokens
-        if max_tokens is None or max_tokens > room:
-            if max_tokens is not None:
-                logger.debug("max_tokens %d clamped to %d (prompt %d, max_model_len %d)", max_tokens, room,
-                             prompt_len, self.max_model_len)
-            max_tokens = room
+        if max_tokens is None or (max_tokens > room and params.clamp_max_tokens):
+            max_tokens = room  # "until the context is full", or a default the client did not choose
+        elif max_tokens > room:
+            raise ValueError(
+                f"max_tokens (or max_completion_tokens) is too large: {max_tokens}. This model's maximum context "
+                f"length (max_model_len) is {self.max_model_len} tokens and the prompt has {prompt_len} tokens "
+                f"({max_tokens} > {self.max_model_len} - {prompt_len})")
+        if params.min_tokens > room:
+            raise ValueError(
+                f"min_tokens is too large: {params.min_tokens}. This model's maximum context length (max_model_len) "
+                f"is {self.max_model_len} tokens and the prompt has {prompt_len} tokens "
+                f"({params.min_tokens} > {self.max_model_len} - {prompt_len})")
         stop_token_ids = list(params.stop_token_ids)
         if not params.ignore_eos:
             stop_token_ids += [t for t in self.extra_eos_token_ids if t not in stop_token_ids]
         return dataclasses.replace(
             params,
             max_tokens=max_tokens,
-            min_tokens=min(params.min_tokens, max_tokens),
+            min_tokens=min(params.min_tokens, max_tokens),  # a clamped default may fall below min_tokens
             stop=list(params.stop),
             stop_token_ids=stop_token_ids,
             eos_token_id=self.eos_token_id,

@@ -39,6 +39,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="share KV blocks of common prefixes between requests (--no-enable-prefix-caching: off)")
     p.add_argument("--draft-model", default=None,
                    help="--speculative draft: a smaller local model folder with the target's tokenizer")
+    p.add_argument("--generation-config", default="auto", choices=["auto", "vllm"],
+                   help="auto: the model's generation_config.json sampling values (temperature, top_p, top_k, min_p, "
+                        "repetition_penalty) are the defaults of requests that omit them; vllm: neutral defaults")
     p.add_argument("--draft-layers", type=int, default=None,
                    help="--speculative draft: self-draft from the target's first L layers + its head")
 
@@ -59,7 +62,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             "num_speculative_tokens": args.num_speculative_tokens, "ngram_min": args.ngram_min,
             "ngram_max": args.ngram_max, "enable_prefix_caching": args.enable_prefix_caching,
             "draft_model": args.draft_model, "draft_layers": args.draft_layers,
-            "async_scheduling": args.async_scheduling}
+            "async_scheduling": args.async_scheduling, "generation_config": args.generation_config}
 
 
 class Spinner:

@@ -2,12 +2,12 @@
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health (503 once the engine is
 dead), GET /metrics (Prometheus text).  Every error is answered in OpenAI's shape
-`{"error": {"message", "type", "param", "code"}}`; bad input (malformed JSON included) is a 400, never a 422.
+`{"error": {"message", "type", "param", "code"}}`; bad input (malformed JSON, unknown fields included) is a 400, never
+a 422; a body that is not `application/json` is a 415.  Request and response bodies are described in /openapi.json.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -15,18 +15,21 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any, TypeVar
+from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from tokenspout.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
     OpenAIServingError,
@@ -41,7 +44,6 @@ from tokenspout.platform import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
-M = TypeVar("M", bound=BaseModel)
 EngineOrFactory = EngineClient | Callable[[], EngineClient]
 
 
@@ -75,18 +77,13 @@ def _install(app: FastAPI, engine: EngineClient, metrics: ServerMetrics | None, 
     )
 
 
-async def _parse(request: Request, model: type[M]) -> M:
-    raw = await request.body()
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise OpenAIServingError(f"request body is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise OpenAIServingError(f"request body must be a JSON object, got {type(data).__name__}")
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        raise validation_error_to_serving_error(e) from None
+async def _require_json(request: Request) -> None:
+    """As vLLM: a body in any other media type is a 415 (a form-encoded body must not be half-understood)."""
+    media = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media != "application/json":
+        raise OpenAIServingError(
+            f"Unsupported Media Type: {media or 'no Content-Type'}; only 'application/json' is allowed",
+            status=HTTPStatus.UNSUPPORTED_MEDIA_TYPE)
 
 
 def build_app(
@@ -129,7 +126,7 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
-        return _error(OpenAIServingError(str(exc)))
+        return _error(validation_error_to_serving_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
@@ -154,17 +151,20 @@ def build_app(
             return Response(status_code=499)
         return _json(result)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
+    # Typed bodies: FastAPI validates them (errors -> 400 via the handler above) and /openapi.json describes them.
+    json_only = [Depends(_require_json)]
+    errors: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 404, 415, 500)}
+
+    @app.post("/v1/chat/completions", dependencies=json_only,
+              responses={200: {"model": ChatCompletionResponse}, **errors})
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         st = state(request)
-        req = await _parse(request, ChatCompletionRequest)
         check_alive(st)
         return await respond(request, st.chat, st.chat.prepare(req), bool(req.stream))
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
+    @app.post("/v1/completions", dependencies=json_only, responses={200: {"model": CompletionResponse}, **errors})
+    async def completions(req: CompletionRequest, request: Request) -> Response:
         st = state(request)
-        req = await _parse(request, CompletionRequest)
         check_alive(st)
         return await respond(request, st.completion, st.completion.prepare(req), bool(req.stream))
 

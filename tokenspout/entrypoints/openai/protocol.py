@@ -1,25 +1,37 @@
 """OpenAI API request / response models, the error shape, and the request → SamplingParams mapping.
 
-Unknown request fields are ignored (as OpenAI and vLLM do).  Range checks live in SamplingParams (one source of
+Unknown request fields are rejected with a 400 naming them (a field the server silently ignored would change what
+the client meant); README "Coming from vLLM" lists what is supported.  Range checks live in SamplingParams (one source of
 truth); only what SamplingParams cannot know (OpenAI's top_logprobs / logprobs bounds, message shapes) is checked here.
 """
 
 from __future__ import annotations
 
+import re
 import time
+from collections.abc import Mapping, Sequence
 from http import HTTPStatus
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from tokenspout.entrypoints.openai.structured import structured_outputs_from_request
-from tokenspout.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from tokenspout.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN, RequestOutputKind, SamplingParams
 
 # ---------------------------------------------------------------------------------------------------- errors
 
 _ERROR_TYPES = {
     400: "BadRequestError",
     404: "NotFoundError",
+    415: "UnsupportedMediaTypeError",
     499: "ClientClosedRequest",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
@@ -57,19 +69,33 @@ def _field_path(loc: tuple) -> str:
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+_FIELD_PATH = re.compile(r"^[A-Za-z_][\w.]*$")
 
 
-def validation_error_to_serving_error(exc: ValidationError) -> OpenAIServingError:
-    """Maps pydantic's errors to one 400 that names the offending field (dotted path, e.g. messages.0.content)."""
+def validation_error_to_serving_error(exc: ValidationError | Sequence[Mapping[str, Any]]) -> OpenAIServingError:
+    """Maps pydantic's errors (a ValidationError, or FastAPI's `errors()` list whose paths start with "body") to one
+    400 that names the offending field (dotted path, e.g. messages.0.content)."""
+    errors = exc.errors() if isinstance(exc, ValidationError) else exc
     by_field: dict[str, str] = {}
-    for err in exc.errors():
-        path = _field_path(tuple(err.get("loc", ())))
+    for err in errors:
+        loc = tuple(err.get("loc", ()))
+        path = _field_path(loc[1:] if loc[:1] == ("body",) else loc)
         if path in by_field:  # a union reports once per member type; the first says enough
             continue
-        value = err.get("input")
-        got = f" (got {value!r})" if "input" in err and not isinstance(value, dict | list) else ""
-        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-        by_field[path] = f"{msg}{got}"
+        kind = err.get("type")
+        if kind == "extra_forbidden":
+            by_field[path] = "unsupported field: tokenspout does not implement it (see the README, Coming from vLLM)"
+        elif kind == "json_invalid":
+            by_field[""] = f"request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}"
+        else:
+            value = err.get("input")
+            got = f" (got {value!r})" if "input" in err and not isinstance(value, dict | list) else ""
+            msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+            if not path:  # a model-level check: its message starts with the field it is about
+                head = msg.split(":", 1)[0].split(" ", 1)[0]
+                if _FIELD_PATH.match(head):
+                    path, msg, got = head, msg.removeprefix(head + ":").strip(), ""
+            by_field[path] = f"{msg}{got}"
         if len(by_field) == 3:
             break
     message = "; ".join(
@@ -87,32 +113,82 @@ def value_error_to_serving_error(exc: ValueError, fields: set[str]) -> OpenAISer
 
 # ---------------------------------------------------------------------------------------------------- requests
 
-
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+MAX_N = 128  # OpenAI's bound on n
 
 
-class StreamOptions(_Lenient):
+def _check_text(value: Any, path: str) -> None:
+    """Strings must be encodable as UTF-8: JSON allows lone UTF-16 surrogates ("\\ud800"), tokenizers do not."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{path or 'body'} holds a lone UTF-16 surrogate, which is not valid Unicode text") \
+                from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_text(k, path)
+            _check_text(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_text(v, f"{path}.{i}")
+
+
+class _Strict(BaseModel):
+    """Every request object rejects fields it does not know: a silently ignored field is a bug (the client meant
+    something by it).  The error names the field (see `validation_error_to_serving_error`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM: every chunk carries the usage so far
 
 
-class _SamplingRequest(_Lenient):
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Strict):
+    """vLLM's `structured_outputs` object: exactly one constraint."""
+
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class _SamplingRequest(_Strict):
     """Fields shared by chat and completions, including vLLM's extra sampling knobs at the top level."""
 
     model: str | None = None
-    n: int = 1
+    n: int = Field(default=1, ge=1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
     max_tokens: int | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = None  # OpenAI's end-user id: informational only
     # vLLM extras
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -124,20 +200,41 @@ class _SamplingRequest(_Lenient):
     spaces_between_special_tokens: bool = True
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
     # structured output (see structured.py)
-    response_format: dict[str, Any] | None = None
-    guided_json: dict[str, Any] | str | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    structured_outputs: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
     # classifier-free guidance
     guidance_scale: float = 1.0
     negative_prompt: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        _check_text(data, "")
+        return data
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> Self:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's rule: continuous_usage_stats counts only together with include_usage."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
     def _logit_bias_ids(self) -> dict[int, float] | None:
         if self.logit_bias is None:
@@ -152,23 +249,27 @@ class _SamplingRequest(_Lenient):
                 ) from None
         return ids
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, stream: bool) -> SamplingParams:
-        def pick(value: Any, default: Any) -> Any:
-            return default if value is None else value
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, stream: bool,
+                         defaults: Mapping[str, Any], clamp_max_tokens: bool = False) -> SamplingParams:
+        """`defaults`: the model's generation_config sampling defaults for fields the request omits."""
+        def pick(name: str, neutral: Any) -> Any:
+            value = getattr(self, name)
+            return defaults.get(name, neutral) if value is None else value
 
         kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
         try:
             return SamplingParams(
                 n=self.n,
-                temperature=pick(self.temperature, 1.0),
-                top_p=pick(self.top_p, 1.0),
-                top_k=pick(self.top_k, 0),
-                min_p=pick(self.min_p, 0.0),
+                temperature=pick("temperature", 1.0),
+                top_p=pick("top_p", 1.0),
+                top_k=pick("top_k", 0),
+                min_p=pick("min_p", 0.0),
                 seed=self.seed,
-                presence_penalty=pick(self.presence_penalty, 0.0),
-                frequency_penalty=pick(self.frequency_penalty, 0.0),
-                repetition_penalty=pick(self.repetition_penalty, 1.0),
+                presence_penalty=pick("presence_penalty", 0.0),
+                frequency_penalty=pick("frequency_penalty", 0.0),
+                repetition_penalty=pick("repetition_penalty", 1.0),
                 max_tokens=max_tokens,
+                clamp_max_tokens=clamp_max_tokens,
                 min_tokens=self.min_tokens,
                 stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
                 stop_token_ids=list(self.stop_token_ids or []),
@@ -180,6 +281,8 @@ class _SamplingRequest(_Lenient):
                 bad_words=self.bad_words,
                 skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
+                truncate_prompt_tokens=self.truncate_prompt_tokens,
+                truncation_side=self.truncation_side or "left",
                 output_kind=kind,
                 structured_outputs=structured_outputs_from_request(self),
                 guidance_scale=self.guidance_scale,
@@ -189,15 +292,22 @@ class _SamplingRequest(_Lenient):
             raise value_error_to_serving_error(e, set(type(self).model_fields)) from None
 
 
-class ContentPart(_Lenient):
+class ContentPart(BaseModel):
+    """Extra keys are kept (not forbidden) so that an image or audio part is refused by its type, in
+    `template_messages`, with a message that says only text parts are supported."""
+
+    model_config = ConfigDict(extra="allow")
     type: str
     text: str | None = None
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(_Strict):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # An agent's history: they reach the chat template whole (templates that know tools render them).
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -208,9 +318,16 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    # OpenAI fields that change nothing here: accepted only with the values that mean exactly that.
+    store: Literal[False] | None = None  # nothing is stored
+    metadata: dict[str, str] | None = None  # informational (OpenAI keeps it with stored completions)
+    service_tier: Literal["auto", "default"] | None = None
+    modalities: list[Literal["text"]] | None = None
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     def template_messages(self) -> list[dict[str, str]]:
@@ -227,10 +344,10 @@ class ChatCompletionRequest(_SamplingRequest):
             if isinstance(msg.content, list):
                 texts = []
                 for j, part in enumerate(msg.content):
-                    if part.type != "text" or part.text is None:
+                    if part.type != "text" or part.text is None or part.model_extra:
                         raise OpenAIServingError(
-                            f"messages.{i}.content.{j}: only parts of type 'text' with a 'text' field are supported, "
-                            f"got type {part.type!r}",
+                            f"messages.{i}.content.{j}: only parts of type 'text' with a 'text' field (and no other "
+                            f"key) are supported, got type {part.type!r}",
                             param=f"messages.{i}.content.{j}",
                         )
                     texts.append(part.text)
@@ -239,19 +356,21 @@ class ChatCompletionRequest(_SamplingRequest):
                 content = msg.content or ""
             # Templates know "system" but rarely OpenAI's newer "developer" role, which means the same thing.
             entry = {"role": "system" if msg.role == "developer" else msg.role, "content": content}
-            if msg.name is not None:
-                entry["name"] = msg.name
+            for key in ("name", "tool_calls", "tool_call_id"):
+                if getattr(msg, key) is not None:
+                    entry[key] = getattr(msg, key)
             out.append(entry)
         return out
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             raise OpenAIServingError("top_logprobs requires logprobs to be true", param="top_logprobs")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         use_completion = self.max_completion_tokens is not None
         try:
             return self._sampling_params(
-                self.max_completion_tokens if use_completion else self.max_tokens, logprobs, bool(self.stream)
+                self.max_completion_tokens if use_completion else self.max_tokens, logprobs, bool(self.stream),
+                defaults or {},
             )
         except OpenAIServingError as e:
             if use_completion and e.param == "max_tokens":  # name the field the client actually sent
@@ -262,7 +381,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
 class CompletionRequest(_SamplingRequest):
     prompt: list[int] | list[list[int]] | list[str] | str
-    max_tokens: int | None = 16  # OpenAI's legacy default
+    max_tokens: int | None = None  # omitted: OpenAI's legacy default, 16 (see to_sampling_params)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -293,26 +412,41 @@ class CompletionRequest(_SamplingRequest):
             raise OpenAIServingError("prompt must not be empty", param="prompt")
         return prompts
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         if self.suffix:
             raise OpenAIServingError("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise OpenAIServingError("best_of is not supported (it must equal n)", param="best_of")
-        return self._sampling_params(self.max_tokens, self.logprobs, bool(self.stream))
+        # OpenAI's legacy default of 16 tokens is cut to the room the prompt leaves; a max_tokens the client chose
+        # that does not fit is a 400 (the Processor checks it against the prompt's length).
+        # An explicit null means "until the context is full" (as vLLM).
+        omitted = "max_tokens" not in self.model_fields_set
+        return self._sampling_params(_COMPLETION_DEFAULT_MAX_TOKENS if omitted else self.max_tokens, self.logprobs,
+                                     bool(self.stream), defaults or {}, clamp_max_tokens=omitted)
 
 
-def to_sampling_params(request: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
-    """DELTA for streams (each chunk carries only what is new), FINAL_ONLY otherwise (one output at the end)."""
-    return request.to_sampling_params()
+_COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+def to_sampling_params(request: ChatCompletionRequest | CompletionRequest,
+                       defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+    """DELTA for streams (each chunk carries only what is new), FINAL_ONLY otherwise (one output at the end).
+    `defaults`: sampling defaults of the model's generation_config for the fields the request omits."""
+    return request.to_sampling_params(defaults)
 
 
 # ---------------------------------------------------------------------------------------------------- responses
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class TopLogprob(BaseModel):
@@ -340,6 +474,7 @@ class ChatCompletionChoice(BaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids
 
 
 def _now() -> int:
@@ -354,6 +489,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids
 
 
 class DeltaMessage(BaseModel):
@@ -371,6 +507,7 @@ class ChatCompletionStreamChoice(BaseModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM's return_token_ids: this chunk's ids
 
 
 class ChatCompletionChunk(BaseModel):
@@ -381,6 +518,7 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids: in the first chunk
 
 
 class CompletionLogprobs(BaseModel):
@@ -398,6 +536,8 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids (in a stream: the choice's first chunk)
+    token_ids: list[int] | None = None  # vLLM's return_token_ids
 
 
 class CompletionResponse(BaseModel):

@@ -31,7 +31,7 @@ from tokenspout.entrypoints.openai.serving_common import (
     PromptState,
     check_model,
     merge_outputs,
-    random_id,
+    request_ids,
     safe_logprob,
     to_serving_error,
     token_str,
@@ -48,7 +48,8 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class ChatJob:
     request: ChatCompletionRequest
-    request_id: str
+    request_id: str  # the response's id
+    engine_id: str  # the engine's (unique even when the client chose the id)
     prompt: str
     params: SamplingParams
     created: int
@@ -63,10 +64,12 @@ class OpenAIServingChat:
         """Everything that can fail before the engine sees the request (raises OpenAIServingError)."""
         check_model(self.engine, req.model)
         messages = req.template_messages()
-        params = req.to_sampling_params()
+        params = req.to_sampling_params(getattr(self.engine, "default_sampling_params", None))
         kwargs = dict(req.chat_template_kwargs or {})
         if req.continue_final_message:
             kwargs["continue_final_message"] = True
+        if req.chat_template is not None:
+            kwargs["chat_template"] = req.chat_template
         try:
             prompt = self.engine.apply_chat_template(
                 messages, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message, **kwargs
@@ -77,13 +80,13 @@ class OpenAIServingChat:
         if params.uses_guidance and params.negative_prompt is None:
             # CFG's default unconditional prompt for chat: the template around an empty user message.
             params.negative_prompt = self.engine.apply_chat_template([{"role": "user", "content": ""}])
-        return ChatJob(req, random_id("chatcmpl"), prompt, params, int(time.time()))
+        return ChatJob(req, *request_ids("chatcmpl", req.request_id), prompt, params, int(time.time()))
 
     # ------------------------------------------------------------------------------------------ non-streaming
     async def complete(self, job: ChatJob) -> ChatCompletionResponse:
         state = PromptState(job.params.n, job.params.output_kind, self.metrics, keep_text=True)
         try:
-            async with aclosing(merge_outputs([self.engine.generate(job.prompt, job.params, job.request_id)])) as outs:
+            async with aclosing(merge_outputs([self.engine.generate(job.prompt, job.params, job.engine_id)])) as outs:
                 async for _, out in outs:
                     state.observe(out)
         except Exception as e:
@@ -95,48 +98,62 @@ class OpenAIServingChat:
             raise err from e
         finally:
             state.finish("abort")  # no-op unless cancelled (client gone)
-        top_n = job.params.logprobs
+        top_n, req = job.params.logprobs, job.request
         choices = [
             ChatCompletionChoice(
                 index=i,
                 message=ChatResponseMessage(role="assistant", content=c.text),
-                logprobs=self._logprobs(c.logprobs, top_n) if top_n is not None else None,
+                logprobs=self._logprobs(c.logprobs, top_n, req.return_tokens_as_token_ids)
+                if top_n is not None else None,
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
+                token_ids=c.token_ids if req.return_token_ids else None,
             )
             for i, c in enumerate(state.choices)
         ]
         return ChatCompletionResponse(
             id=job.request_id, created=job.created, model=self.engine.model_name, choices=choices,
-            usage=usage_of([state]),
+            usage=usage_of([state]), prompt_token_ids=state.prompt_token_ids if req.return_token_ids else None,
         )
 
     # ------------------------------------------------------------------------------------------ streaming
     async def stream(self, job: ChatJob) -> AsyncIterator[bytes]:
         """SSE frames.  Errors before the first frame are raised (→ JSON error with its status); later ones become
         an error frame followed by [DONE]."""
-        params, model = job.params, self.engine.model_name
+        params, model, req = job.params, self.engine.model_name, job.request
         state = PromptState(params.n, params.output_kind, self.metrics, keep_text=False)
         started = False
 
-        envelope = ChunkEnvelope(ChatCompletionChunk(id=job.request_id, created=job.created, model=model, choices=[]))
+        def chunk(*choices: ChatCompletionStreamChoice, **fields: object) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=job.request_id, created=job.created, model=model, choices=list(choices),
+                                       **fields)
+
+        envelope = ChunkEnvelope(chunk())
+
+        def frame(*choices: ChatCompletionStreamChoice) -> bytes:
+            if req.continuous_usage:  # vLLM's continuous_usage_stats: every chunk carries the usage so far
+                return sse_frame(chunk(*choices, usage=usage_of([state])))
+            return envelope.frame(*choices)
 
         try:
             # aclosing: leaving this generator early (client gone) must close the engine generator now, not at GC.
             async with aclosing(merge_outputs([self.engine.generate(job.prompt, params, job.request_id)])) as outs:
                 async for _, out in outs:
-                    if not started:
-                        started = True
-                        for i in range(params.n):
-                            role = DeltaMessage(role="assistant", content="")
-                            yield envelope.frame(ChatCompletionStreamChoice(index=i, delta=role))
+                    first = not started
+                    started = True
                     state.observe(out)
+                    if first:
+                        for i in range(params.n):
+                            role = ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                            if req.return_token_ids and i == 0:  # vLLM: the prompt's ids ride on the first chunk
+                                yield sse_frame(chunk(role, prompt_token_ids=out.prompt_token_ids))
+                            else:
+                                yield frame(role)
                     for c in out.outputs:
-                        for frame in self._choice_frames(c, params.logprobs):
-                            yield envelope.frame(frame)
-            if job.request.include_usage:
-                yield sse_frame(ChatCompletionChunk(id=job.request_id, created=job.created, model=model, choices=[],
-                                                    usage=usage_of([state])))
+                        for choice in self._choice_frames(c, params.logprobs, req):
+                            yield frame(choice)
+            if req.include_usage:
+                yield sse_frame(chunk(usage=usage_of([state])))
         except Exception as e:
             err = to_serving_error(e)
             if err.status < 500 and not started:
@@ -150,13 +167,16 @@ class OpenAIServingChat:
             state.finish("abort")  # no-op unless the client went away mid-stream
         yield DONE_FRAME
 
-    def _choice_frames(self, c: CompletionOutput, top_n: int | None) -> list[ChatCompletionStreamChoice]:
+    def _choice_frames(self, c: CompletionOutput, top_n: int | None,
+                       req: ChatCompletionRequest) -> list[ChatCompletionStreamChoice]:
         frames = []
         if c.text or c.token_ids:
             frames.append(ChatCompletionStreamChoice(
                 index=c.index,
                 delta=DeltaMessage(content=c.text),
-                logprobs=self._logprobs(c.logprobs or [], top_n) if top_n is not None else None,
+                logprobs=self._logprobs(c.logprobs or [], top_n, req.return_tokens_as_token_ids)
+                if top_n is not None else None,
+                token_ids=list(c.token_ids) if req.return_token_ids else None,
             ))
         if c.finish_reason is not None:
             frames.append(ChatCompletionStreamChoice(
@@ -164,19 +184,19 @@ class OpenAIServingChat:
             ))
         return frames
 
-    def _logprobs(self, positions: list[PositionLogprobs], top_n: int) -> ChatChoiceLogprobs:
+    def _logprobs(self, positions: list[PositionLogprobs], top_n: int, as_ids: bool = False) -> ChatChoiceLogprobs:
         content = []
         for pos in positions:
             items = list(pos.items())
             token_id, lp = items[0]  # the sampled token comes first
-            text = token_str(self.engine, token_id, lp)
+            text = token_str(self.engine, token_id, lp, as_ids)
             tops = sorted(items, key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)[:top_n]
             content.append(ChatTokenLogprob(
                 token=text,
                 logprob=safe_logprob(lp.logprob),
                 bytes=list(text.encode("utf-8", errors="replace")),
                 top_logprobs=[
-                    TopLogprob(token=(t := token_str(self.engine, tid, tlp)), logprob=safe_logprob(tlp.logprob),
+                    TopLogprob(token=(t := token_str(self.engine, tid, tlp, as_ids)), logprob=safe_logprob(tlp.logprob),
                                bytes=list(t.encode("utf-8", errors="replace")))
                     for tid, tlp in tops
                 ],

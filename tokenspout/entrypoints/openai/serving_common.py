@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import anyio
 
 from tokenspout.engine.exceptions import EngineDeadError
-from tokenspout.entrypoints.openai.protocol import OpenAIServingError, UsageInfo
+from tokenspout.entrypoints.openai.protocol import OpenAIServingError, PromptTokensDetails, UsageInfo
 from tokenspout.metrics import RequestTimer, ServerMetrics
 from tokenspout.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from tokenspout.sampling_params import RequestOutputKind, SamplingParams
@@ -133,10 +133,11 @@ async def merge_outputs(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterat
 class ChoiceState:
     """One choice of one prompt, accumulated from the engine's outputs (text only when asked to keep it)."""
 
-    __slots__ = ("finish_reason", "logprobs", "num_tokens", "stop_reason", "text_parts")
+    __slots__ = ("finish_reason", "logprobs", "num_tokens", "stop_reason", "text_parts", "token_ids")
 
     def __init__(self) -> None:
         self.text_parts: list[str] = []
+        self.token_ids: list[int] = []
         self.num_tokens = 0
         self.logprobs: list[PositionLogprobs] = []
         self.finish_reason: str | None = None
@@ -156,11 +157,13 @@ class PromptState:
         self.keep_text = keep_text
         self.prompt_token_ids: list[int] | None = None
         self.prompt: str | None = None
+        self.num_cached_tokens = 0
         self.timer = RequestTimer(metrics)
 
     def observe(self, out: RequestOutput) -> None:
         if self.prompt_token_ids is None:
             self.prompt_token_ids, self.prompt = out.prompt_token_ids, out.prompt
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         any_tokens = False
         for c in out.outputs:
             self._add(self.choices[c.index], c)
@@ -176,11 +179,13 @@ class PromptState:
             st.num_tokens += len(c.token_ids)
             if self.keep_text:
                 st.text_parts.append(c.text)
+                st.token_ids.extend(c.token_ids)
                 st.logprobs.extend(c.logprobs or ())
         else:  # CUMULATIVE / FINAL_ONLY carry everything so far
             st.num_tokens = len(c.token_ids)
             if self.keep_text:
                 st.text_parts = [c.text]
+                st.token_ids = list(c.token_ids)
                 st.logprobs = list(c.logprobs or ())
         if c.finish_reason is not None:
             st.finish_reason, st.stop_reason = c.finish_reason, c.stop_reason
@@ -207,14 +212,30 @@ class PromptState:
 def usage_of(states: list[PromptState]) -> UsageInfo:
     prompt = sum(s.prompt_tokens for s in states)
     completion = sum(s.completion_tokens for s in states)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = sum(s.num_cached_tokens for s in states)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+def request_ids(prefix: str, client_id: str | None) -> tuple[str, str]:
+    """(the response's id, the engine's request id).  A client-chosen id (vLLM's `request_id` field) names the
+    response; the engine id gets a random suffix so two requests sent with the same id never collide."""
+    if client_id is None:
+        rid = random_id(prefix)
+        return rid, rid
+    rid = f"{prefix}-{client_id}"
+    return rid, f"{rid}-{uuid.uuid4().hex[:8]}"
 
 
 def safe_logprob(x: float) -> float:
     return _MIN_LOGPROB if math.isnan(x) or x < _MIN_LOGPROB else float(x)
 
 
-def token_str(engine: EngineClient, token_id: int, lp: Logprob) -> str:
+def token_str(engine: EngineClient, token_id: int, lp: Logprob, as_id: bool = False) -> str:
+    """A logprob entry's token text; `as_id` (vLLM's return_tokens_as_token_ids): "token_id:N", which stays exact
+    where a token is not valid UTF-8 alone."""
+    if as_id:
+        return f"token_id:{token_id}"
     if lp.decoded_token is not None:
         return lp.decoded_token
     tok = getattr(engine, "tokenizer", None)

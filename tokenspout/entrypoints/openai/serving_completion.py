@@ -29,7 +29,7 @@ from tokenspout.entrypoints.openai.serving_common import (
     check_model,
     merge_outputs,
     prompt_text,
-    random_id,
+    request_ids,
     safe_logprob,
     to_serving_error,
     token_str,
@@ -46,7 +46,8 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class CompletionJob:
     request: CompletionRequest
-    request_id: str
+    request_id: str  # the response's id
+    engine_id: str  # the engine's base id (unique even when the client chose the id)
     prompts: list[str | list[int]]
     params: SamplingParams
     created: int
@@ -63,12 +64,12 @@ class OpenAIServingCompletion:
             raise OpenAIServingError("use_beam_search cannot be streamed" if req.stream
                                      else "use_beam_search is not supported by this engine", param="use_beam_search")
         prompts = req.prompts()
-        params = req.to_sampling_params()
-        return CompletionJob(req, random_id("cmpl"), prompts, params, int(time.time()))
+        params = req.to_sampling_params(getattr(self.engine, "default_sampling_params", None))
+        return CompletionJob(req, *request_ids("cmpl", req.request_id), prompts, params, int(time.time()))
 
     def _start(self, job: CompletionJob, keep_text: bool) -> tuple[list[PromptState], AsyncIterator]:
         states = [PromptState(job.params.n, job.params.output_kind, self.metrics, keep_text) for _ in job.prompts]
-        gens = [self.engine.generate(p, job.params, f"{job.request_id}-{i}") for i, p in enumerate(job.prompts)]
+        gens = [self.engine.generate(p, job.params, f"{job.engine_id}-{i}") for i, p in enumerate(job.prompts)]
         return states, merge_outputs(gens)
 
     @staticmethod
@@ -109,9 +110,12 @@ class OpenAIServingCompletion:
                 if top_n is not None:
                     logprobs = CompletionLogprobs()
                     offset = self._echo_logprobs(logprobs, state) if req.echo else 0
-                    self._extend_logprobs(logprobs, c.logprobs, offset)
+                    self._extend_logprobs(logprobs, c.logprobs, offset, req.return_tokens_as_token_ids)
+                ids = req.return_token_ids
                 choices.append(CompletionChoice(index=p * n + j, text=echo + c.text, logprobs=logprobs,
-                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                                prompt_token_ids=state.prompt_token_ids if ids else None,
+                                                token_ids=c.token_ids if ids else None))
         return CompletionResponse(id=job.request_id, created=job.created, model=self.engine.model_name,
                                   choices=choices, usage=usage_of(states))
 
@@ -125,9 +129,22 @@ class OpenAIServingCompletion:
         envelope = ChunkEnvelope(CompletionResponse(id=job.request_id, created=job.created, model=model, choices=[]))
 
         def chunk(index: int, text: str, logprobs: CompletionLogprobs | None = None, finish: str | None = None,
-                  stop_reason: int | str | None = None) -> bytes:
-            return envelope.frame(CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish,
-                                                   stop_reason=stop_reason))
+                  stop_reason: int | str | None = None, token_ids: list[int] | None = None,
+                  prompt_token_ids: list[int] | None = None) -> bytes:
+            choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish,
+                                      stop_reason=stop_reason, token_ids=token_ids, prompt_token_ids=prompt_token_ids)
+            if req.continuous_usage:  # vLLM's continuous_usage_stats: every chunk carries the usage so far
+                return sse_frame(CompletionResponse(id=job.request_id, created=job.created, model=model,
+                                                    choices=[choice], usage=usage_of(states)))
+            return envelope.frame(choice)
+
+        sent_prompt_ids = [False] * (len(job.prompts) * n)  # return_token_ids: once per choice, first chunk
+
+        def prompt_ids(index: int, state: PromptState) -> list[int] | None:
+            if not req.return_token_ids or sent_prompt_ids[index]:
+                return None
+            sent_prompt_ids[index] = True
+            return state.prompt_token_ids
 
         try:
             async with aclosing(merged) as outs:  # leaving early (client gone) closes every engine generator now
@@ -145,17 +162,20 @@ class OpenAIServingCompletion:
                                 offsets[p * n + j] = self._echo_logprobs(lp, state)
                             else:
                                 offsets[p * n + j] = len(text)
-                            yield chunk(p * n + j, text, lp)
+                            yield chunk(p * n + j, text, lp, prompt_token_ids=prompt_ids(p * n + j, state))
                     for c in out.outputs:
                         index = p * n + c.index
                         if c.text or c.token_ids:
                             lp = None
                             if top_n is not None:
                                 lp = CompletionLogprobs()
-                                offsets[index] = self._extend_logprobs(lp, c.logprobs or [], offsets[index])
-                            yield chunk(index, c.text, lp)
+                                offsets[index] = self._extend_logprobs(lp, c.logprobs or [], offsets[index],
+                                                                       req.return_tokens_as_token_ids)
+                            yield chunk(index, c.text, lp, token_ids=list(c.token_ids) if req.return_token_ids else None,
+                                        prompt_token_ids=prompt_ids(index, state))
                         if c.finish_reason is not None:
-                            yield chunk(index, "", None, c.finish_reason, c.stop_reason)
+                            yield chunk(index, "", None, c.finish_reason, c.stop_reason,
+                                        prompt_token_ids=prompt_ids(index, state))
             if req.include_usage:
                 yield sse_frame(CompletionResponse(id=job.request_id, created=job.created, model=model, choices=[],
                                                    usage=usage_of(states)))
@@ -183,15 +203,18 @@ class OpenAIServingCompletion:
             offset += len(text)
         return offset
 
-    def _extend_logprobs(self, out: CompletionLogprobs, positions: list[PositionLogprobs], offset: int) -> int:
-        """Appends generated positions (sampled token + its alternatives); returns the next text offset."""
+    def _extend_logprobs(self, out: CompletionLogprobs, positions: list[PositionLogprobs], offset: int,
+                         as_ids: bool = False) -> int:
+        """Appends generated positions (sampled token + its alternatives); returns the next text offset (counted
+        on the decoded text, also when the tokens are shown as "token_id:N")."""
         for pos in positions:
             items: list[tuple[int, Logprob]] = list(pos.items())
             token_id, lp = items[0]  # the sampled token comes first
             text = token_str(self.engine, token_id, lp)
-            out.tokens.append(text)
+            out.tokens.append(token_str(self.engine, token_id, lp, as_ids))
             out.token_logprobs.append(safe_logprob(lp.logprob))
-            out.top_logprobs.append({token_str(self.engine, t, tl): safe_logprob(tl.logprob) for t, tl in items})
+            out.top_logprobs.append({token_str(self.engine, t, tl, as_ids): safe_logprob(tl.logprob)
+                                     for t, tl in items})
             out.text_offset.append(offset)
             offset += len(text)
         return offset

@@ -29,40 +29,34 @@ def _schema_text(schema: Any, field: str) -> str:
 
 
 def structured_outputs_from_request(req: Any) -> StructuredOutputsParams | None:
+    """`req`'s fields are already type-checked by the request models (protocol.py); this maps them and checks
+    what types cannot say (one constraint per request, JSON text that parses)."""
     found: list[tuple[str, StructuredOutputsParams]] = []
     rf = getattr(req, "response_format", None)
     if rf is not None:
-        if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
-            raise ValueError("response_format.type must be 'text', 'json_object' or 'json_schema'")
-        if rf["type"] == "json_object":
+        if rf.type == "json_object":
             found.append(("response_format", StructuredOutputsParams(json_object=True)))
-        elif rf["type"] == "json_schema":
-            js = rf.get("json_schema")
-            if not isinstance(js, dict) or "schema" not in js:
+        elif rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema_ is None:
                 raise ValueError("response_format.json_schema must be an object with a 'schema'")
             found.append(("response_format",
-                          StructuredOutputsParams(json=_schema_text(js["schema"], "response_format.json_schema"))))
+                          StructuredOutputsParams(json=_schema_text(rf.json_schema.schema_,
+                                                                    "response_format.json_schema"))))
     if getattr(req, "guided_json", None) is not None:
         found.append(("guided_json", StructuredOutputsParams(json=_schema_text(req.guided_json, "guided_json"))))
     if getattr(req, "guided_regex", None) is not None:
         found.append(("guided_regex", StructuredOutputsParams(regex=req.guided_regex)))
     if getattr(req, "guided_choice", None) is not None:
-        if not isinstance(req.guided_choice, list) or not req.guided_choice:
+        if not req.guided_choice:
             raise ValueError("guided_choice must be a non-empty list of strings")
         found.append(("guided_choice", StructuredOutputsParams(choice=list(req.guided_choice))))
     if getattr(req, "guided_grammar", None) is not None:
         found.append(("guided_grammar", StructuredOutputsParams(grammar=req.guided_grammar)))
     so = getattr(req, "structured_outputs", None)
     if so is not None:
-        if not isinstance(so, dict):
-            raise ValueError("structured_outputs must be an object")
-        kw = dict(so)
-        if "json" in kw and kw["json"] is not None:
-            kw["json"] = _schema_text(kw["json"], "structured_outputs.json")
-        unknown = set(kw) - {"json", "regex", "choice", "grammar", "json_object"}
-        if unknown:
-            raise ValueError(f"structured_outputs has unknown keys {sorted(unknown)}")
-        found.append(("structured_outputs", StructuredOutputsParams(**kw)))
+        schema = None if so.json_ is None else _schema_text(so.json_, "structured_outputs.json")
+        found.append(("structured_outputs", StructuredOutputsParams(
+            json=schema, regex=so.regex, choice=so.choice, grammar=so.grammar, json_object=bool(so.json_object))))
     if len(found) > 1:
         raise ValueError(f"{found[1][0]}: only one of response_format, guided_json, guided_regex, guided_choice, "
                          f"guided_grammar, structured_outputs may be given")
