@@ -18,6 +18,7 @@ class ModelConfig:
     served_model_name: str | None = None
     seed: int = 0  # seeds random choices the engine makes (e.g. seeds for unseeded requests)
     quantization: str | None = None  # None | "int8" | "int4" (weight-only, groups of 32; see models/quantize.py)
+    chat_template: str | None = None  # Jinja text replacing the tokenizer's (--chat-template); None: the model's
 
     def validate(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "auto"):

@@ -23,13 +23,13 @@ from tokenspout.entrypoints.openai.protocol import (
     OpenAIServingError,
 )
 from tokenspout.entrypoints.openai.serving_beam import beam_search_completion
+from tokenspout.entrypoints.openai.request_ids import request_ids
 from tokenspout.entrypoints.openai.serving_common import (
     EngineClient,
     PromptState,
     check_model,
     merge_outputs,
     prompt_text,
-    random_id,
     safe_logprob,
     to_serving_error,
     token_str,
@@ -50,6 +50,7 @@ class CompletionJob:
     prompts: list[str | list[int]]
     params: SamplingParams
     created: int
+    engine_request_id: str  # request_id, or with a random suffix when the client chose the id (it may repeat)
 
 
 class OpenAIServingCompletion:
@@ -64,11 +65,12 @@ class OpenAIServingCompletion:
                                      else "use_beam_search is not supported by this engine", param="use_beam_search")
         prompts = req.prompts()
         params = req.to_sampling_params()
-        return CompletionJob(req, random_id("cmpl"), prompts, params, int(time.time()))
+        response_id, engine_id = request_ids("cmpl", getattr(req, "request_id", None))
+        return CompletionJob(req, response_id, prompts, params, int(time.time()), engine_id)
 
     def _start(self, job: CompletionJob, keep_text: bool) -> tuple[list[PromptState], AsyncIterator]:
         states = [PromptState(job.params.n, job.params.output_kind, self.metrics, keep_text) for _ in job.prompts]
-        gens = [self.engine.generate(p, job.params, f"{job.request_id}-{i}") for i, p in enumerate(job.prompts)]
+        gens = [self.engine.generate(p, job.params, f"{job.engine_request_id}-{i}") for i, p in enumerate(job.prompts)]
         return states, merge_outputs(gens)
 
     @staticmethod
@@ -86,7 +88,7 @@ class OpenAIServingCompletion:
         req = job.request
         if req.use_beam_search:
             try:
-                return await beam_search_completion(self.engine, job.request_id, job.created, job.prompts, req.n,
+                return await beam_search_completion(self.engine, job.engine_request_id, job.created, job.prompts, req.n,
                                                     req.max_tokens or 16, req.length_penalty, req.echo)
             except Exception as e:
                 raise to_serving_error(e) from e
