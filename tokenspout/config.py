@@ -21,6 +21,7 @@ class ModelConfig:
     # "auto": generation_config.json's sampling values are the defaults of requests that omit them (vLLM's
     # --generation-config auto); "vllm": neutral defaults whatever the model folder says.
     generation_config: str = "auto"
+    chat_template: str | None = None  # Jinja text replacing the tokenizer's (--chat-template); None: the model's
 
     def validate(self) -> None:
         if self.generation_config not in ("auto", "vllm"):

@@ -128,7 +128,8 @@ class FakeEngine:
         return "".join(parts)
 
     async def generate(
-        self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str
+        self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str, *,
+        add_special_tokens: bool | None = None,
     ) -> AsyncIterator[RequestOutput]:
         rec = RequestRecord(request_id)
         self.records[request_id] = rec

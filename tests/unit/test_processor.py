@@ -106,7 +106,9 @@ def test_request_id_required(proc):
 
 def test_bad_words_with_and_without_leading_space(proc, tokenizer):
     (req,), _ = proc.process("a", "hi", SamplingParams(bad_words=["hello", " world peace"]))
-    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)
+    def enc(s: str) -> list[int]:
+        return tokenizer.encode(s, add_special_tokens=False)
+
     assert req.sampling_params.bad_words_token_ids == [enc("hello"), enc(" hello"), enc("world peace"),
                                                        enc(" world peace")]
 

@@ -45,7 +45,8 @@ class AsyncLLM:
         self.max_model_len = info.max_model_len
         self.vocab_size = info.vocab_size
         self.num_kv_blocks = info.num_kv_blocks
-        self.processor = Processor(self.tokenizer, info.max_model_len, info.vocab_size)
+        self.processor = Processor(self.tokenizer, info.max_model_len, info.vocab_size,
+                                   chat_template=config.model.chat_template)
         # Sampling defaults for the fields a request omits (the server applies them; empty with generation_config
         # "vllm" or when the model folder sets none).
         self.default_sampling_params = (
@@ -76,14 +77,16 @@ class AsyncLLM:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kw) -> str:
         return self.processor.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kw)
 
-    async def generate(self, prompt: str | list[int], sampling_params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str, *,
+                       add_special_tokens: bool | None = None) -> AsyncIterator[RequestOutput]:
+        """add_special_tokens None: the prompt's rule (False for a ChatPrompt from apply_chat_template, whose
+        template already wrote BOS; the tokenizer's rule for plain text)."""
         if self.errored:
             raise EngineDeadError(self.dead_reason or "engine is dead")
         self._ensure_handler()
         queue = RequestOutputCollector(sampling_params.output_kind)
         self.processor.add_to(self.output_processor, self.client, request_id, prompt, sampling_params,
-                              time.time(), queue=queue)
+                              time.time(), queue=queue, add_special_tokens=add_special_tokens)
         finished = False
         try:
             while not finished:

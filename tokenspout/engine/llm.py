@@ -22,6 +22,7 @@ from tokenspout.config import (
     read_hf_config,
 )
 from tokenspout.engine.beam_search import BeamSearch, to_request_outputs
+from tokenspout.engine.chat_template import load_chat_template
 from tokenspout.engine.core_client import InprocClient, SyncMPClient
 from tokenspout.engine.output_processor import OutputProcessor
 from tokenspout.engine.processor import Processor
@@ -41,7 +42,8 @@ def build_engine_config(model: str | None = None, *, dtype: str = "float32", qua
                         speculative: str | None = None, num_speculative_tokens: int = 4, ngram_min: int = 2,
                         ngram_max: int = 4, enable_prefix_caching: bool = True, draft_model: str | None = None,
                         draft_layers: int | None = None, adaptive_speculation: bool = True,
-                        async_scheduling: bool = False, generation_config: str = "auto") -> EngineConfig:
+                        async_scheduling: bool = False, generation_config: str = "auto",
+                        chat_template: str | None = None) -> EngineConfig:
     path, _ = resolve_model_path(model)  # converts the default model here, once, before any engine starts
     if draft_model is not None:
         draft_path = Path(draft_model).expanduser()
@@ -50,7 +52,8 @@ def build_engine_config(model: str | None = None, *, dtype: str = "float32", qua
     cfg = EngineConfig(
         model=ModelConfig(model=str(path), dtype=dtype, quantization=quantization, max_model_len=max_model_len,
                           generation_config=generation_config,
-                          served_model_name=served_model_name or (None if model else path.name.removesuffix("-f32"))),
+                          served_model_name=served_model_name or (None if model else path.name.removesuffix("-f32")),
+                          chat_template=load_chat_template(chat_template)),
         cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
                           num_gpu_blocks_override=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -81,7 +84,8 @@ class LLM:
         info = self.client.info
         self.model_name = info.model_name
         self.max_model_len = info.max_model_len
-        self.processor = Processor(self.tokenizer, info.max_model_len, info.vocab_size)
+        self.processor = Processor(self.tokenizer, info.max_model_len, info.vocab_size,
+                                   chat_template=self.config.model.chat_template)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
         self._ids = itertools.count()
 

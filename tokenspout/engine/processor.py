@@ -2,8 +2,10 @@
 
 What it decides (vLLM semantics unless noted):
 * A string prompt is encoded with the tokenizer's own special-token rule (`add_special_tokens=True` adds a BOS only
-  if the tokenizer's post-processor does so); chat prompts come from `apply_chat_template` and are encoded with
-  `add_special_tokens=False` since the template already holds every special token.
+  if the tokenizer's post-processor does so); chat prompts come from `apply_chat_template` as a `ChatPrompt` and are
+  encoded with `add_special_tokens=False` since the template already holds every special token (else a Llama-3
+  style tokenizer gets two BOS).  An explicit add_special_tokens overrides either rule.
+* `chat_template` (the --chat-template flag) replaces the tokenizer's own template.
 * The prompt must be non-empty, use ids inside the model's vocabulary, and leave room for at least one generated
   token: len(prompt) >= max_model_len is a ValueError.
 * max_tokens None means "fill the context": max_model_len - len(prompt).  A max_tokens (or min_tokens) that would
@@ -75,18 +77,30 @@ def _as_id_list(value: Any) -> list[int]:
     return [int(v) for v in value]
 
 
+class ChatPrompt(str):
+    """Prompt text rendered by a chat template: it already holds the special tokens (BOS...) the template writes,
+    so it is encoded with add_special_tokens=False.  A plain str is a completion prompt."""
+
+    __slots__ = ()
+
+
+def default_add_special_tokens(prompt: object) -> bool:
+    return not isinstance(prompt, ChatPrompt)
+
+
 class _EngineClient(Protocol):
     def add_request(self, req: EngineCoreRequest) -> None: ...
 
 
 class Processor:
     def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
-                 generation_config: Mapping[str, Any] | None = None) -> None:
+                 generation_config: Mapping[str, Any] | None = None, chat_template: str | None = None) -> None:
         if max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.chat_template = chat_template  # None: the tokenizer's own
         if generation_config is None:
             generation_config = read_generation_config(getattr(tokenizer, "name_or_path", None))
         eos_ids = _as_id_list(getattr(tokenizer, "eos_token_id", None))
@@ -100,15 +114,16 @@ class Processor:
 
     def process(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                 arrival_time: float | None = None, *,
-                add_special_tokens: bool = True) -> tuple[list[EngineCoreRequest], str | None]:
+                add_special_tokens: bool | None = None) -> tuple[list[EngineCoreRequest], str | None]:
         """Validates and tokenizes one request.  Returns its EngineCoreRequests (n of them) and the prompt text
-        (None for a token-id prompt).  `arrival_time` is wall-clock time.time(); None means now."""
+        (None for a token-id prompt).  `arrival_time` is wall-clock time.time(); None means now.
+        `add_special_tokens` None: the prompt's own rule (False for a ChatPrompt, else True)."""
         requests, prompt_text, _ = self._process(request_id, prompt, params, arrival_time, add_special_tokens)
         return requests, prompt_text
 
     def add_to(self, output_processor: OutputProcessor, client: _EngineClient, request_id: str,
                prompt: str | Sequence[int], params: SamplingParams, arrival_time: float | None = None, *,
-               queue: RequestOutputCollector | None = None, add_special_tokens: bool = True) -> list[str]:
+               queue: RequestOutputCollector | None = None, add_special_tokens: bool | None = None) -> list[str]:
         """process() + registration: every child goes to the OutputProcessor first (so no output can arrive for an
         id it does not know yet), then to the engine.  Returns the engine request ids."""
         requests, prompt_text, prepared = self._process(request_id, prompt, params, arrival_time, add_special_tokens)
@@ -121,7 +136,7 @@ class Processor:
 
     def _process(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
                  arrival_time: float | None,
-                 add_special_tokens: bool) -> tuple[list[EngineCoreRequest], str | None, SamplingParams]:
+                 add_special_tokens: bool | None) -> tuple[list[EngineCoreRequest], str | None, SamplingParams]:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         prompt_ids, prompt_text = self._prompt_token_ids(prompt, add_special_tokens, params)
@@ -135,20 +150,22 @@ class Processor:
                     for i, cid in enumerate(parent.child_request_ids)]
         return requests, prompt_text, params
 
-    def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> list[int]:
+    def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool | None = None) -> list[int]:
         """A prompt (text or token ids) as validated token ids."""
         ids, _ = self._prompt_token_ids(prompt, add_special_tokens)
         return ids
 
-    def _prompt_token_ids(self, prompt: str | Sequence[int], add_special_tokens: bool,
+    def _prompt_token_ids(self, prompt: str | Sequence[int], add_special_tokens: bool | None,
                           params: SamplingParams | None = None) -> tuple[list[int], str | None]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
             if self.tokenizer is None:
                 raise ValueError("prompt must be a list of token ids when no tokenizer is loaded")
+            if add_special_tokens is None:
+                add_special_tokens = default_add_special_tokens(prompt)
             ids = list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
-            text: str | None = prompt
+            text: str | None = str(prompt)  # a plain str downstream
         elif isinstance(prompt, Sequence):
             if any(not isinstance(t, int) or isinstance(t, bool) for t in prompt):
                 raise ValueError("prompt must be a string or a list of integer token ids")
@@ -229,7 +246,8 @@ class Processor:
         if params.negative_prompt is not None:
             if not params.negative_prompt or self.tokenizer is None:
                 raise ValueError("negative_prompt must be a non-empty string")
-            ids = list(self.tokenizer.encode(params.negative_prompt, add_special_tokens=True))
+            ids = list(self.tokenizer.encode(params.negative_prompt,
+                                             add_special_tokens=default_add_special_tokens(params.negative_prompt)))
             if len(ids) >= self.max_model_len:
                 raise ValueError(f"negative_prompt has {len(ids)} tokens; the model's limit is {self.max_model_len}")
             return ids
@@ -262,9 +280,10 @@ class Processor:
     # ---- chat --------------------------------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                            **template_kwargs: Any) -> str:
-        """Renders OpenAI-style chat messages with the model's template.  Text content parts are joined with
-        newlines; other part types are rejected.  Errors the user can cause are ValueErrors naming the field."""
+                            **template_kwargs: Any) -> ChatPrompt:
+        """Renders OpenAI-style chat messages with the chat template (--chat-template, else the model's).  Text
+        content parts are joined with newlines; other part types are rejected.  Errors the user can cause are
+        ValueErrors naming the field."""
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
             raise ValueError("messages must be a non-empty list of {role, content} objects")
         rendered: list[dict[str, Any]] = []
@@ -275,8 +294,13 @@ class Processor:
             if role not in CHAT_ROLES:
                 raise ValueError(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}; got {role!r}")
             rendered.append({**message, "content": _content_text(message.get("content"), i)})
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template; use the completions API with a plain prompt")
+        if self.tokenizer is None or not (template_kwargs.get("chat_template") or self.chat_template
+                                           or getattr(self.tokenizer, "chat_template", None)):
+            raise ValueError("this model has no chat template; use the completions API with a plain prompt "
+                             "(or start the server with --chat-template)")
+        if self.chat_template and "chat_template" not in template_kwargs:
+            # An explicit argument, not a patch on the shared tokenizer object; a request's own template wins.
+            template_kwargs = {**template_kwargs, "chat_template": self.chat_template}
         from jinja2 import TemplateError
 
         try:
@@ -286,7 +310,7 @@ class Processor:
             raise ValueError(f"messages rejected by the chat template: {e}") from e
         if not isinstance(text, str):
             raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected str")
-        return text
+        return ChatPrompt(text)
 
 
 def _content_text(content: Any, i: int) -> str:

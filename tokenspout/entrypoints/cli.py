@@ -7,6 +7,13 @@ import itertools
 import logging
 import sys
 
+from tokenspout.entrypoints.cli_args import (
+    SuggestingArgumentParser,
+    add_chat_template_arg,
+    add_server_args,
+    parse_cli,
+    server_app_options,
+)
 from tokenspout.sampling_params import SamplingParams
 
 
@@ -44,6 +51,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "repetition_penalty) are the defaults of requests that omit them; vllm: neutral defaults")
     p.add_argument("--draft-layers", type=int, default=None,
                    help="--speculative draft: self-draft from the target's first L layers + its head")
+    add_chat_template_arg(p)
 
 
 def resolve_quantization(flag: str, model: str | None) -> str | None:
@@ -62,7 +70,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             "num_speculative_tokens": args.num_speculative_tokens, "ngram_min": args.ngram_min,
             "ngram_max": args.ngram_max, "enable_prefix_caching": args.enable_prefix_caching,
             "draft_model": args.draft_model, "draft_layers": args.draft_layers,
-            "async_scheduling": args.async_scheduling, "generation_config": args.generation_config}
+            "async_scheduling": args.async_scheduling, "generation_config": args.generation_config,
+            "chat_template": args.chat_template}
 
 
 class Spinner:
@@ -118,20 +127,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from tokenspout.engine.async_llm import AsyncLLM
         from tokenspout.entrypoints.openai.api_server import run_server
 
-        run_server(lambda: AsyncLLM(config, client=client), host=args.host, port=args.port)
+        run_server(lambda: AsyncLLM(config, client=client), host=args.host, port=args.port,
+                   **server_app_options(args))
     finally:
         client.shutdown()  # a no-op when the server has shut the engine down
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parser = argparse.ArgumentParser(prog="tokenspout")
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The parser and its subcommands' parsers (by name)."""
+    parser = SuggestingArgumentParser(prog="tokenspout")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("serve", help="serve the OpenAI-compatible API")
     add_engine_args(s)
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
+    add_server_args(s)
     s.set_defaults(func=cmd_serve)
     g = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
     add_engine_args(g)
@@ -142,7 +153,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--raw", action="store_true", help="send the prompt as is (no chat template)")
     g.set_defaults(func=cmd_generate)
-    args = parser.parse_args(argv)
+    return parser, {"serve": s, "generate": g}
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_cli(*build_parser(), argv)
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, RuntimeError) as e:

@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP server: FastAPI app factory, uvicorn runner, and a background-thread server for tests.
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health (503 once the engine is
-dead), GET /metrics (Prometheus text).  Every error is answered in OpenAI's shape
-`{"error": {"message", "type", "param", "code"}}`; bad input (malformed JSON, unknown fields included) is a 400, never
-a 422; a body that is not `application/json` is a 415.  Request and response bodies are described in /openapi.json.
+dead), GET /metrics (Prometheus text), POST /tokenize, POST /detokenize, GET /version (serving_tokenization.py).
+Optional API-key auth and CORS, and X-Request-Id on every response: middleware.py.  Every error is answered in
+OpenAI's shape `{"error": {"message", "type", "param", "code"}}`; bad input (malformed JSON, unknown fields
+included) is a 400, never a 422; a body that is not `application/json` is a 415.  Request and response bodies are
+described in /openapi.json.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -36,8 +38,10 @@ from tokenspout.entrypoints.openai.protocol import (
     validation_error_to_serving_error,
 )
 from tokenspout.entrypoints.openai.serving_chat import OpenAIServingChat
+from tokenspout.entrypoints.openai.middleware import install_middleware
 from tokenspout.entrypoints.openai.serving_common import EngineClient
 from tokenspout.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from tokenspout.entrypoints.openai.serving_tokenization import install_tokenization_routes
 from tokenspout.entrypoints.openai.sse import ClientDisconnected, SSEResponse, run_until_disconnect
 from tokenspout.metrics import PROMETHEUS_CONTENT_TYPE, ServerMetrics
 from tokenspout.platform import freeze_startup_heap
@@ -92,12 +96,18 @@ def build_app(
     metrics: ServerMetrics | None = None,
     record_request_metrics: bool = True,
     owns_engine: bool | None = None,
+    api_key: str | Sequence[str] | None = None,
+    allowed_origins: Sequence[str] | None = None,
+    allowed_methods: Sequence[str] = ("*",),
+    allowed_headers: Sequence[str] = ("*",),
+    allow_credentials: bool = False,
 ) -> FastAPI:
     """`engine`: a constructed AsyncLLM (or anything meeting EngineClient), or a zero-argument factory called in
     the server's event loop at startup (for engines that bind to the running loop).  `owns_engine` (default: True
     for a factory, False for an instance): call engine.shutdown() when the server stops.  `metrics`: defaults to
     `engine.metrics` when that is a ServerMetrics, else a fresh one.  `record_request_metrics=False` when the engine
-    frontend records request-level metrics itself."""
+    frontend records request-level metrics itself.  `api_key` (one or several; None: open) and the CORS settings
+    (`allowed_origins` None: no CORS): see middleware.install_middleware."""
     factory = None if _is_engine(engine) else engine
     owns = owns_engine if owns_engine is not None else factory is not None
 
@@ -196,6 +206,9 @@ def build_app(
                 logger.warning("could not read the engine's metrics snapshot", exc_info=True)
         return Response(content=st.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
 
+    install_tokenization_routes(app)
+    install_middleware(app, api_key=api_key, allowed_origins=allowed_origins, allowed_methods=allowed_methods,
+                       allowed_headers=allowed_headers, allow_credentials=allow_credentials)
     return app
 
 
@@ -207,9 +220,11 @@ def run_server(
     metrics: ServerMetrics | None = None,
     log_level: str = "info",
     access_log: bool = True,
+    **app_options: Any,
 ) -> None:
-    """Serves until interrupted; the server owns the engine and shuts it down on exit."""
-    app = build_app(engine, metrics=metrics, owns_engine=True)
+    """Serves until interrupted; the server owns the engine and shuts it down on exit.  `app_options`: build_app's
+    api_key / CORS keywords."""
+    app = build_app(engine, metrics=metrics, owns_engine=True, **app_options)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log)
     logger.info("serving on http://%s:%d/v1", host, port)
     uvicorn.Server(config).run()

@@ -326,7 +326,7 @@ class ChatCompletionRequest(_SamplingRequest):
     # vLLM extras
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    add_special_tokens: bool = False
+    add_special_tokens: bool = False  # vLLM extra: add the tokenizer's BOS on top of what the template wrote
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -387,6 +387,7 @@ class CompletionRequest(_SamplingRequest):
     suffix: str | None = None
     best_of: int | None = None
     use_beam_search: bool = False  # n = beam width
+    add_special_tokens: bool = True  # vLLM extra: the tokenizer's special tokens (BOS) around a text prompt
     length_penalty: float = 1.0
 
     @field_validator("prompt", mode="before")

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
+from tokenspout.entrypoints.openai.chat_render import render_chat_prompt
 from tokenspout.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -23,16 +24,16 @@ from tokenspout.entrypoints.openai.protocol import (
     ChatResponseMessage,
     ChatTokenLogprob,
     DeltaMessage,
-    OpenAIServingError,
     TopLogprob,
 )
+from tokenspout.entrypoints.openai.request_ids import request_ids
 from tokenspout.entrypoints.openai.serving_common import (
     EngineClient,
     PromptState,
     check_model,
     merge_outputs,
-    request_ids,
     safe_logprob,
+    special_tokens_kwargs,
     to_serving_error,
     token_str,
     usage_of,
@@ -65,18 +66,9 @@ class OpenAIServingChat:
         check_model(self.engine, req.model)
         messages = req.template_messages()
         params = req.to_sampling_params(getattr(self.engine, "default_sampling_params", None))
-        kwargs = dict(req.chat_template_kwargs or {})
-        if req.continue_final_message:
-            kwargs["continue_final_message"] = True
-        if req.chat_template is not None:
-            kwargs["chat_template"] = req.chat_template
-        try:
-            prompt = self.engine.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt and not req.continue_final_message, **kwargs
-            )
-        except (ValueError, TypeError) as e:
-            raise OpenAIServingError(f"messages could not be rendered with the chat template: {e}",
-                                     param="messages") from None
+        prompt = render_chat_prompt(self.engine, messages, add_generation_prompt=req.add_generation_prompt,
+                                    continue_final_message=req.continue_final_message,
+                                    chat_template_kwargs=req.chat_template_kwargs, chat_template=req.chat_template)
         if params.uses_guidance and params.negative_prompt is None:
             # CFG's default unconditional prompt for chat: the template around an empty user message.
             params.negative_prompt = self.engine.apply_chat_template([{"role": "user", "content": ""}])
@@ -86,7 +78,8 @@ class OpenAIServingChat:
     async def complete(self, job: ChatJob) -> ChatCompletionResponse:
         state = PromptState(job.params.n, job.params.output_kind, self.metrics, keep_text=True)
         try:
-            async with aclosing(merge_outputs([self.engine.generate(job.prompt, job.params, job.engine_id)])) as outs:
+            gen = self.engine.generate(job.prompt, job.params, job.engine_id, **special_tokens_kwargs(job.request))
+            async with aclosing(merge_outputs([gen])) as outs:
                 async for _, out in outs:
                     state.observe(out)
         except Exception as e:
@@ -137,7 +130,8 @@ class OpenAIServingChat:
 
         try:
             # aclosing: leaving this generator early (client gone) must close the engine generator now, not at GC.
-            async with aclosing(merge_outputs([self.engine.generate(job.prompt, params, job.request_id)])) as outs:
+            gen = self.engine.generate(job.prompt, params, job.engine_id, **special_tokens_kwargs(req))
+            async with aclosing(merge_outputs([gen])) as outs:
                 async for _, out in outs:
                     first = not started
                     started = True

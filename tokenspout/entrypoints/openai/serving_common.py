@@ -37,7 +37,8 @@ class EngineClient(Protocol):
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kw: Any) -> str: ...
 
     def generate(
-        self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str
+        self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str, *,
+        add_special_tokens: bool | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...
@@ -217,14 +218,10 @@ def usage_of(states: list[PromptState]) -> UsageInfo:
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
-def request_ids(prefix: str, client_id: str | None) -> tuple[str, str]:
-    """(the response's id, the engine's request id).  A client-chosen id (vLLM's `request_id` field) names the
-    response; the engine id gets a random suffix so two requests sent with the same id never collide."""
-    if client_id is None:
-        rid = random_id(prefix)
-        return rid, rid
-    rid = f"{prefix}-{client_id}"
-    return rid, f"{rid}-{uuid.uuid4().hex[:8]}"
+def special_tokens_kwargs(req: Any) -> dict[str, bool]:
+    """vLLM's `add_special_tokens` extra, passed on only when the client set it: otherwise the engine's rule holds
+    (the tokenizer's for a plain prompt, none for a rendered chat prompt, whose template wrote them)."""
+    return {"add_special_tokens": req.add_special_tokens} if "add_special_tokens" in req.model_fields_set else {}
 
 
 def safe_logprob(x: float) -> float:

@@ -23,14 +23,15 @@ from tokenspout.entrypoints.openai.protocol import (
     OpenAIServingError,
 )
 from tokenspout.entrypoints.openai.serving_beam import beam_search_completion
+from tokenspout.entrypoints.openai.request_ids import request_ids
 from tokenspout.entrypoints.openai.serving_common import (
     EngineClient,
     PromptState,
     check_model,
     merge_outputs,
     prompt_text,
-    request_ids,
     safe_logprob,
+    special_tokens_kwargs,
     to_serving_error,
     token_str,
     usage_of,
@@ -69,7 +70,8 @@ class OpenAIServingCompletion:
 
     def _start(self, job: CompletionJob, keep_text: bool) -> tuple[list[PromptState], AsyncIterator]:
         states = [PromptState(job.params.n, job.params.output_kind, self.metrics, keep_text) for _ in job.prompts]
-        gens = [self.engine.generate(p, job.params, f"{job.engine_id}-{i}") for i, p in enumerate(job.prompts)]
+        kw = special_tokens_kwargs(job.request)
+        gens = [self.engine.generate(p, job.params, f"{job.engine_id}-{i}", **kw) for i, p in enumerate(job.prompts)]
         return states, merge_outputs(gens)
 
     @staticmethod
@@ -87,7 +89,7 @@ class OpenAIServingCompletion:
         req = job.request
         if req.use_beam_search:
             try:
-                return await beam_search_completion(self.engine, job.request_id, job.created, job.prompts, req.n,
+                return await beam_search_completion(self.engine, job.engine_id, job.created, job.prompts, req.n,
                                                     req.max_tokens or 16, req.length_penalty, req.echo)
             except Exception as e:
                 raise to_serving_error(e) from e

@@ -1,0 +1,96 @@
+"""`vllm serve` parity for the command line: the model as a positional argument, the server's auth / CORS flags,
+and unknown flags answered with the closest known one (no silent prefix matching)."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import os
+from collections.abc import Sequence
+from typing import Any
+
+API_KEY_ENV = "TOKENSPOUT_API_KEY"
+
+
+class SuggestingArgumentParser(argparse.ArgumentParser):
+    """allow_abbrev off (a prefix such as --max-model is an unknown flag, not --max-model-len), and every parser
+    made from it (subcommands) is one too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+    def known_flags(self) -> list[str]:
+        return [s for a in self._actions for s in a.option_strings if s.startswith("--")]
+
+    def unknown_flag_message(self, arg: str) -> str:
+        flag = arg.split("=", 1)[0]
+        close = difflib.get_close_matches(flag, self.known_flags(), n=1, cutoff=0.6)
+        return f"unknown flag {flag}" + (f"; did you mean {close[0]}?" if close else "")
+
+
+def _json_list(value: str) -> list[str]:
+    """--allowed-origins '["https://a.example", "https://b.example"]' (vLLM's JSON form); a bare value is a list
+    of one."""
+    if not value.lstrip().startswith("["):
+        return [value]
+    try:
+        items = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not a JSON list: {e}") from None
+    if not isinstance(items, list) or not all(isinstance(v, str) for v in items):
+        raise argparse.ArgumentTypeError("expected a JSON list of strings, e.g. '[\"*\"]'")
+    return items
+
+
+def add_chat_template_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file, or the template text itself; replaces the model's template "
+                        "for chat requests and /tokenize messages")
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    """`serve`'s model positional and its HTTP flags (names and forms as vLLM's)."""
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model folder (as `vllm serve MODEL`); same as --model")
+    p.add_argument("--api-key", nargs="+", action="extend", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' (any one of the keys) on every route except /health, "
+                        f"/metrics, /version and the docs; default: ${API_KEY_ENV}")
+    p.add_argument("--allowed-origins", type=_json_list, default=None,
+                   help="CORS: JSON list of allowed origins, e.g. '[\"*\"]' (default: no CORS headers)")
+    p.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS: JSON list (default: [\"*\"])")
+    p.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS: JSON list (default: [\"*\"])")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies, auth)")
+
+
+def resolve_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`serve MODEL` and `--model MODEL` are one setting; two different values are an error (exit 2)."""
+    tag = getattr(args, "model_tag", None)
+    if tag is None:
+        return
+    if args.model is not None and args.model != tag:
+        parser.error(f"the model is given twice with different values: {tag!r} and --model {args.model!r}")
+    args.model = tag
+
+
+def server_app_options(args: argparse.Namespace, environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """build_app's keywords from the flags; the flag wins over $TOKENSPOUT_API_KEY."""
+    env = os.environ if environ is None else environ
+    keys = args.api_key if args.api_key else ([env[API_KEY_ENV]] if env.get(API_KEY_ENV) else None)
+    return {"api_key": keys, "allowed_origins": args.allowed_origins, "allowed_methods": args.allowed_methods,
+            "allowed_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
+
+
+def parse_cli(parser: argparse.ArgumentParser, commands: dict[str, argparse.ArgumentParser],
+              argv: Sequence[str] | None) -> argparse.Namespace:
+    """parse_args, but an unknown flag is named with the closest known flag of its subcommand (exit 2)."""
+    args, extras = parser.parse_known_args(argv)
+    sub = commands.get(getattr(args, "command", None) or "", parser)
+    if extras:
+        flag = next((e for e in extras if e.startswith("-")), None)
+        if flag is not None and isinstance(sub, SuggestingArgumentParser):
+            sub.error(sub.unknown_flag_message(flag))
+        sub.error(f"unrecognized arguments: {' '.join(extras)}")
+    resolve_model(sub, args)
+    return args

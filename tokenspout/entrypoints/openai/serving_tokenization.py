@@ -1,0 +1,199 @@
+"""POST /tokenize, POST /detokenize and GET /version, in vLLM's shapes.
+
+/tokenize takes a text prompt (`add_special_tokens` defaults to True: the tokenizer's rule, as a completion prompt
+is encoded) or chat messages (rendered by render_chat_prompt exactly as /v1/chat/completions renders them, and
+encoded with `add_special_tokens` False by default, as a chat prompt is: the template writes BOS itself), so its
+`count` is the chat completion's usage.prompt_tokens.  Unlike generation, a prompt longer than the context is
+still counted (the answer carries max_model_len to compare with).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
+from starlette.responses import Response
+
+from tokenspout.entrypoints.openai.chat_render import render_chat_prompt
+from tokenspout.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    OpenAIServingError,
+    validation_error_to_serving_error,
+)
+from tokenspout.entrypoints.openai.serving_common import EngineClient, check_model
+
+logger = logging.getLogger(__name__)
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # unknown fields are ignored, as on the OpenAI routes
+
+
+class TokenizeCompletionRequest(_Request):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = Field(default=True, description="Add the tokenizer's special tokens (e.g. BOS).")
+    return_token_strs: bool | None = Field(default=False, description="Also return each token id's string.")
+
+
+class TokenizeChatRequest(_Request):
+    model: str | None = None
+    messages: list[ChatMessage]
+    add_generation_prompt: bool = Field(default=True, description="End with the assistant's turn header.")
+    continue_final_message: bool = Field(
+        default=False, description="Leave the last message open (prefill); excludes add_generation_prompt.")
+    add_special_tokens: bool = Field(
+        default=False, description="Add the tokenizer's special tokens on top of what the chat template writes.")
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = Field(default=False, description="Also return each token id's string.")
+
+    @model_validator(mode="after")
+    def _generation_prompt(self) -> TokenizeChatRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            # vLLM's rule: only an explicit add_generation_prompt=true clashes; its default yields to continuation
+            if "add_generation_prompt" in self.model_fields_set:
+                raise ValueError("continue_final_message cannot be used with add_generation_prompt=true")
+        return self
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Request):
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+def tokenspout_version() -> str:
+    try:
+        return importlib.metadata.version("tokenspout")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree without an install
+        return "0+unknown"
+
+
+class _OpenAIErrorRoute(APIRoute):
+    """Body validation errors as a 400 in OpenAI's shape naming the field, like the other routes (not FastAPI's
+    422).  The body is re-validated against the one model its keys select, so a union's errors do not pile up."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        models = _BODY_MODELS.get(self.path, ())
+
+        async def route(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except RequestValidationError as e:
+                raise await _serving_error(request, e, models) from None
+
+        return route
+
+
+async def _serving_error(request: Request, exc: RequestValidationError,
+                         models: tuple[type[BaseModel], ...]) -> OpenAIServingError:
+    try:
+        data = await request.json()
+    except ValueError as e:
+        return OpenAIServingError(f"request body is not valid JSON: {e}")
+    if not isinstance(data, dict):
+        return OpenAIServingError(f"request body must be a JSON object, got {type(data).__name__}")
+    model = models[-1] if "messages" in data and len(models) > 1 else models[0] if models else None
+    if model is not None:
+        try:
+            model.model_validate(data)
+        except ValidationError as e:
+            return validation_error_to_serving_error(e)
+    return OpenAIServingError(str(exc))
+
+
+_BODY_MODELS: dict[str, tuple[type[BaseModel], ...]] = {
+    "/tokenize": (TokenizeCompletionRequest, TokenizeChatRequest),
+    "/detokenize": (DetokenizeRequest,),
+}
+
+
+def _json(model: BaseModel) -> Response:
+    return Response(content=model.model_dump_json(), media_type="application/json")
+
+
+def _token_strs(tokenizer: Any, ids: list[int]) -> list[str]:
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+    if convert is not None:
+        return [str(t) for t in convert(ids)]
+    return [tokenizer.decode([t]) for t in ids]
+
+
+def _vocab_size(engine: EngineClient) -> int:
+    """The model's vocabulary (what the engine accepts), else the tokenizer's with its added tokens."""
+    size = getattr(engine, "vocab_size", None)
+    if size is None:
+        tok = engine.tokenizer
+        size = len(tok) if hasattr(tok, "__len__") else tok.vocab_size
+    return int(size)
+
+
+def tokenize(engine: EngineClient, req: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+    check_model(engine, req.model)
+    if isinstance(req, TokenizeChatRequest):
+        # Through ChatCompletionRequest so the messages are flattened by the very code the chat route runs.
+        chat = ChatCompletionRequest(messages=req.messages)
+        text = render_chat_prompt(engine, chat.template_messages(), add_generation_prompt=req.add_generation_prompt,
+                                  continue_final_message=req.continue_final_message,
+                                  chat_template_kwargs=req.chat_template_kwargs)
+    else:
+        text = req.prompt
+    ids = [int(t) for t in engine.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)]
+    strs = _token_strs(engine.tokenizer, ids) if req.return_token_strs else None
+    return TokenizeResponse(count=len(ids), max_model_len=engine.max_model_len, tokens=ids, token_strs=strs)
+
+
+def detokenize(engine: EngineClient, req: DetokenizeRequest) -> DetokenizeResponse:
+    check_model(engine, req.model)
+    vocab = _vocab_size(engine)
+    for i, t in enumerate(req.tokens):
+        if not 0 <= t < vocab:
+            raise OpenAIServingError(f"tokens.{i}: token id {t} is outside the vocabulary [0, {vocab})",
+                                     param=f"tokens.{i}")
+    return DetokenizeResponse(prompt=engine.tokenizer.decode(req.tokens))
+
+
+def tokenization_router(get_engine: Callable[[Request], EngineClient]) -> APIRouter:
+    """The routes; `get_engine(request)` finds the engine (it may be built at startup, after the app)."""
+    router = APIRouter(route_class=_OpenAIErrorRoute)
+
+    @router.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize_route(request: Request, body: TokenizeCompletionRequest | TokenizeChatRequest) -> Response:
+        return _json(tokenize(get_engine(request), body))
+
+    @router.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize_route(request: Request, body: DetokenizeRequest) -> Response:
+        return _json(detokenize(get_engine(request), body))
+
+    @router.get("/version", response_model=VersionResponse)
+    async def version() -> Response:
+        return _json(VersionResponse(version=tokenspout_version()))
+
+    return router
+
+
+def install_tokenization_routes(app: FastAPI) -> None:
+    """build_app's hook."""
+    app.include_router(tokenization_router(lambda request: request.app.state.server.engine))
