@@ -13,6 +13,7 @@ known tokens still lack KV", scheduled under a token budget every step.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -210,6 +211,8 @@ class Scheduler:
                     break
                 self._record_hits(req)
                 self.waiting.popleft()
+                if not req.scheduled_ts:
+                    req.scheduled_ts = time.monotonic()
                 req.status = RequestStatus.RUNNING
                 if req.companion is not None:
                     req.companion.status = RequestStatus.RUNNING
@@ -377,6 +380,8 @@ class Scheduler:
             out = EngineCoreOutput(req.request_id, accepted,
                                    new_logprobs=lps[: len(accepted)] if lps else None,
                                    num_cached_tokens=req.num_cached_tokens)
+            if req.num_tokens - len(accepted) == req.num_prompt_tokens:  # its first output: when it queued, ran
+                out.queued_ts, out.scheduled_ts = req.queued_ts, req.scheduled_ts
             if status is not None:
                 out.finish_reason = status.value
                 out.stop_reason = req.stop_reason

@@ -34,6 +34,13 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id that ended it (strings are found by the frontend)
     num_cached_tokens: int = 0
+    # The engine core's clock (time.monotonic() in its process) when the request was queued (added to the engine
+    # core) and first scheduled, for the queue / prefill / decode / inference-time metrics (vLLM carries the same as
+    # engine-core events).  Set on a request's first output with tokens only, so the default-omitted fields cost
+    # nothing on every later output; the frontend subtracts them from one another and from EngineCoreOutputs'
+    # `timestamp` (the same clock), never from its own clock.
+    queued_ts: float = 0.0
+    scheduled_ts: float = 0.0
 
     @property
     def finished(self) -> bool:

@@ -36,6 +36,9 @@ __all__ = ["EngineDeadError", "FrontendStats", "OutputProcessor", "OutputProcess
 class OutputProcessorOutput:
     request_outputs: list[RequestOutput] = field(default_factory=list)  # only for requests without a queue
     reqs_to_abort: list[str] = field(default_factory=list)  # engine ids finished here by a stop string
+    # Tokens of this batch, as vLLM counts an engine step's (iteration_tokens_total): the prompts of requests that
+    # got their first output, plus the tokens generated.
+    num_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -105,7 +108,9 @@ class OutputProcessor:
                 continue
             if state.first_token_time is None and (out.new_token_ids or out.finished):
                 self.stats.num_prompt_tokens += len(state.prompt_token_ids)
-            self._record_latency(state, out, now, step_time)
+                result.num_tokens += len(state.prompt_token_ids)
+            result.num_tokens += len(out.new_token_ids)
+            self._record_latency(state, out, now, step_time, engine_timestamp)
             kept, wasted = state.apply(out)
             self.stats.num_generation_tokens += kept
             self.stats.num_wasted_tokens += wasted
@@ -119,11 +124,15 @@ class OutputProcessor:
         self._emit_parents(touched, result.request_outputs)
         return result
 
-    def _record_latency(self, state: RequestState, out: EngineCoreOutput, now: float, step_time: float) -> None:
+    def _record_latency(self, state: RequestState, out: EngineCoreOutput, now: float, step_time: float,
+                        engine_timestamp: float | None) -> None:
+        if out.scheduled_ts:  # the request's first output carries when the engine core queued and scheduled it
+            state.queued_ts, state.scheduled_ts = out.queued_ts, out.scheduled_ts
         if not out.new_token_ids:
             return
         if state.first_token_time is None:
             state.first_token_time = now
+            state.first_token_ts = engine_timestamp
             if self.log_stats and state.arrival_time > 0:
                 self.stats.ttft_s.append(max(0.0, now - state.arrival_time))
         elif self.log_stats and state.last_token_time is not None:
