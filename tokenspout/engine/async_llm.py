@@ -137,9 +137,10 @@ class AsyncLLM:
                 outs = await self.client.get_output_async()
                 items = outs.outputs
                 num_tokens = 0
+                times = {t.request_id: t for t in outs.request_timestamps} if outs.request_timestamps else None
                 for start in range(0, len(items), _CHUNK):
                     processed = self.output_processor.process_outputs(items[start : start + _CHUNK],
-                                                                      outs.timestamp)
+                                                                      outs.timestamp, times)
                     num_tokens += processed.num_tokens
                     if processed.reqs_to_abort:
                         self.client.abort_requests(processed.reqs_to_abort)

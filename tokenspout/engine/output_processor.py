@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from tokenspout.engine.detokenizer import TokenTexts
 from tokenspout.engine.exceptions import EngineDeadError
-from tokenspout.engine.messages import EngineCoreOutput, EngineCoreRequest
+from tokenspout.engine.messages import EngineCoreOutput, EngineCoreRequest, RequestTimestamps
 from tokenspout.engine.parallel_sampling import ParentRequest, RequestOutputCollector
 from tokenspout.engine.request_state import RequestState
 from tokenspout.outputs import RequestOutput
@@ -92,10 +92,12 @@ class OutputProcessor:
 
     # ---- outputs in --------------------------------------------------------------------------------------------
 
-    def process_outputs(self, outputs: Iterable[EngineCoreOutput],
-                        engine_timestamp: float | None = None) -> OutputProcessorOutput:
+    def process_outputs(self, outputs: Iterable[EngineCoreOutput], engine_timestamp: float | None = None,
+                        request_timestamps: Mapping[str, RequestTimestamps] | None = None) -> OutputProcessorOutput:
         """Consumes one batch of engine outputs.  `engine_timestamp` (any clock) times inter-token latency;
-        TTFT and end-to-end latency use time.time() against the request's arrival_time."""
+        TTFT and end-to-end latency use time.time() against the request's arrival_time.  `request_timestamps`
+        (engine id -> when the engine core queued / first scheduled it, on the clock of `engine_timestamp`) feed
+        the requests' queue / prefill / decode / inference times."""
         result = OutputProcessorOutput(request_outputs=self._pending)
         self._pending = []
         now = time.time()
@@ -110,6 +112,8 @@ class OutputProcessor:
                 self.stats.num_prompt_tokens += len(state.prompt_token_ids)
                 result.num_tokens += len(state.prompt_token_ids)
             result.num_tokens += len(out.new_token_ids)
+            if request_timestamps is not None and (ts := request_timestamps.get(out.request_id)) is not None:
+                state.queued_ts, state.scheduled_ts = ts.queued_ts, ts.scheduled_ts
             self._record_latency(state, out, now, step_time, engine_timestamp)
             kept, wasted = state.apply(out)
             self.stats.num_generation_tokens += kept
@@ -126,8 +130,6 @@ class OutputProcessor:
 
     def _record_latency(self, state: RequestState, out: EngineCoreOutput, now: float, step_time: float,
                         engine_timestamp: float | None) -> None:
-        if out.scheduled_ts:  # the request's first output carries when the engine core queued and scheduled it
-            state.queued_ts, state.scheduled_ts = out.queued_ts, out.scheduled_ts
         if not out.new_token_ids:
             return
         if state.first_token_time is None:
