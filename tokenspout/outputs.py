@@ -17,6 +17,21 @@ PositionLogprobs = dict[int, Logprob]
 
 
 @dataclass(slots=True)
+class RequestMetrics:
+    """Timings of one engine request (one choice), on its final CompletionOutput (vLLM's RequestOutput.metrics).
+    Each is a difference on one clock: `first_token_latency` on the frontend's (arrival to first token processed),
+    the phases on the engine core's (queued -> first scheduled -> first token -> last token); None when unknown
+    (e.g. no token was produced)."""
+
+    first_token_latency: float | None = None
+    queued_time: float | None = None  # queued in the engine core until first scheduled
+    prefill_time: float | None = None  # first scheduled until the first token
+    decode_time: float | None = None  # first token until the last
+    inference_time: float | None = None  # first scheduled until the last token (prefill + decode)
+    max_tokens_param: int | None = None  # the request's effective max_tokens
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     index: int  # choice index (0 .. n-1)
     text: str
@@ -25,6 +40,7 @@ class CompletionOutput:
     logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended the choice
+    metrics: RequestMetrics | None = field(default=None, compare=False)  # set once the choice finished
 
     @property
     def finished(self) -> bool:

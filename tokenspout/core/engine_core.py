@@ -110,7 +110,8 @@ class EngineCore:
         else:
             outputs = self._step_async()
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.stats(),
-                                 timestamp=time.monotonic())
+                                 timestamp=time.monotonic(),
+                                 request_timestamps=self.scheduler.take_request_timestamps())
 
     def _step_async(self) -> list[EngineCoreOutput]:
         """Async scheduling: schedules and prepares step N+1 while step N runs on the stepper thread, then takes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 
 from tokenspout.engine.messages import EngineCoreRequest
 from tokenspout.sampling_params import SamplingParams
@@ -37,7 +38,9 @@ class Request:
         "num_preemptions",
         "num_prompt_tokens",
         "params",
+        "queued_ts",
         "request_id",
+        "scheduled_ts",
         "seed",
         "spec_backoff",
         "spec_ema",
@@ -55,6 +58,10 @@ class Request:
         self.request_id = req.request_id
         self.params: SamplingParams = req.sampling_params
         self.arrival_time = req.arrival_time
+        # Engine-core clock (time.monotonic()) when it was queued here and when first scheduled (0: not yet; a
+        # resumption after preemption keeps the first), reported with its first output (metrics).
+        self.queued_ts = time.monotonic()
+        self.scheduled_ts = 0.0
         self.num_prompt_tokens = len(req.prompt_token_ids)
         self.token_ids: list[int] = list(req.prompt_token_ids)
         self.num_computed_tokens = 0

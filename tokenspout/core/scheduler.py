@@ -13,13 +13,14 @@ known tokens still lack KV", scheduled under a token budget every step.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from tokenspout.config import SchedulerConfig
 from tokenspout.core.kv_cache_manager import BlockAsk, KVCacheManager
 from tokenspout.core.request import Request, RequestStatus
-from tokenspout.engine.messages import EngineCoreOutput, SchedulerStats, TokenLogprobs
+from tokenspout.engine.messages import EngineCoreOutput, RequestTimestamps, SchedulerStats, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._removed: list[str] = []
         self._early_outputs: list[EngineCoreOutput] = []  # requests ended by the scheduler itself
+        self._first_outputs: list[RequestTimestamps] = []  # requests that got their first token (metrics)
         self.num_preemptions = 0
         # Set by the engine core when structured output is in use: a waiting request whose grammar is still
         # compiling is skipped (others go ahead), and grammars are advanced / ended with the tokens.
@@ -210,6 +212,8 @@ class Scheduler:
                     break
                 self._record_hits(req)
                 self.waiting.popleft()
+                if not req.scheduled_ts:
+                    req.scheduled_ts = time.monotonic()
                 req.status = RequestStatus.RUNNING
                 if req.companion is not None:
                     req.companion.status = RequestStatus.RUNNING
@@ -377,12 +381,21 @@ class Scheduler:
             out = EngineCoreOutput(req.request_id, accepted,
                                    new_logprobs=lps[: len(accepted)] if lps else None,
                                    num_cached_tokens=req.num_cached_tokens)
+            if req.num_tokens - len(accepted) == req.num_prompt_tokens:  # its first output: when it queued, ran
+                self._first_outputs.append(RequestTimestamps(req.request_id, req.queued_ts, req.scheduled_ts))
             if status is not None:
                 out.finish_reason = status.value
                 out.stop_reason = req.stop_reason
                 self._finish(req, status)
             outputs.append(out)
         return outputs
+
+    def take_request_timestamps(self) -> list[RequestTimestamps] | None:
+        """Timestamps of the requests whose first output was made since the last call (None: none)."""
+        if not self._first_outputs:
+            return None
+        out, self._first_outputs = self._first_outputs, []
+        return out
 
     def _advance_grammar(self, req: Request, tok: int, status: RequestStatus | None):
         so = self.structured

@@ -56,6 +56,7 @@ class AsyncLLM:
         self.scheduler_stats = SchedulerStats(num_total_blocks=info.num_kv_blocks,
                                               num_free_blocks=info.num_kv_blocks)
         self.stats_listeners: list = []  # callables(AsyncLLM) run after each batch of outputs (metrics)
+        self.last_batch_num_tokens = 0  # tokens of the last batch of outputs (prompts done + generated), for them
         self._handler: asyncio.Task | None = None
         self._dead: str | None = None
 
@@ -112,6 +113,14 @@ class AsyncLLM:
                 "prefix_cache_queries": st.prefix_cache_queries, "prefix_cache_hits": st.prefix_cache_hits,
                 "num_wasted_tokens": self.output_processor.stats.num_wasted_tokens}
 
+    def get_cache_config_info(self) -> dict[str, str]:
+        """The KV-cache configuration as vLLM's `cache_config_info` labels.  The KV blocks live in CPU memory here,
+        but they are the blocks vLLM's CPU backend also reports as num_gpu_blocks (num_cpu_blocks is swap: none)."""
+        cache = self.config.cache
+        return {"block_size": str(cache.block_size), "cache_dtype": cache.kv_cache_dtype,
+                "enable_prefix_caching": str(cache.enable_prefix_caching), "num_gpu_blocks": str(self.num_kv_blocks),
+                "num_cpu_blocks": "0"}
+
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()
 
@@ -135,13 +144,17 @@ class AsyncLLM:
             while True:
                 outs = await self.client.get_output_async()
                 items = outs.outputs
+                num_tokens = 0
+                times = {t.request_id: t for t in outs.request_timestamps} if outs.request_timestamps else None
                 for start in range(0, len(items), _CHUNK):
                     processed = self.output_processor.process_outputs(items[start : start + _CHUNK],
-                                                                      outs.timestamp)
+                                                                      outs.timestamp, times)
+                    num_tokens += processed.num_tokens
                     if processed.reqs_to_abort:
                         self.client.abort_requests(processed.reqs_to_abort)
                     if start + _CHUNK < len(items):
                         await asyncio.sleep(0)
+                self.last_batch_num_tokens = num_tokens
                 if outs.scheduler_stats is not None:
                     self.scheduler_stats = outs.scheduler_stats
                 for listener in self.stats_listeners:

@@ -164,7 +164,8 @@ class LLM:
     def _run(self, pending: set[str]) -> Iterator[RequestOutput]:
         while pending:
             outs = self.client.get_output()
-            processed = self.output_processor.process_outputs(outs.outputs, outs.timestamp)
+            times = {t.request_id: t for t in outs.request_timestamps} if outs.request_timestamps else None
+            processed = self.output_processor.process_outputs(outs.outputs, outs.timestamp, times)
             self.client.abort_requests(processed.reqs_to_abort)
             for ro in processed.request_outputs:
                 yield ro

@@ -57,12 +57,26 @@ class SchedulerStats(msgspec.Struct, array_like=True, omit_defaults=True):
     prefix_cache_hits: int = 0
 
 
+class RequestTimestamps(msgspec.Struct, array_like=True):
+    """When the engine core queued a request (added it) and first scheduled it, on the engine core's clock
+    (time.monotonic() in its process), for the queue / prefill / decode / inference-time metrics (vLLM sends the
+    same as engine-core events).  The frontend subtracts them from one another and from EngineCoreOutputs'
+    `timestamp` (the same clock), never from its own clock."""
+
+    request_id: str
+    queued_ts: float
+    scheduled_ts: float
+
+
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     outputs: list[EngineCoreOutput] = []
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = 0.0
     # Set when the engine core hit a fatal error; the frontend fails every in-flight request.
     engine_error: str | None = None
+    # Timestamps of the requests whose first output is in this batch.  Per batch, not per output: msgspec encodes
+    # every field of an array-like struct, so a field on EngineCoreOutput would cost bytes on every token.
+    request_timestamps: list[RequestTimestamps] | None = None
 
 
 class EngineCoreAbort(msgspec.Struct, array_like=True):

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from tokenspout.engine.detokenizer import TokenTexts
 from tokenspout.engine.exceptions import EngineDeadError
-from tokenspout.engine.messages import EngineCoreOutput, EngineCoreRequest
+from tokenspout.engine.messages import EngineCoreOutput, EngineCoreRequest, RequestTimestamps
 from tokenspout.engine.parallel_sampling import ParentRequest, RequestOutputCollector
 from tokenspout.engine.request_state import RequestState
 from tokenspout.outputs import RequestOutput
@@ -36,6 +36,9 @@ __all__ = ["EngineDeadError", "FrontendStats", "OutputProcessor", "OutputProcess
 class OutputProcessorOutput:
     request_outputs: list[RequestOutput] = field(default_factory=list)  # only for requests without a queue
     reqs_to_abort: list[str] = field(default_factory=list)  # engine ids finished here by a stop string
+    # Tokens of this batch, as vLLM counts an engine step's (iteration_tokens_total): the prompts of requests that
+    # got their first output, plus the tokens generated.
+    num_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -89,10 +92,12 @@ class OutputProcessor:
 
     # ---- outputs in --------------------------------------------------------------------------------------------
 
-    def process_outputs(self, outputs: Iterable[EngineCoreOutput],
-                        engine_timestamp: float | None = None) -> OutputProcessorOutput:
+    def process_outputs(self, outputs: Iterable[EngineCoreOutput], engine_timestamp: float | None = None,
+                        request_timestamps: Mapping[str, RequestTimestamps] | None = None) -> OutputProcessorOutput:
         """Consumes one batch of engine outputs.  `engine_timestamp` (any clock) times inter-token latency;
-        TTFT and end-to-end latency use time.time() against the request's arrival_time."""
+        TTFT and end-to-end latency use time.time() against the request's arrival_time.  `request_timestamps`
+        (engine id -> when the engine core queued / first scheduled it, on the clock of `engine_timestamp`) feed
+        the requests' queue / prefill / decode / inference times."""
         result = OutputProcessorOutput(request_outputs=self._pending)
         self._pending = []
         now = time.time()
@@ -105,7 +110,11 @@ class OutputProcessor:
                 continue
             if state.first_token_time is None and (out.new_token_ids or out.finished):
                 self.stats.num_prompt_tokens += len(state.prompt_token_ids)
-            self._record_latency(state, out, now, step_time)
+                result.num_tokens += len(state.prompt_token_ids)
+            result.num_tokens += len(out.new_token_ids)
+            if request_timestamps is not None and (ts := request_timestamps.get(out.request_id)) is not None:
+                state.queued_ts, state.scheduled_ts = ts.queued_ts, ts.scheduled_ts
+            self._record_latency(state, out, now, step_time, engine_timestamp)
             kept, wasted = state.apply(out)
             self.stats.num_generation_tokens += kept
             self.stats.num_wasted_tokens += wasted
@@ -119,11 +128,13 @@ class OutputProcessor:
         self._emit_parents(touched, result.request_outputs)
         return result
 
-    def _record_latency(self, state: RequestState, out: EngineCoreOutput, now: float, step_time: float) -> None:
+    def _record_latency(self, state: RequestState, out: EngineCoreOutput, now: float, step_time: float,
+                        engine_timestamp: float | None) -> None:
         if not out.new_token_ids:
             return
         if state.first_token_time is None:
             state.first_token_time = now
+            state.first_token_ts = engine_timestamp
             if self.log_stats and state.arrival_time > 0:
                 self.stats.ttft_s.append(max(0.0, now - state.arrival_time))
         elif self.log_stats and state.last_token_time is not None:

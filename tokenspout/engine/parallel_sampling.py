@@ -38,6 +38,8 @@ def merge_delta(into: CompletionOutput, new: CompletionOutput) -> None:
     into.cumulative_logprob = new.cumulative_logprob
     into.finish_reason = new.finish_reason
     into.stop_reason = new.stop_reason
+    if new.metrics is not None:
+        into.metrics = new.metrics
 
 
 class ParentRequest:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from tokenspout.engine.detokenizer import IncrementalDetokenizer, TokenTexts
 from tokenspout.engine.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
 from tokenspout.engine.stop_checker import StopChecker
-from tokenspout.outputs import CompletionOutput, Logprob, PositionLogprobs
+from tokenspout.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics
 from tokenspout.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:
@@ -33,6 +33,7 @@ class RequestState:
         self.prompt_token_ids = request.prompt_token_ids
         self.arrival_time = request.arrival_time
         self.output_kind = params.output_kind
+        self.max_tokens = params.max_tokens
         self.min_tokens = params.min_tokens
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.stop_token_ids = params.all_stop_token_ids  # EOS (unless ignore_eos) and stop_token_ids
@@ -51,8 +52,13 @@ class RequestState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
-        self.first_token_time: float | None = None
-        self.last_token_time: float | None = None
+        self.first_token_time: float | None = None  # frontend clock (time.time()), like arrival_time
+        self.last_token_time: float | None = None  # the engine's step timestamp when the caller passes them
+        # Engine-core clock: queued, first scheduled (from the first output) and the first token's step timestamp
+        # (None when the caller passed no engine timestamp: then the phases are unknown).
+        self.queued_ts = 0.0
+        self.scheduled_ts = 0.0
+        self.first_token_ts: float | None = None
         # DELTA bookkeeping: how much text / how many tokens the consumer has already been given.
         self._sent_text = 0
         self._sent_tokens = 0
@@ -142,4 +148,19 @@ class RequestState:
             if logprobs is not None:
                 logprobs = list(logprobs)
         return CompletionOutput(self.index, text, token_ids, self.cumulative_logprob, logprobs,
-                                self.finish_reason, self.stop_reason)
+                                self.finish_reason, self.stop_reason,
+                                self.request_metrics() if finished else None)
+
+    def request_metrics(self) -> RequestMetrics:
+        """The request's timings so far: each a difference of two times taken on the same clock."""
+        m = RequestMetrics(max_tokens_param=self.max_tokens)
+        if self.first_token_time is not None and self.arrival_time > 0:
+            m.first_token_latency = max(0.0, self.first_token_time - self.arrival_time)
+        sched, first, last = self.scheduled_ts, self.first_token_ts, self.last_token_time
+        if sched and first is not None and last is not None:
+            if self.queued_ts:
+                m.queued_time = max(0.0, sched - self.queued_ts)
+            m.prefill_time = max(0.0, first - sched)
+            m.decode_time = max(0.0, last - first)
+            m.inference_time = m.prefill_time + m.decode_time
+        return m

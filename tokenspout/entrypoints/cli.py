@@ -115,6 +115,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _metrics_prefix(value: str) -> str:
+    from tokenspout.metrics import check_prefix
+
+    try:
+        return check_prefix(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from tokenspout.engine.core_client import AsyncMPClient
     from tokenspout.engine.llm import build_engine_config
@@ -128,7 +137,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from tokenspout.entrypoints.openai.api_server import run_server
 
         run_server(lambda: AsyncLLM(config, client=client), host=args.host, port=args.port,
-                   **server_app_options(args))
+                   metrics_prefix=args.metrics_prefix, **server_app_options(args))
     finally:
         client.shutdown()  # a no-op when the server has shut the engine down
     return 0
@@ -143,6 +152,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     add_server_args(s)
+    s.add_argument("--metrics-prefix", type=_metrics_prefix, default="tokenspout",
+                   help="prefix of the /metrics families (vllm: vLLM's names, for its Grafana dashboards)")
     s.set_defaults(func=cmd_serve)
     g = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
     add_engine_args(g)

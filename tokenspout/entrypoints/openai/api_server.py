@@ -43,7 +43,7 @@ from tokenspout.entrypoints.openai.serving_common import EngineClient
 from tokenspout.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenspout.entrypoints.openai.serving_tokenization import install_tokenization_routes
 from tokenspout.entrypoints.openai.sse import ClientDisconnected, SSEResponse, run_until_disconnect
-from tokenspout.metrics import PROMETHEUS_CONTENT_TYPE, ServerMetrics
+from tokenspout.metrics import DEFAULT_PREFIX, PROMETHEUS_CONTENT_TYPE, ServerMetrics, check_prefix
 from tokenspout.platform import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
@@ -71,10 +71,13 @@ def _is_engine(obj: Any) -> bool:
     return not isinstance(obj, type) and hasattr(obj, "generate")  # else a factory (a class, function, partial)
 
 
-def _install(app: FastAPI, engine: EngineClient, metrics: ServerMetrics | None, record_request_metrics: bool) -> None:
+def _install(app: FastAPI, engine: EngineClient, metrics: ServerMetrics | None, record_request_metrics: bool,
+             metrics_prefix: str = DEFAULT_PREFIX) -> None:
     if metrics is None:  # share the engine frontend's metrics object when it has one
         engine_metrics = getattr(engine, "metrics", None)
-        metrics = engine_metrics if isinstance(engine_metrics, ServerMetrics) else ServerMetrics(engine.model_name)
+        metrics = engine_metrics if isinstance(engine_metrics, ServerMetrics) else ServerMetrics(
+            engine.model_name, prefix=metrics_prefix, max_model_len=getattr(engine, "max_model_len", None))
+    app.state.detach_metrics = metrics.attach_engine(engine)
     request_metrics = metrics if record_request_metrics else None
     app.state.server = ServerState(
         engine, metrics, OpenAIServingChat(engine, request_metrics), OpenAIServingCompletion(engine, request_metrics)
@@ -101,31 +104,36 @@ def build_app(
     allowed_methods: Sequence[str] = ("*",),
     allowed_headers: Sequence[str] = ("*",),
     allow_credentials: bool = False,
+    metrics_prefix: str = DEFAULT_PREFIX,
 ) -> FastAPI:
     """`engine`: a constructed AsyncLLM (or anything meeting EngineClient), or a zero-argument factory called in
     the server's event loop at startup (for engines that bind to the running loop).  `owns_engine` (default: True
     for a factory, False for an instance): call engine.shutdown() when the server stops.  `metrics`: defaults to
     `engine.metrics` when that is a ServerMetrics, else a fresh one.  `record_request_metrics=False` when the engine
     frontend records request-level metrics itself.  `api_key` (one or several; None: open) and the CORS settings
-    (`allowed_origins` None: no CORS): see middleware.install_middleware."""
+    (`allowed_origins` None: no CORS): see middleware.install_middleware.  `metrics_prefix`: the families' prefix
+    ("vllm" for vLLM's dashboards) when the metrics object is made here."""
+    check_prefix(metrics_prefix)  # a bad prefix fails here, not at the server's start
     factory = None if _is_engine(engine) else engine
     owns = owns_engine if owns_engine is not None else factory is not None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if factory is not None:
-            _install(app, factory(), metrics, record_request_metrics)  # type: ignore[operator]
+            _install(app, factory(), metrics, record_request_metrics, metrics_prefix)  # type: ignore[operator]
         freeze_startup_heap()
         try:
             yield
         finally:
+            if hasattr(app.state, "detach_metrics"):
+                app.state.detach_metrics()
             if owns and hasattr(app.state, "server"):
                 logger.info("shutting down the engine")
                 app.state.server.engine.shutdown()
 
     app = FastAPI(title="tokenspout", lifespan=lifespan)
     if factory is None:
-        _install(app, engine, metrics, record_request_metrics)  # type: ignore[arg-type]
+        _install(app, engine, metrics, record_request_metrics, metrics_prefix)  # type: ignore[arg-type]
 
     def state(request: Request) -> ServerState:
         return request.app.state.server
@@ -220,11 +228,12 @@ def run_server(
     metrics: ServerMetrics | None = None,
     log_level: str = "info",
     access_log: bool = True,
+    metrics_prefix: str = DEFAULT_PREFIX,
     **app_options: Any,
 ) -> None:
     """Serves until interrupted; the server owns the engine and shuts it down on exit.  `app_options`: build_app's
     api_key / CORS keywords."""
-    app = build_app(engine, metrics=metrics, owns_engine=True, **app_options)
+    app = build_app(engine, metrics=metrics, owns_engine=True, metrics_prefix=metrics_prefix, **app_options)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log)
     logger.info("serving on http://%s:%d/v1", host, port)
     uvicorn.Server(config).run()

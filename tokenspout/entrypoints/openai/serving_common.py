@@ -15,8 +15,8 @@ import anyio
 
 from tokenspout.engine.exceptions import EngineDeadError
 from tokenspout.entrypoints.openai.protocol import OpenAIServingError, PromptTokensDetails, UsageInfo
-from tokenspout.metrics import RequestTimer, ServerMetrics
-from tokenspout.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
+from tokenspout.metrics import FinishedChoice, RequestTimer, ServerMetrics
+from tokenspout.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from tokenspout.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ async def merge_outputs(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterat
 class ChoiceState:
     """One choice of one prompt, accumulated from the engine's outputs (text only when asked to keep it)."""
 
-    __slots__ = ("finish_reason", "logprobs", "num_tokens", "stop_reason", "text_parts", "token_ids")
+    __slots__ = ("finish_reason", "logprobs", "metrics", "num_tokens", "stop_reason", "text_parts", "token_ids")
 
     def __init__(self) -> None:
         self.text_parts: list[str] = []
@@ -143,6 +143,7 @@ class ChoiceState:
         self.logprobs: list[PositionLogprobs] = []
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.metrics: RequestMetrics | None = None  # the engine's timings, on the choice's final output
 
     @property
     def text(self) -> str:
@@ -170,7 +171,8 @@ class PromptState:
             self._add(self.choices[c.index], c)
             any_tokens = any_tokens or bool(c.token_ids)
         if any_tokens:
-            # Only a stream's outputs are timed per token; FINAL_ONLY's single output says nothing about TTFT.
+            # Only a stream's outputs are timed per token; FINAL_ONLY's single output says nothing about TTFT (its
+            # TTFT is the engine frontend's first-token latency, on the final output: see RequestTimer.finish).
             self.timer.on_tokens(timed=self.kind == RequestOutputKind.DELTA)
         if out.finished:
             self.finish("abort")
@@ -190,6 +192,8 @@ class PromptState:
                 st.logprobs = list(c.logprobs or ())
         if c.finish_reason is not None:
             st.finish_reason, st.stop_reason = c.finish_reason, c.stop_reason
+        if c.metrics is not None:
+            st.metrics = c.metrics
 
     @property
     def prompt_tokens(self) -> int:
@@ -201,9 +205,10 @@ class PromptState:
 
     def finish(self, default_reason: str) -> None:
         """Records the request in the metrics; choices without a finish reason get `default_reason`."""
-        self.timer.finish(
-            [c.finish_reason or default_reason for c in self.choices], self.prompt_tokens, self.completion_tokens
-        )
+        if self.timer.finished:
+            return
+        done = [FinishedChoice(c.finish_reason or default_reason, c.num_tokens, c.metrics) for c in self.choices]
+        self.timer.finish([c.finish_reason for c in done], self.prompt_tokens, self.completion_tokens, done)
 
     def discard(self) -> None:
         """The engine rejected the request: it never ran, so it is not a finished request."""
