@@ -134,6 +134,8 @@ class _SamplingRequest(_Lenient):
     # classifier-free guidance
     guidance_scale: float = 1.0
     negative_prompt: str | None = None
+    # vLLM extra: logprobs of the prompt tokens (+ top-N), in the response's prompt_logprobs
+    prompt_logprobs: int | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -152,7 +154,15 @@ class _SamplingRequest(_Lenient):
                 ) from None
         return ids
 
-    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, stream: bool) -> SamplingParams:
+    def _user_prompt_logprobs(self) -> int | None:
+        """prompt_logprobs as sent; as vLLM, a stream cannot carry them (its chunks have no place for them)."""
+        k = self.prompt_logprobs
+        if k is not None and self.stream and (k > 0 or k == -1):
+            raise OpenAIServingError("prompt_logprobs are not available when stream=true", param="prompt_logprobs")
+        return k
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, stream: bool,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         def pick(value: Any, default: Any) -> Any:
             return default if value is None else value
 
@@ -175,6 +185,7 @@ class _SamplingRequest(_Lenient):
                 ignore_eos=self.ignore_eos,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 logit_bias=self._logit_bias_ids(),
                 allowed_token_ids=self.allowed_token_ids,
                 bad_words=self.bad_words,
@@ -212,6 +223,7 @@ class ChatCompletionRequest(_SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False  # the reply starts with the last message's content when it has the reply's role
 
     def template_messages(self) -> list[dict[str, str]]:
         """Messages as the chat template wants them: content flattened to a string."""
@@ -251,7 +263,8 @@ class ChatCompletionRequest(_SamplingRequest):
         use_completion = self.max_completion_tokens is not None
         try:
             return self._sampling_params(
-                self.max_completion_tokens if use_completion else self.max_tokens, logprobs, bool(self.stream)
+                self.max_completion_tokens if use_completion else self.max_tokens, logprobs, bool(self.stream),
+                self._user_prompt_logprobs(),
             )
         except OpenAIServingError as e:
             if use_completion and e.param == "max_tokens":  # name the field the client actually sent
@@ -298,7 +311,23 @@ class CompletionRequest(_SamplingRequest):
             raise OpenAIServingError("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise OpenAIServingError("best_of is not supported (it must equal n)", param="best_of")
-        return self._sampling_params(self.max_tokens, self.logprobs, bool(self.stream))
+        return self._sampling_params(self.max_tokens, self.logprobs, bool(self.stream), self._prompt_logprobs())
+
+    def _prompt_logprobs(self) -> int | None:
+        """vLLM's rule: echo scores the prompt with `logprobs` alternatives unless prompt_logprobs says otherwise.
+        echo with max_tokens 0 returns the prompt alone: it scores with 0 alternatives (the cheapest), since a
+        request that generates nothing must at least score its prompt."""
+        k = self._user_prompt_logprobs()
+        if k is None and self.echo:
+            k = self.logprobs
+            if k is None and self.max_tokens == 0:
+                k = 0
+        return k
+
+    @property
+    def shows_prompt_logprobs(self) -> bool:
+        """Whether choices carry prompt_logprobs: asked for, or echo with logprobs (as vLLM)."""
+        return self.prompt_logprobs is not None or (self.echo and self.logprobs is not None)
 
 
 def to_sampling_params(request: ChatCompletionRequest | CompletionRequest) -> SamplingParams:
@@ -346,6 +375,18 @@ def _now() -> int:
     return int(time.time())
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob of one token at one prompt position (rank 1 = most likely)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One entry per prompt token (the first null): token id (as a string) -> its logprob.
+PromptLogprobsJSON = list[dict[str, PromptLogprob] | None]
+
+
 class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -354,6 +395,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
     system_fingerprint: str | None = None
+    prompt_logprobs: PromptLogprobsJSON | None = None  # vLLM: top level for chat
 
 
 class DeltaMessage(BaseModel):
@@ -384,7 +426,7 @@ class ChatCompletionChunk(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """The legacy format.  Echoed prompt tokens have null logprobs (prompt logprobs are not computed)."""
+    """The legacy format.  With echo the prompt's tokens come first, scored (the first one null, as OpenAI)."""
 
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -398,6 +440,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobsJSON | None = None  # vLLM: per choice for completions
 
 
 class CompletionResponse(BaseModel):
