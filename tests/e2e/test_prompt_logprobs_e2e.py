@@ -170,3 +170,16 @@ def test_bad_requests_are_400(client, model, body, api):
                                                stream=stream, extra_body=body, **kw)
         list(r) if stream else None
     assert e.value.status_code == 400 and e.value.body["param"] == field
+
+
+def test_n_choices_share_the_prompt_logprobs(client, model, ref):
+    """n > 1: the prompt is scored once (by the first choice) and every choice carries it."""
+    ids, lsm = ref
+    r = client.completions.create(model=model, prompt=PROMPT, max_tokens=2, n=2, temperature=1.0, seed=3,
+                                  echo=True, logprobs=1)
+    assert len(r.choices) == 2
+    plps = [c.model_extra["prompt_logprobs"] for c in r.choices]
+    assert plps[0] == plps[1]
+    _check_prompt_logprobs(plps[0], ids, lsm, 1)
+    for c in r.choices:
+        assert c.logprobs.token_logprobs[0] is None and None not in c.logprobs.token_logprobs[1:]
