@@ -12,7 +12,7 @@ class Logprob:
     decoded_token: str | None = None
 
 
-# One generated position: token id -> Logprob (the sampled token first, then the top-N).
+# One position: token id -> Logprob (the sampled, or for prompt logprobs the prompt's, token first, then the top-N).
 PositionLogprobs = dict[int, Logprob]
 
 
@@ -58,3 +58,6 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: one entry per prompt token, the first None (nothing precedes it).  With DELTA
+    # only the first output carries them.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None

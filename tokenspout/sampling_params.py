@@ -66,6 +66,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-N logprobs per generated token (0: only the sampled token's)
+    # Logprobs of the prompt's tokens (each given the tokens before it) and their top-N alternatives, computed on
+    # the prefill's own logits (0: only the prompt token's).  Such a request takes no prefix-cache hits.
+    prompt_logprobs: int | None = None
     logprobs_mode: str = "raw_logprobs"  # or "processed_logprobs" (after penalties/temperature/top-k/top-p)
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
@@ -123,8 +126,16 @@ class SamplingParams:
             raise bad("frequency_penalty", "in [-2, 2]", self.frequency_penalty)
         if not 0.0 < self.repetition_penalty <= 2.0:
             raise bad("repetition_penalty", "in (0, 2]", self.repetition_penalty)
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", "an integer >= 1", self.max_tokens)
+        if self.prompt_logprobs is not None:
+            if self.prompt_logprobs == -1:
+                raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got -1: -1 (the whole vocabulary) "
+                                 "is not supported, it would send vocab_size logprobs per prompt token to the frontend")
+            if not isinstance(self.prompt_logprobs, int) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+                raise bad("prompt_logprobs", f"in [0, {MAX_LOGPROBS}]", self.prompt_logprobs)
+        # max_tokens 0 scores the prompt and generates nothing (a loglikelihood eval): only with prompt_logprobs.
+        min_max_tokens = 0 if self.prompt_logprobs is not None else 1
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < min_max_tokens):
+            raise bad("max_tokens", "an integer >= 1 (0 only with prompt_logprobs)", self.max_tokens)
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", "an integer >= 0", self.min_tokens)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:

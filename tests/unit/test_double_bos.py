@@ -16,6 +16,7 @@ from collections.abc import Mapping
 import pytest
 from starlette.testclient import TestClient
 
+from tokenspout.config import EngineConfig
 from tokenspout.engine.async_llm import AsyncLLM
 from tokenspout.engine.llm import LLM
 from tokenspout.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
@@ -144,6 +145,7 @@ def fake_async_llm(hf) -> AsyncLLM:
     llm.processor = make_processor(hf)
     llm.output_processor = OutputProcessor(hf, log_stats=True)
     llm.scheduler_stats, llm.stats_listeners, llm._handler, llm._dead = SchedulerStats(), [], None, None
+    llm.config, llm.default_sampling_params = EngineConfig(), {}
     return llm
 
 

@@ -138,9 +138,10 @@ def test_iteration_tokens_and_gpu_cache_alias():
 
 def test_request_timestamps_travel_per_batch_not_per_output():
     enc = msgspec.msgpack.encode
-    # An output encodes exactly the fields it had before (msgspec writes every field of an array-like struct, so a
-    # timestamp there would cost bytes on every token); a batch without first outputs adds one nil.
-    assert enc(EngineCoreOutput("r", [1, 2])) == enc(["r", [1, 2], None, None, None, 0])
+    # An output carries no timestamps (msgspec writes every field of an array-like struct, so a timestamp there
+    # would cost bytes on every token; the last nil is the prompt_logprobs slot); a batch without first outputs adds
+    # one nil.
+    assert enc(EngineCoreOutput("r", [1, 2])) == enc(["r", [1, 2], None, None, None, 0, None])
     assert enc(EngineCoreOutputs([], timestamp=1.0)) == enc([[], None, 1.0, None, None])
     batch = EngineCoreOutputs([EngineCoreOutput("r", [1])], timestamp=11.0,
                               request_timestamps=[RequestTimestamps("r", 10.0, 10.5)])

@@ -39,6 +39,7 @@ class Request:
         "num_prompt_tokens",
         "params",
         "queued_ts",
+        "prompt_lp_next",
         "request_id",
         "scheduled_ts",
         "seed",
@@ -82,6 +83,10 @@ class Request:
         self.max_len = total  # the request ends ("length") when it holds this many tokens
         self.stop_ids = self.params.all_stop_token_ids
         self.num_preemptions = 0
+        # Prompt logprobs: the first prompt position whose logits are still to be scored and sent (positions
+        # 0 .. num_prompt_tokens - 2 score the next prompt token; the last one samples).  Kept across preemption,
+        # so a recomputed prefill does not send its prompt logprobs twice.
+        self.prompt_lp_next = 0 if self.params.prompt_logprobs is not None else self.num_prompt_tokens
         # Speculative decoding: drafts proposed for the next step, and this request's acceptance so far.
         # Classifier-free guidance: the unconditional companion sequence (its own tokens and KV blocks), scheduled
         # together with this request; it never samples and takes this request's tokens.
@@ -96,6 +101,11 @@ class Request:
         self.spec_backoff = 0
         self.spec_probe = False
         self.spec_shadow = None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt positions still to score (never for a CFG companion, which shares its request's params)."""
+        return not self.is_companion and self.prompt_lp_next < self.num_prompt_tokens - 1
 
     @property
     def num_tokens(self) -> int:

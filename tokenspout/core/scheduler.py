@@ -20,7 +20,13 @@ from dataclasses import dataclass, field
 from tokenspout.config import SchedulerConfig
 from tokenspout.core.kv_cache_manager import BlockAsk, KVCacheManager
 from tokenspout.core.request import Request, RequestStatus
-from tokenspout.engine.messages import EngineCoreOutput, RequestTimestamps, SchedulerStats, TokenLogprobs
+from tokenspout.engine.messages import (
+    EngineCoreOutput,
+    PromptLogprobs,
+    RequestTimestamps,
+    SchedulerStats,
+    TokenLogprobs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +46,7 @@ class ScheduledRequest:
     # model runner takes from that step's output without a trip through Python).
     token_ids: list[int]
     placeholder: bool
+    prompt_lp: tuple[int, int] | None = None  # prompt positions [lo, hi) whose logits this step scores
 
 
 @dataclass(slots=True)
@@ -61,6 +68,7 @@ class ModelRunnerOutput:
 
     sampled: dict[str, list[int]]
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # the prompt tokens scored this step
 
 
 class Scheduler:
@@ -281,7 +289,9 @@ class Scheduler:
         for i, seq in enumerate((req,) if req.companion is None else (req, req.companion)):
             if seq.num_computed_tokens:
                 raise RuntimeError(f"waiting sequence {seq.request_id} has computed tokens without blocks")
-            hits[i] = self.kv.find_cached(seq)
+            # Cached positions are not computed, so they could not be scored: a request that still wants prompt
+            # logprobs takes no hit (as vLLM).  Its own blocks are still recorded for others.
+            hits[i] = [] if seq.wants_prompt_logprobs else self.kv.find_cached(seq)
             seq.num_computed_tokens = len(hits[i]) * self.kv.block_size
         return hits
 
@@ -336,7 +346,11 @@ class Scheduler:
             raise RuntimeError(f"{req.request_id}: more than one input token unknown (scheduler bug)")
         req.num_inflight_tokens += num_new
         req.num_placeholders += samples
-        return ScheduledRequest(req, num_new, samples, drafts, start, tokens, placeholder)
+        prompt_lp = None
+        if req.wants_prompt_logprobs:
+            lo, hi = max(start, req.prompt_lp_next), min(end, req.num_prompt_tokens - 1)
+            prompt_lp = (lo, hi) if lo < hi else None
+        return ScheduledRequest(req, num_new, samples, drafts, start, tokens, placeholder, prompt_lp)
 
     # ---- after the model ran -------------------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
@@ -351,9 +365,20 @@ class Scheduler:
             if req.is_companion:
                 self.kv.cache_full_blocks(req)
                 continue  # it takes the tokens its guided request samples (below)
+            plp = self._take_prompt_logprobs(req, entry, result)
             new_ids = result.sampled.get(req.request_id)
             if not new_ids:
                 self.kv.cache_full_blocks(req)  # a prefill chunk
+                if plp is not None:
+                    outputs.append(EngineCoreOutput(req.request_id, [], prompt_logprobs=plp,
+                                                    num_cached_tokens=req.num_cached_tokens))
+                continue
+            if req.params.max_tokens == 0:
+                # Prompt scoring only: the prefill is done and its sampled token is dropped.
+                self.kv.cache_full_blocks(req)
+                outputs.append(EngineCoreOutput(req.request_id, [], finish_reason=RequestStatus.FINISHED_LENGTH.value,
+                                                num_cached_tokens=req.num_cached_tokens, prompt_logprobs=plp))
+                self._finish(req, RequestStatus.FINISHED_LENGTH)
                 continue
             if entry.spec_token_ids:
                 self._record_spec(req, len(entry.spec_token_ids), len(new_ids) - 1)
@@ -380,7 +405,7 @@ class Scheduler:
             lps = result.logprobs.get(req.request_id)
             out = EngineCoreOutput(req.request_id, accepted,
                                    new_logprobs=lps[: len(accepted)] if lps else None,
-                                   num_cached_tokens=req.num_cached_tokens)
+                                   num_cached_tokens=req.num_cached_tokens, prompt_logprobs=plp)
             if req.num_tokens - len(accepted) == req.num_prompt_tokens:  # its first output: when it queued, ran
                 self._first_outputs.append(RequestTimestamps(req.request_id, req.queued_ts, req.scheduled_ts))
             if status is not None:
@@ -396,6 +421,19 @@ class Scheduler:
             return None
         out, self._first_outputs = self._first_outputs, []
         return out
+    @staticmethod
+    def _take_prompt_logprobs(req: Request, entry: ScheduledRequest, result: ModelRunnerOutput) -> PromptLogprobs | None:
+        """The prompt logprobs the step scored for req, advancing what it has been sent."""
+        if entry.prompt_lp is None:
+            return None
+        plp = result.prompt_logprobs.get(req.request_id)
+        if plp is None or plp.start != req.prompt_lp_next:
+            # (Cannot happen: ranges start where the last one sent ended, and a dropped step sends nothing.)
+            logger.error("request %s: prompt logprobs from %s, expected %d (dropped)", req.request_id,
+                         None if plp is None else plp.start, req.prompt_lp_next)
+            return None
+        req.prompt_lp_next = entry.prompt_lp[1]
+        return plp
 
     def _advance_grammar(self, req: Request, tok: int, status: RequestStatus | None):
         so = self.structured

@@ -27,6 +27,19 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     top_logprobs: list[float]
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True):
+    """Logprobs of a run of prompt tokens, scored on one prefill chunk's logits: entry j is prompt token
+    start + 1 + j given the tokens before it (the first prompt token has none).  Its logprob and rank (1 = best;
+    tokens tied with it count, as in vLLM), then its position's top-N alternatives, best first, flattened
+    (N = SamplingParams.prompt_logprobs, so entry j's are [j * N, (j + 1) * N))."""
+
+    start: int  # the prompt position whose logits scored the first entry
+    logprobs: list[float]
+    ranks: list[int]
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str
     new_token_ids: list[int]
@@ -34,6 +47,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id that ended it (strings are found by the frontend)
     num_cached_tokens: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # the prompt tokens scored this step, when the request asked
 
     @property
     def finished(self) -> bool:

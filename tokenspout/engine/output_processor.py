@@ -205,12 +205,16 @@ class OutputProcessor:
         if completion is None:
             return
         if state.parent is not None:
-            # Children are folded into one RequestOutput per parent per batch (see _emit_parents).
+            # Children are folded into one RequestOutput per parent per batch (see _emit_parents); the prompt is
+            # scored by child 0 only (see ParentRequest.child_params).
+            if state.index == 0 and state.prompt_logprobs is not None:
+                state.parent.prompt_logprobs = state.prompt_logprobs
             state.parent.add(completion)
             touched[state.user_request_id] = (state.parent, state)
             return
         out = RequestOutput(state.user_request_id, state.prompt, state.prompt_token_ids, [completion],
-                            finished=state.finished, num_cached_tokens=state.num_cached_tokens)
+                            finished=state.finished, num_cached_tokens=state.num_cached_tokens,
+                            prompt_logprobs=state.take_prompt_logprobs())
         self._deliver(state.queue, out, sink)
 
     def _emit_parents(self, touched: _Touched, sink: list[RequestOutput]) -> None:

@@ -60,13 +60,19 @@ class ParentRequest:
         self._delta: dict[int, CompletionOutput] = {}
         self._finished: set[int] = set()
         self._changed = False
+        self.prompt_logprobs: list | None = None  # child 0's (set by the OutputProcessor)
+        self._prompt_logprobs_sent = False
 
     @property
     def child_request_ids(self) -> list[str]:
         return [child_request_id(self.request_id, i) for i in range(self.n)]
 
     def child_params(self, index: int) -> SamplingParams:
-        return dataclasses.replace(self.params, n=1, seed=child_seed(self.params.seed, index))
+        # The prompt is the same for every child: only child 0 scores it (unless max_tokens is 0, which needs
+        # prompt_logprobs; such requests only score anyway).
+        keep = index == 0 or self.params.max_tokens == 0
+        return dataclasses.replace(self.params, n=1, seed=child_seed(self.params.seed, index),
+                                   prompt_logprobs=self.params.prompt_logprobs if keep else None)
 
     @property
     def finished(self) -> bool:
@@ -99,8 +105,13 @@ class ParentRequest:
             self._delta = {}
         else:
             outputs = [self._latest[i] for i in sorted(self._latest)]
+        prompt_logprobs = self.prompt_logprobs
+        if self.output_kind == RequestOutputKind.DELTA:
+            if self._prompt_logprobs_sent:
+                prompt_logprobs = None
+            self._prompt_logprobs_sent = self._prompt_logprobs_sent or prompt_logprobs is not None
         return RequestOutput(self.request_id, prompt, prompt_token_ids, outputs, finished=self.finished,
-                             num_cached_tokens=num_cached_tokens)
+                             num_cached_tokens=num_cached_tokens, prompt_logprobs=prompt_logprobs)
 
 
 def merge_request_output(into: RequestOutput, new: RequestOutput) -> None:
@@ -115,6 +126,8 @@ def merge_request_output(into: RequestOutput, new: RequestOutput) -> None:
     into.outputs = [by_index[i] for i in sorted(by_index)]
     into.finished = new.finished
     into.num_cached_tokens = new.num_cached_tokens
+    if into.prompt_logprobs is None:
+        into.prompt_logprobs = new.prompt_logprobs
 
 
 class RequestOutputCollector:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tokenspout.engine.detokenizer import IncrementalDetokenizer, TokenTexts
-from tokenspout.engine.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
+from tokenspout.engine.messages import EngineCoreOutput, EngineCoreRequest, PromptLogprobs, TokenLogprobs
 from tokenspout.engine.stop_checker import StopChecker
 from tokenspout.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics
 from tokenspout.sampling_params import RequestOutputKind
@@ -49,6 +49,10 @@ class RequestState:
         self.token_ids: list[int] = []
         self.logprobs: list[PositionLogprobs] | None = [] if want_logprobs else None
         self.cumulative_logprob: float | None = 0.0 if want_logprobs else None
+        # Filled chunk by chunk as the engine scores the prefill; complete before the first token arrives.
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
+        self._prompt_logprobs_sent = False
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0
@@ -76,6 +80,8 @@ class RequestState:
         """Applies one engine output; returns (tokens kept, tokens dropped past a stop string)."""
         if out.num_cached_tokens:
             self.num_cached_tokens = out.num_cached_tokens
+        if out.prompt_logprobs is not None and self.prompt_logprobs is not None:
+            self._add_prompt_logprobs(out.prompt_logprobs)
         ids = out.new_token_ids
         lps = out.new_logprobs
         # The engine ended on a stop token (EOS or stop_token_ids): like vLLM, that token's text is not part of the
@@ -125,6 +131,31 @@ class RequestState:
                 position[tid] = Logprob(value, rank, decode(tid) if decode else None)
         self.logprobs.append(position)
         self.cumulative_logprob += lp.logprob
+
+    def _add_prompt_logprobs(self, plp: PromptLogprobs) -> None:
+        """Prompt token start + 1 + j with its logprob and rank first, then its position's top-N ranked 1..N."""
+        assert self.prompt_logprobs is not None
+        if plp.start != len(self.prompt_logprobs) - 1:
+            raise RuntimeError(f"{self.request_id}: prompt logprobs from position {plp.start}, expected "
+                               f"{len(self.prompt_logprobs) - 1}")
+        decode = self.detokenizer.decode_token if self.detokenizer is not None else None
+        n = len(plp.top_token_ids) // len(plp.logprobs) if plp.logprobs else 0
+        for j, (value, rank) in enumerate(zip(plp.logprobs, plp.ranks)):
+            tid = self.prompt_token_ids[plp.start + 1 + j]
+            position: PositionLogprobs = {tid: Logprob(value, rank, decode(tid) if decode else None)}
+            for r, (t, v) in enumerate(zip(plp.top_token_ids[j * n : (j + 1) * n],
+                                           plp.top_logprobs[j * n : (j + 1) * n]), start=1):
+                if t not in position:
+                    position[t] = Logprob(v, r, decode(t) if decode else None)
+            self.prompt_logprobs.append(position)
+
+    def take_prompt_logprobs(self) -> list[PositionLogprobs | None] | None:
+        """The prompt logprobs for an output being emitted: every time, or with DELTA only the first time."""
+        if self.output_kind == RequestOutputKind.DELTA:
+            if self._prompt_logprobs_sent:
+                return None
+            self._prompt_logprobs_sent = True
+        return self.prompt_logprobs
 
     def make_completion(self) -> CompletionOutput | None:
         """This choice's output in the request's output kind; None for FINAL_ONLY until finished."""

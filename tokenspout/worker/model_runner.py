@@ -3,7 +3,8 @@
 In two halves.  prepare() builds the flat inputs (input ids, positions, slot mapping, query_start_loc, attention
 metadata) from the persistent per-row block table and the scheduler's output; run() runs the model, projects only
 the last position of each sampling request (logits_indices = query_start_loc[1:] - 1, DESIGN invariant 1), samples,
-and brings the results to Python with one .tolist() (invariant 6).  With async scheduling the engine core prepares
+and brings the results to Python with one .tolist() (invariant 6).  Rows asking for prompt logprobs also project the
+prompt positions of their chunk (worker/prompt_logprobs.py), whose scores join that same transfer.  With async scheduling the engine core prepares
 step N+1 while step N runs on another thread; an input step N samples is filled in by run() from step N's output
 tensor.
 """
@@ -20,13 +21,15 @@ import torch
 from tokenspout.config import CacheConfig, SchedulerConfig
 from tokenspout.core.kv_cache_manager import KVCacheManager
 from tokenspout.core.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from tokenspout.engine.messages import TokenLogprobs
+from tokenspout.engine.messages import PromptLogprobs, TokenLogprobs
 from tokenspout.models.attention import AttentionMetadata, PrefillChunk, causal_mask
 from tokenspout.models.loader import LoadedModel
 from tokenspout.sample.metadata import SamplingState
 from tokenspout.sample.sampler import Sampler, SamplerOutput
 from tokenspout.sampling_params import SamplingParams
 from tokenspout.tensors import long_tensor
+from tokenspout.worker import prompt_logprobs
+from tokenspout.worker.prompt_logprobs import PromptLogprobsPlan
 from tokenspout.worker.spec_verify import verify_drafts
 
 logger = logging.getLogger(__name__)
@@ -93,6 +96,7 @@ class PreparedStep:
     spec_idx: list[int] = field(default_factory=list)  # entries that verify drafts
     released: list[tuple[str, int]] = field(default_factory=list)  # (request id, row) given back
     added: list[_RowAdd] = field(default_factory=list)
+    prompt_lp: PromptLogprobsPlan | None = None  # prompt positions this step scores
 
 
 class ModelRunner:
@@ -189,8 +193,13 @@ class ModelRunner:
         entries = step.entries = sorted(sched.scheduled, key=lambda e: e.num_new_tokens != 1)
         rows, starts, lens, tokens = step.rows, [], [], []
         dst, src = [], []
+        plp = None
         for e in entries:
             req = e.request
+            if e.prompt_lp is not None:
+                plp = plp or prompt_logprobs.PlanBuilder()
+                lo, hi = e.prompt_lp
+                plp.add(req.request_id, req.token_ids, lo, hi, len(tokens) + lo - e.start, req.params.prompt_logprobs)
             row = self._ensure_row(req, step)
             self.sync_blocks(row, kv.blocks_of(req.request_id))
             rows.append(row)
@@ -206,6 +215,7 @@ class ModelRunner:
                 tokens.append(0)
             tokens.extend(e.spec_token_ids)
         step.input_ids = long_tensor(tokens)
+        step.prompt_lp = plp.build() if plp is not None else None
         if dst:
             step.placeholders = (long_tensor(dst), long_tensor(src))
         step.flat = self.flat_batch(rows, starts, lens, self.decoder)
@@ -233,12 +243,17 @@ class ModelRunner:
             input_ids[dst] = self._last_sampled[src]
         qsl = step.flat.query_start_loc
         hidden = self.forward(self.model, self.decoder, self.kv_caches, input_ids, step.flat)
+        plan = step.prompt_lp
+        scored = prompt_logprobs.score(plan, hidden, self._logits) if plan is not None else None
 
         sample_idx = step.sample_idx
         spec_result = self._verify(entries, step.spec_idx, rows, qsl, hidden) if step.spec_idx else {}
         if not sample_idx:
             self._last_sampled = None
-            return ModelRunnerOutput(sampled=spec_result)
+            result = ModelRunnerOutput(sampled=spec_result)
+            if plan is not None:  # prefill chunks only: their scores are the step's one transfer
+                result.prompt_logprobs = prompt_logprobs.unpack(plan, scored.reshape(-1).tolist())
+            return result
         sel = long_tensor(sample_idx)
         logits_indices = qsl[1:][sel] - 1
         logits = self._logits(hidden[logits_indices])
@@ -255,7 +270,8 @@ class ModelRunner:
             md.grammar_bitmask = self.structured.grammar_bitmask(grammars)
         out = self.sampler(logits, md)
         self._last_sampled = out.sampled_token_ids
-        result = self._to_python(out, req_ids, [entries[i].request.params.logprobs for i in sample_idx])
+        result = self._to_python(out, req_ids, [entries[i].request.params.logprobs for i in sample_idx],
+                                 (plan, scored) if plan is not None else None)
         self.sampling.append_tokens(sample_rows, [result.sampled[r] for r in req_ids])
         result.sampled.update(spec_result)
         return result
@@ -393,16 +409,31 @@ class ModelRunner:
                                  kernels=self.decoder.lib if self.decoder is not None else None)
 
     @staticmethod
-    def _to_python(out: SamplerOutput, req_ids: list[str], want: list[int | None]) -> ModelRunnerOutput:
+    def _to_python(out: SamplerOutput, req_ids: list[str], want: list[int | None],
+                   prompt_lp: tuple[PromptLogprobsPlan, torch.Tensor] | None = None) -> ModelRunnerOutput:
+        plp: dict[str, PromptLogprobs] = {}
         if out.logprobs is None or all(w is None for w in want):
-            ids = out.sampled_token_ids.tolist()  # the one device->host transfer of the step
-            return ModelRunnerOutput(sampled={r: [t] for r, t in zip(req_ids, ids)})
+            if prompt_lp is None:
+                ids = out.sampled_token_ids.tolist()  # the one device->host transfer of the step
+            else:  # one transfer for the sampled ids and the prompt scores (float64 holds token ids exactly)
+                b = len(req_ids)
+                flat = torch.cat([out.sampled_token_ids.double(), prompt_lp[1].reshape(-1)]).tolist()
+                ids = [int(t) for t in flat[:b]]
+                plp = prompt_logprobs.unpack(prompt_lp[0], flat[b:])
+            return ModelRunnerOutput(sampled={r: [t] for r, t in zip(req_ids, ids)}, prompt_logprobs=plp)
         lp = out.logprobs
         # Processed logprobs are -inf for dropped tokens; JSON has no -inf, so report vLLM's -9999 floor.
         lp.logprobs.clamp_(min=-9999.0)
         # One transfer for ids, ranks and logprobs together (float64 holds token ids exactly).
-        packed = torch.cat([out.sampled_token_ids[:, None].double(), lp.ranks[:, None].double(),
-                            lp.token_ids.double(), lp.logprobs.double()], dim=1).tolist()
+        packed_t = torch.cat([out.sampled_token_ids[:, None].double(), lp.ranks[:, None].double(),
+                              lp.token_ids.double(), lp.logprobs.double()], dim=1)
+        if prompt_lp is None:
+            packed = packed_t.tolist()
+        else:  # the prompt scores ride along in the same transfer
+            w = packed_t.shape[1]
+            flat = torch.cat([packed_t.reshape(-1), prompt_lp[1].reshape(-1)]).tolist()
+            packed = [flat[i * w : (i + 1) * w] for i in range(len(req_ids))]
+            plp = prompt_logprobs.unpack(prompt_lp[0], flat[len(req_ids) * w :])
         n = lp.token_ids.shape[1]
         sampled, logprobs = {}, {}
         for r, w, row in zip(req_ids, want, packed):
@@ -411,4 +442,4 @@ class ModelRunner:
                 ids = [int(x) for x in row[2 : 2 + n]]
                 lps = row[2 + n :]
                 logprobs[r] = [TokenLogprobs(lps[0], int(row[1]), ids[1 : 1 + w], lps[1 : 1 + w])]
-        return ModelRunnerOutput(sampled=sampled, logprobs=logprobs)
+        return ModelRunnerOutput(sampled=sampled, logprobs=logprobs, prompt_logprobs=plp)

@@ -214,6 +214,8 @@ class _SamplingRequest(_Strict):
     # classifier-free guidance
     guidance_scale: float = 1.0
     negative_prompt: str | None = None
+    # vLLM extra: logprobs of the prompt tokens (+ top-N), in the response's prompt_logprobs
+    prompt_logprobs: int | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -249,8 +251,16 @@ class _SamplingRequest(_Strict):
                 ) from None
         return ids
 
+    def _user_prompt_logprobs(self) -> int | None:
+        """prompt_logprobs as sent; as vLLM, a stream cannot carry them (its chunks have no place for them)."""
+        k = self.prompt_logprobs
+        if k is not None and self.stream and (k > 0 or k == -1):
+            raise OpenAIServingError("prompt_logprobs are not available when stream=true", param="prompt_logprobs")
+        return k
+
     def _sampling_params(self, max_tokens: int | None, logprobs: int | None, stream: bool,
-                         defaults: Mapping[str, Any], clamp_max_tokens: bool = False) -> SamplingParams:
+                         defaults: Mapping[str, Any], clamp_max_tokens: bool = False,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
         """`defaults`: the model's generation_config sampling defaults for fields the request omits."""
         def pick(name: str, neutral: Any) -> Any:
             value = getattr(self, name)
@@ -276,6 +286,7 @@ class _SamplingRequest(_Strict):
                 ignore_eos=self.ignore_eos,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 logit_bias=self._logit_bias_ids(),
                 allowed_token_ids=self.allowed_token_ids,
                 bad_words=self.bad_words,
@@ -329,6 +340,7 @@ class ChatCompletionRequest(_SamplingRequest):
     add_special_tokens: bool = False  # vLLM extra: add the tokenizer's BOS on top of what the template wrote
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False  # the reply starts with the last message's content when it has the reply's role
 
     def template_messages(self) -> list[dict[str, str]]:
         """Messages as the chat template wants them: content flattened to a string."""
@@ -370,7 +382,7 @@ class ChatCompletionRequest(_SamplingRequest):
         try:
             return self._sampling_params(
                 self.max_completion_tokens if use_completion else self.max_tokens, logprobs, bool(self.stream),
-                defaults or {},
+                defaults or {}, prompt_logprobs=self._user_prompt_logprobs(),
             )
         except OpenAIServingError as e:
             if use_completion and e.param == "max_tokens":  # name the field the client actually sent
@@ -423,7 +435,24 @@ class CompletionRequest(_SamplingRequest):
         # An explicit null means "until the context is full" (as vLLM).
         omitted = "max_tokens" not in self.model_fields_set
         return self._sampling_params(_COMPLETION_DEFAULT_MAX_TOKENS if omitted else self.max_tokens, self.logprobs,
-                                     bool(self.stream), defaults or {}, clamp_max_tokens=omitted)
+                                     bool(self.stream), defaults or {}, clamp_max_tokens=omitted,
+                                     prompt_logprobs=self._prompt_logprobs())
+
+    def _prompt_logprobs(self) -> int | None:
+        """vLLM's rule: echo scores the prompt with `logprobs` alternatives unless prompt_logprobs says otherwise.
+        echo with max_tokens 0 returns the prompt alone: it scores with 0 alternatives (the cheapest), since a
+        request that generates nothing must at least score its prompt."""
+        k = self._user_prompt_logprobs()
+        if k is None and self.echo:
+            k = self.logprobs
+            if k is None and self.max_tokens == 0:
+                k = 0
+        return k
+
+    @property
+    def shows_prompt_logprobs(self) -> bool:
+        """Whether choices carry prompt_logprobs: asked for, or echo with logprobs (as vLLM)."""
+        return self.prompt_logprobs is not None or (self.echo and self.logprobs is not None)
 
 
 _COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -482,6 +511,18 @@ def _now() -> int:
     return int(time.time())
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob of one token at one prompt position (rank 1 = most likely)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One entry per prompt token (the first null): token id (as a string) -> its logprob.
+PromptLogprobsJSON = list[dict[str, PromptLogprob] | None]
+
+
 class ChatCompletionResponse(BaseModel):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -491,6 +532,7 @@ class ChatCompletionResponse(BaseModel):
     usage: UsageInfo
     system_fingerprint: str | None = None
     prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids
+    prompt_logprobs: PromptLogprobsJSON | None = None  # vLLM: top level for chat
 
 
 class DeltaMessage(BaseModel):
@@ -523,7 +565,7 @@ class ChatCompletionChunk(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """The legacy format.  Echoed prompt tokens have null logprobs (prompt logprobs are not computed)."""
+    """The legacy format.  With echo the prompt's tokens come first, scored (the first one null, as OpenAI)."""
 
     tokens: list[str] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
@@ -539,6 +581,7 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids (in a stream: the choice's first chunk)
     token_ids: list[int] | None = None  # vLLM's return_token_ids
+    prompt_logprobs: PromptLogprobsJSON | None = None  # vLLM: per choice for completions
 
 
 class CompletionResponse(BaseModel):

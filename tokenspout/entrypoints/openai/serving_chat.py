@@ -3,6 +3,11 @@
 Stream shape (as OpenAI): per choice a first chunk with delta {role: "assistant", content: ""}, then content chunks
 (with logprobs.content when asked), then a chunk with an empty delta and the finish_reason (+ vLLM's stop_reason);
 a usage chunk with `choices: []` only when stream_options.include_usage; then `data: [DONE]`.
+
+vLLM extras: `prompt_logprobs: N` answers with a top-level `prompt_logprobs` (not with stream); `echo: true` starts
+the reply with the last message's content when that message has the reply's role ("assistant" with
+add_generation_prompt, else the last message's own role, e.g. with continue_final_message), streamed as a chunk of
+its own after the role chunk.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from tokenspout.entrypoints.openai.serving_common import (
     PromptState,
     check_model,
     merge_outputs,
+    prompt_logprobs_json,
     safe_logprob,
     special_tokens_kwargs,
     to_serving_error,
@@ -54,6 +60,7 @@ class ChatJob:
     prompt: str
     params: SamplingParams
     created: int
+    echo: str = ""  # the text the reply starts with (echo)
 
 
 class OpenAIServingChat:
@@ -72,7 +79,17 @@ class OpenAIServingChat:
         if params.uses_guidance and params.negative_prompt is None:
             # CFG's default unconditional prompt for chat: the template around an empty user message.
             params.negative_prompt = self.engine.apply_chat_template([{"role": "user", "content": ""}])
-        return ChatJob(req, *request_ids("chatcmpl", req.request_id), prompt, params, int(time.time()))
+        return ChatJob(req, *request_ids("chatcmpl", req.request_id), prompt, params, int(time.time()),
+                       self._echo(req, messages))
+
+    @staticmethod
+    def _echo(req: ChatCompletionRequest, messages: list[dict[str, str]]) -> str:
+        """vLLM's rule: the reply's role is "assistant" when a generation prompt is added, else the last message's;
+        echo repeats the last message's content when it has that role."""
+        if not req.echo:
+            return ""
+        role = "assistant" if req.add_generation_prompt and not req.continue_final_message else messages[-1]["role"]
+        return messages[-1]["content"] if messages[-1]["role"] == role else ""
 
     # ------------------------------------------------------------------------------------------ non-streaming
     async def complete(self, job: ChatJob) -> ChatCompletionResponse:
@@ -95,7 +112,7 @@ class OpenAIServingChat:
         choices = [
             ChatCompletionChoice(
                 index=i,
-                message=ChatResponseMessage(role="assistant", content=c.text),
+                message=ChatResponseMessage(role="assistant", content=job.echo + c.text),
                 logprobs=self._logprobs(c.logprobs, top_n, req.return_tokens_as_token_ids)
                 if top_n is not None else None,
                 finish_reason=c.finish_reason,
@@ -107,6 +124,7 @@ class OpenAIServingChat:
         return ChatCompletionResponse(
             id=job.request_id, created=job.created, model=self.engine.model_name, choices=choices,
             usage=usage_of([state]), prompt_token_ids=state.prompt_token_ids if req.return_token_ids else None,
+            prompt_logprobs=prompt_logprobs_json(self.engine, state.prompt_logprobs),
         )
 
     # ------------------------------------------------------------------------------------------ streaming
@@ -143,6 +161,9 @@ class OpenAIServingChat:
                                 yield sse_frame(chunk(role, prompt_token_ids=out.prompt_token_ids))
                             else:
                                 yield frame(role)
+                        if job.echo:
+                            for i in range(params.n):
+                                yield frame(ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=job.echo)))
                     for c in out.outputs:
                         for choice in self._choice_frames(c, params.logprobs, req):
                             yield frame(choice)

@@ -14,7 +14,13 @@ from typing import Any, Protocol
 import anyio
 
 from tokenspout.engine.exceptions import EngineDeadError
-from tokenspout.entrypoints.openai.protocol import OpenAIServingError, PromptTokensDetails, UsageInfo
+from tokenspout.entrypoints.openai.protocol import (
+    OpenAIServingError,
+    PromptLogprob,
+    PromptLogprobsJSON,
+    PromptTokensDetails,
+    UsageInfo,
+)
 from tokenspout.metrics import FinishedChoice, RequestTimer, ServerMetrics
 from tokenspout.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from tokenspout.sampling_params import RequestOutputKind, SamplingParams
@@ -160,12 +166,15 @@ class PromptState:
         self.prompt_token_ids: list[int] | None = None
         self.prompt: str | None = None
         self.num_cached_tokens = 0
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = None
         self.timer = RequestTimer(metrics)
 
     def observe(self, out: RequestOutput) -> None:
         if self.prompt_token_ids is None:
             self.prompt_token_ids, self.prompt = out.prompt_token_ids, out.prompt
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         any_tokens = False
         for c in out.outputs:
             self._add(self.choices[c.index], c)
@@ -231,6 +240,15 @@ def special_tokens_kwargs(req: Any) -> dict[str, bool]:
 
 def safe_logprob(x: float) -> float:
     return _MIN_LOGPROB if math.isnan(x) or x < _MIN_LOGPROB else float(x)
+
+
+def prompt_logprobs_json(engine: EngineClient, positions: list[PositionLogprobs | None] | None) -> PromptLogprobsJSON | None:
+    """vLLM's prompt_logprobs: per prompt token null or {token id: {logprob, rank, decoded_token}}."""
+    if positions is None:
+        return None
+    return [None if pos is None else {
+        str(tid): PromptLogprob(logprob=safe_logprob(lp.logprob), rank=lp.rank, decoded_token=token_str(engine, tid, lp))
+        for tid, lp in pos.items()} for pos in positions]
 
 
 def token_str(engine: EngineClient, token_id: int, lp: Logprob, as_id: bool = False) -> str:

@@ -3,8 +3,10 @@
 Choices are indexed prompt-major: prompt p, choice j → index p * n + j.  Every prompt is its own engine request
 (`<id>-<p>`), all submitted at once and merged as their outputs arrive.
 
-echo prepends the prompt text.  Prompt logprobs are not computed: with echo + logprobs the prompt's tokens are listed
-with null logprobs (as OpenAI reports the first prompt token), so `tokens` still lines up with the returned text.
+echo prepends the prompt text; with logprobs the prompt's tokens come first in `logprobs`, scored by the engine on
+the prefill (SamplingParams.prompt_logprobs, vLLM's rule: prompt_logprobs if given, else logprobs), the first one
+null as OpenAI reports it.  echo with max_tokens 0 returns the scored prompt alone (finish_reason "length").
+vLLM's extra `prompt_logprobs: N` puts them on each choice as `prompt_logprobs` (not with stream, as vLLM).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from tokenspout.entrypoints.openai.serving_common import (
     PromptState,
     check_model,
     merge_outputs,
+    prompt_logprobs_json,
     prompt_text,
     safe_logprob,
     special_tokens_kwargs,
@@ -107,15 +110,17 @@ class OpenAIServingCompletion:
         choices = []
         for p, (prompt, state) in enumerate(zip(job.prompts, states, strict=True)):
             echo = prompt_text(self.engine, prompt, state) if req.echo else ""
+            plp = prompt_logprobs_json(self.engine, state.prompt_logprobs) if req.shows_prompt_logprobs else None
             for j, c in enumerate(state.choices):
                 logprobs = None
                 if top_n is not None:
                     logprobs = CompletionLogprobs()
-                    offset = self._echo_logprobs(logprobs, state) if req.echo else 0
+                    offset = self._echo_logprobs(logprobs, state, top_n) if req.echo else 0
                     self._extend_logprobs(logprobs, c.logprobs, offset, req.return_tokens_as_token_ids)
                 ids = req.return_token_ids
                 choices.append(CompletionChoice(index=p * n + j, text=echo + c.text, logprobs=logprobs,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                                prompt_logprobs=plp,
                                                 prompt_token_ids=state.prompt_token_ids if ids else None,
                                                 token_ids=c.token_ids if ids else None))
         return CompletionResponse(id=job.request_id, created=job.created, model=self.engine.model_name,
@@ -161,7 +166,7 @@ class OpenAIServingCompletion:
                             lp = None
                             if top_n is not None:
                                 lp = CompletionLogprobs()
-                                offsets[p * n + j] = self._echo_logprobs(lp, state)
+                                offsets[p * n + j] = self._echo_logprobs(lp, state, top_n)
                             else:
                                 offsets[p * n + j] = len(text)
                             yield chunk(p * n + j, text, lp, prompt_token_ids=prompt_ids(p * n + j, state))
@@ -192,15 +197,26 @@ class OpenAIServingCompletion:
         yield DONE_FRAME
 
     # ------------------------------------------------------------------------------------------ legacy logprobs
-    def _echo_logprobs(self, out: CompletionLogprobs, state: PromptState) -> int:
-        """Prompt tokens with null logprobs; returns the text offset after them."""
+    def _echo_logprobs(self, out: CompletionLogprobs, state: PromptState, top_n: int) -> int:
+        """The prompt's tokens with their prompt logprobs (the first null, as OpenAI) and at most top_n + 1 entries
+        in top_logprobs (the prompt token, then its position's best, as for generated tokens); returns the text
+        offset after them."""
         offset = 0
         tok = self.engine.tokenizer
-        for token_id in state.prompt_token_ids or ():
-            text = tok.decode([token_id])
-            out.tokens.append(text)
-            out.token_logprobs.append(None)
-            out.top_logprobs.append(None)
+        scored = state.prompt_logprobs or []
+        for i, token_id in enumerate(state.prompt_token_ids or ()):
+            pos = scored[i] if i < len(scored) else None
+            if pos is None or token_id not in pos:
+                text = tok.decode([token_id])
+                out.tokens.append(text)
+                out.token_logprobs.append(None)
+                out.top_logprobs.append(None)
+            else:
+                items: list[tuple[int, Logprob]] = list(pos.items())[: top_n + 1]  # the prompt token first
+                text = token_str(self.engine, token_id, pos[token_id])
+                out.tokens.append(text)
+                out.token_logprobs.append(safe_logprob(pos[token_id].logprob))
+                out.top_logprobs.append({token_str(self.engine, t, tl): safe_logprob(tl.logprob) for t, tl in items})
             out.text_offset.append(offset)
             offset += len(text)
         return offset
