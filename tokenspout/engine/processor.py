@@ -237,6 +237,9 @@ class Processor:
             eos_token_id=self.eos_token_id,
             bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
             negative_prompt_token_ids=self._negative_prompt_ids(params),
+            # A plain str from here on: the ChatPrompt subclass has done its job (its tokens are above) and msgspec
+            # encodes only exact builtin types across the process boundary.
+            negative_prompt=None if params.negative_prompt is None else str(params.negative_prompt),
         )
 
     def _negative_prompt_ids(self, params: SamplingParams) -> list[int] | None:
