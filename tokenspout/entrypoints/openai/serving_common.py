@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import uuid
 from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import Any, Protocol
@@ -55,10 +54,6 @@ class EngineClient(Protocol):
     async def check_health(self) -> None: ...
 
     def shutdown(self) -> None: ...
-
-
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def check_model(engine: EngineClient, requested: str | None) -> None:
