@@ -34,6 +34,9 @@ class StructuredOutputsParams:
     choice: list[str] | None = None
     grammar: str | None = None  # Lark / EBNF as llguidance accepts
     json_object: bool = False  # any JSON object
+    # Set by the server's reasoning parser: the grammar applies only after the first occurrence of this text (the
+    # reasoning's end marker); before it, any text.  Not a user field.
+    reasoning_end: str | None = None
 
     def __post_init__(self) -> None:
         set_fields = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]

@@ -62,6 +62,15 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-methods", type=_json_list, default=["*"], help="CORS: JSON list (default: [\"*\"])")
     p.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS: JSON list (default: [\"*\"])")
     p.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies, auth)")
+    from tokenspout.reasoning import REASONING_PARSERS
+    from tokenspout.tool_parsers import TOOL_PARSERS
+
+    p.add_argument("--tool-call-parser", choices=["auto", *TOOL_PARSERS], default="auto",
+                   help="how the model writes tool calls; auto: by the chat template's text (README, Tool calling)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM compatibility: tool_choice 'auto' is always on when a parser is known")
+    p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
+                   help="split <think> reasoning into message.reasoning_content (README, Reasoning)")
 
 
 def resolve_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -79,7 +88,8 @@ def server_app_options(args: argparse.Namespace, environ: dict[str, str] | None 
     env = os.environ if environ is None else environ
     keys = args.api_key if args.api_key else ([env[API_KEY_ENV]] if env.get(API_KEY_ENV) else None)
     return {"api_key": keys, "allowed_origins": args.allowed_origins, "allowed_methods": args.allowed_methods,
-            "allowed_headers": args.allowed_headers, "allow_credentials": args.allow_credentials}
+            "allowed_headers": args.allowed_headers, "allow_credentials": args.allow_credentials,
+            "tool_call_parser": args.tool_call_parser, "reasoning_parser": args.reasoning_parser}
 
 
 def parse_cli(parser: argparse.ArgumentParser, commands: dict[str, argparse.ArgumentParser],

@@ -19,6 +19,20 @@ if TYPE_CHECKING:  # annotations only: the API server validates specs through th
 from tokenspout.sampling_params import StructuredOutputsParams
 
 
+def lark_regex_escape(text: str) -> str:
+    """`text` as a literal inside a Lark /regex/ of llguidance (Rust regex syntax: `\\<` would be a word boundary,
+    so only the metacharacters and the slash are escaped)."""
+    out = []
+    for c in text:
+        if c == "\n":
+            out.append("\\n")
+        elif c in ".^$*+?()[]{}|\\-/#&~":
+            out.append("\\" + c)
+        else:
+            out.append(c)
+    return "".join(out)
+
+
 def bitmask_width(vocab_size: int) -> int:
     """int32 words per bitmask row: ceil(vocab_size / 32)."""
     return (vocab_size + 31) // 32
@@ -27,6 +41,11 @@ def bitmask_width(vocab_size: int) -> int:
 def spec_key(params: StructuredOutputsParams) -> tuple[str, str]:
     """(kind, text) identifying a grammar: the compile cache's key.  Schemas are keyed by their exact text, not a
     normalised form: property order decides the order of keys in the output, so two orderings are two grammars."""
+    kind, text = _spec_key(params)
+    return (kind, text) if params.reasoning_end is None else (kind, f"{text}\x00after:{params.reasoning_end}")
+
+
+def _spec_key(params: StructuredOutputsParams) -> tuple[str, str]:
     if params.json is not None:
         return ("json", params.json)
     if params.regex is not None:

@@ -23,7 +23,13 @@ import llguidance
 import llguidance.hf
 
 from tokenspout.sampling_params import StructuredOutputsParams
-from tokenspout.structured_output.backend import Grammar, StructuredOutputBackend, bitmask_width, spec_key
+from tokenspout.structured_output.backend import (
+    Grammar,
+    StructuredOutputBackend,
+    bitmask_width,
+    lark_regex_escape,
+    spec_key,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -59,6 +65,23 @@ def _invalid(params: StructuredOutputsParams, message: str) -> ValueError:
 
 def grammar_spec(params: StructuredOutputsParams) -> str:
     """The llguidance grammar text for a request (not yet checked beyond what parsing the spec itself finds)."""
+    spec = _answer_spec(params)
+    return spec if params.reasoning_end is None else after_reasoning(spec, params.reasoning_end)
+
+
+def after_reasoning(spec: str, end_marker: str) -> str:
+    """`spec` applied only after the reasoning: free text up to and including the first `end_marker` (a lazy
+    lexeme), whitespace, then the answer's grammar as a named subgrammar."""
+    top = json.loads(spec) if spec.lstrip().startswith("{") else {"grammars": [{"lark_grammar": spec}]}
+    grammars = top["grammars"]
+    grammars[0] = {**grammars[0], "name": "answer"}
+    marker = lark_regex_escape(end_marker)
+    lark = ("start: reasoning /[ \\t\\r\\n]*/ @answer\n"
+            f"reasoning[lazy]: /(?s:.*){marker}/\n")
+    return json.dumps({**top, "grammars": [{"lark_grammar": lark}, *grammars]})
+
+
+def _answer_spec(params: StructuredOutputsParams) -> str:
     if params.json is not None:
         try:
             schema = json.loads(params.json)

@@ -26,6 +26,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
+from tokenspout.engine.chat_tools import check_parser_names
 from tokenspout.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -72,7 +73,7 @@ def _is_engine(obj: Any) -> bool:
 
 
 def _install(app: FastAPI, engine: EngineClient, metrics: ServerMetrics | None, record_request_metrics: bool,
-             metrics_prefix: str = DEFAULT_PREFIX) -> None:
+             metrics_prefix: str = DEFAULT_PREFIX, chat_options: dict[str, Any] | None = None) -> None:
     if metrics is None:  # share the engine frontend's metrics object when it has one
         engine_metrics = getattr(engine, "metrics", None)
         metrics = engine_metrics if isinstance(engine_metrics, ServerMetrics) else ServerMetrics(
@@ -80,7 +81,8 @@ def _install(app: FastAPI, engine: EngineClient, metrics: ServerMetrics | None, 
     app.state.detach_metrics = metrics.attach_engine(engine)
     request_metrics = metrics if record_request_metrics else None
     app.state.server = ServerState(
-        engine, metrics, OpenAIServingChat(engine, request_metrics), OpenAIServingCompletion(engine, request_metrics)
+        engine, metrics, OpenAIServingChat(engine, request_metrics, **(chat_options or {})),
+        OpenAIServingCompletion(engine, request_metrics)
     )
 
 
@@ -105,6 +107,8 @@ def build_app(
     allowed_headers: Sequence[str] = ("*",),
     allow_credentials: bool = False,
     metrics_prefix: str = DEFAULT_PREFIX,
+    tool_call_parser: str | None = "auto",
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """`engine`: a constructed AsyncLLM (or anything meeting EngineClient), or a zero-argument factory called in
     the server's event loop at startup (for engines that bind to the running loop).  `owns_engine` (default: True
@@ -112,15 +116,18 @@ def build_app(
     `engine.metrics` when that is a ServerMetrics, else a fresh one.  `record_request_metrics=False` when the engine
     frontend records request-level metrics itself.  `api_key` (one or several; None: open) and the CORS settings
     (`allowed_origins` None: no CORS): see middleware.install_middleware.  `metrics_prefix`: the families' prefix
-    ("vllm" for vLLM's dashboards) when the metrics object is made here."""
+    ("vllm" for vLLM's dashboards) when the metrics object is made here.  `tool_call_parser` / `reasoning_parser`:
+    --tool-call-parser / --reasoning-parser (see engine/chat_tools.py)."""
     check_prefix(metrics_prefix)  # a bad prefix fails here, not at the server's start
+    check_parser_names(tool_call_parser, reasoning_parser)
+    chat_options = {"tool_call_parser": tool_call_parser, "reasoning_parser": reasoning_parser}
     factory = None if _is_engine(engine) else engine
     owns = owns_engine if owns_engine is not None else factory is not None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if factory is not None:
-            _install(app, factory(), metrics, record_request_metrics, metrics_prefix)  # type: ignore[operator]
+            _install(app, factory(), metrics, record_request_metrics, metrics_prefix, chat_options)  # type: ignore[operator]
         freeze_startup_heap()
         try:
             yield
@@ -133,7 +140,7 @@ def build_app(
 
     app = FastAPI(title="tokenspout", lifespan=lifespan)
     if factory is None:
-        _install(app, engine, metrics, record_request_metrics, metrics_prefix)  # type: ignore[arg-type]
+        _install(app, engine, metrics, record_request_metrics, metrics_prefix, chat_options)  # type: ignore[arg-type]
 
     def state(request: Request) -> ServerState:
         return request.app.state.server

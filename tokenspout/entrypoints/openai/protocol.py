@@ -324,6 +324,27 @@ class ChatMessage(_Strict):
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")  # OpenAI's rule
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; the constrained calls enforce it
+    strict: bool | None = None  # every call is constrained to its schema, strict or not
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
@@ -341,6 +362,17 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool = False  # the reply starts with the last message's content when it has the reply's role
+    # tool calling (see engine/chat_tools.py)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def tool_choice_value(self) -> str | dict[str, Any] | None:
+        tc = self.tool_choice
+        return tc.model_dump() if isinstance(tc, NamedToolChoice) else tc
 
     def template_messages(self) -> list[dict[str, str]]:
         """Messages as the chat template wants them: content flattened to a string."""
@@ -493,9 +525,32 @@ class ChatChoiceLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    # With --reasoning-parser: the reasoning, under both names vLLM has used (absent otherwise).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_reasoning(self, handler):
+        out = handler(self)
+        for key in ("reasoning_content", "reasoning"):
+            if out.get(key) is None:
+                out.pop(key, None)
+        return out
 
 
 class ChatCompletionChoice(BaseModel):
@@ -538,6 +593,9 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's delta shape (index, id, type, function)
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):  # OpenAI's deltas carry only the keys that changed

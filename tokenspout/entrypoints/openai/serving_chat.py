@@ -18,6 +18,16 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
+from tokenspout.engine.chat_output import ChatOutputParser
+from tokenspout.engine.chat_tools import (
+    ChatPlan,
+    check_parser_names,
+    constrain,
+    effective_template,
+    plan_tools,
+    special_token_ids,
+    template_tool_messages,
+)
 from tokenspout.entrypoints.openai.chat_render import render_chat_prompt
 from tokenspout.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
@@ -29,7 +39,10 @@ from tokenspout.entrypoints.openai.protocol import (
     ChatResponseMessage,
     ChatTokenLogprob,
     DeltaMessage,
+    FunctionCall,
+    ToolCall,
     TopLogprob,
+    value_error_to_serving_error,
 )
 from tokenspout.entrypoints.openai.request_ids import request_ids
 from tokenspout.entrypoints.openai.serving_common import (
@@ -46,6 +59,7 @@ from tokenspout.entrypoints.openai.serving_common import (
 )
 from tokenspout.entrypoints.openai.sse import DONE_FRAME, ChunkEnvelope, error_frame, sse_frame
 from tokenspout.metrics import ServerMetrics
+from tokenspout.reasoning import ReasoningParser, reasoning_parser_class
 from tokenspout.outputs import CompletionOutput, PositionLogprobs
 from tokenspout.sampling_params import SamplingParams
 
@@ -61,26 +75,68 @@ class ChatJob:
     params: SamplingParams
     created: int
     echo: str = ""  # the text the reply starts with (echo)
+    plan: ChatPlan | None = None  # tool calls / reasoning to parse out of the reply
+
+
+_TOOL_FIELDS = {"tools", "tool_choice", "parallel_tool_calls", "response_format"}
 
 
 class OpenAIServingChat:
-    def __init__(self, engine: EngineClient, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, engine: EngineClient, metrics: ServerMetrics | None = None, *,
+                 tool_call_parser: str | None = "auto", reasoning_parser: str | None = None) -> None:
+        """`tool_call_parser`: --tool-call-parser (a parser name, "auto" = by the chat template, None = no tool
+        calls); `reasoning_parser`: --reasoning-parser (None = reasoning stays in content)."""
         self.engine = engine
         self.metrics = metrics
+        self.tool_call_parser = tool_call_parser
+        check_parser_names(tool_call_parser, reasoning_parser)  # an unknown name fails at startup
+        self.reasoning_cls: type[ReasoningParser] | None = reasoning_parser_class(reasoning_parser)
+        self._special_ids: dict[str, int] | None = None
+
+    def _plan(self, req: ChatCompletionRequest, template_kwargs: dict) -> ChatPlan | None:
+        """The tool parser for `req` (None without tools or with tool_choice "none"); adds `tools` to the
+        template's arguments when the template renders them."""
+        if req.tools is None and req.tool_choice is None:
+            return None
+        try:
+            parser, renders = plan_tools(req.tool_dicts(), req.tool_choice_value(), req.parallel_tool_calls,
+                                         template=effective_template(self.engine, req.chat_template),
+                                         parser_name=self.tool_call_parser)
+        except ValueError as e:
+            raise value_error_to_serving_error(e, _TOOL_FIELDS) from None
+        if renders:
+            template_kwargs["tools"] = req.tool_dicts()
+        return ChatPlan(parser, None, req.parallel_tool_calls is not False)
 
     def prepare(self, req: ChatCompletionRequest) -> ChatJob:
         """Everything that can fail before the engine sees the request (raises OpenAIServingError)."""
         check_model(self.engine, req.model)
         messages = req.template_messages()
         params = req.to_sampling_params(getattr(self.engine, "default_sampling_params", None))
+        template_kwargs = dict(req.chat_template_kwargs or {})
+        plan = self._plan(req, template_kwargs) or ChatPlan()
+        if plan.tool_parser is not None or req.tools:
+            messages = template_tool_messages(messages)
         prompt = render_chat_prompt(self.engine, messages, add_generation_prompt=req.add_generation_prompt,
                                     continue_final_message=req.continue_final_message,
-                                    chat_template_kwargs=req.chat_template_kwargs, chat_template=req.chat_template)
+                                    chat_template_kwargs=template_kwargs, chat_template=req.chat_template)
+        if self.reasoning_cls is not None:
+            plan.reasoning = self.reasoning_cls(str(prompt))
+        try:
+            constrain(params, plan.tool_parser, req.tool_dicts(), req.tool_choice_value(), req.parallel_tool_calls,
+                      plan.reasoning, self._special_token_ids())
+        except ValueError as e:
+            raise value_error_to_serving_error(e, _TOOL_FIELDS) from None
         if params.uses_guidance and params.negative_prompt is None:
             # CFG's default unconditional prompt for chat: the template around an empty user message.
             params.negative_prompt = self.engine.apply_chat_template([{"role": "user", "content": ""}])
         return ChatJob(req, *request_ids("chatcmpl", req.request_id), prompt, params, int(time.time()),
-                       self._echo(req, messages))
+                       self._echo(req, messages), plan if plan.active else None)
+
+    def _special_token_ids(self) -> dict[str, int]:
+        if self._special_ids is None:
+            self._special_ids = special_token_ids(self.engine.tokenizer)
+        return self._special_ids
 
     @staticmethod
     def _echo(req: ChatCompletionRequest, messages: list[dict[str, str]]) -> str:
@@ -109,13 +165,15 @@ class OpenAIServingChat:
         finally:
             state.finish("abort")  # no-op unless cancelled (client gone)
         top_n, req = job.params.logprobs, job.request
+        messages = [self._message(job, c) for c in state.choices]
         choices = [
             ChatCompletionChoice(
                 index=i,
-                message=ChatResponseMessage(role="assistant", content=job.echo + c.text),
+                message=messages[i],
                 logprobs=self._logprobs(c.logprobs, top_n, req.return_tokens_as_token_ids)
                 if top_n is not None else None,
-                finish_reason=c.finish_reason,
+                finish_reason="tool_calls" if messages[i].tool_calls and c.finish_reason == "stop"
+                else c.finish_reason,
                 stop_reason=c.stop_reason,
                 token_ids=c.token_ids if req.return_token_ids else None,
             )
@@ -127,6 +185,17 @@ class OpenAIServingChat:
             prompt_logprobs=prompt_logprobs_json(self.engine, state.prompt_logprobs),
         )
 
+    @staticmethod
+    def _message(job: ChatJob, c: CompletionOutput) -> ChatResponseMessage:
+        if job.plan is None:
+            return ChatResponseMessage(role="assistant", content=job.echo + c.text)
+        parts = job.plan.output_parser().final(c.text)
+        calls = parts.tool_calls if job.plan.parallel else parts.tool_calls[:1]
+        content = parts.content if not job.echo else job.echo + (parts.content or "")
+        return ChatResponseMessage(
+            role="assistant", content=content, reasoning_content=parts.reasoning, reasoning=parts.reasoning,
+            tool_calls=[ToolCall(id=t["id"], function=FunctionCall(**t["function"])) for t in calls])
+
     # ------------------------------------------------------------------------------------------ streaming
     async def stream(self, job: ChatJob) -> AsyncIterator[bytes]:
         """SSE frames.  Errors before the first frame are raised (→ JSON error with its status); later ones become
@@ -134,6 +203,7 @@ class OpenAIServingChat:
         params, model, req = job.params, self.engine.model_name, job.request
         state = PromptState(params.n, params.output_kind, self.metrics, keep_text=False)
         started = False
+        parsers = [job.plan.output_parser() for _ in range(params.n)] if job.plan is not None else None
 
         def chunk(*choices: ChatCompletionStreamChoice, **fields: object) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=job.request_id, created=job.created, model=model, choices=list(choices),
@@ -165,7 +235,8 @@ class OpenAIServingChat:
                             for i in range(params.n):
                                 yield frame(ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=job.echo)))
                     for c in out.outputs:
-                        for choice in self._choice_frames(c, params.logprobs, req):
+                        for choice in self._choice_frames(c, params.logprobs, req,
+                                                          parsers[c.index] if parsers else None):
                             yield frame(choice)
             if req.include_usage:
                 yield sse_frame(chunk(usage=usage_of([state])))
@@ -182,20 +253,30 @@ class OpenAIServingChat:
             state.finish("abort")  # no-op unless the client went away mid-stream
         yield DONE_FRAME
 
-    def _choice_frames(self, c: CompletionOutput, top_n: int | None,
-                       req: ChatCompletionRequest) -> list[ChatCompletionStreamChoice]:
+    def _choice_frames(self, c: CompletionOutput, top_n: int | None, req: ChatCompletionRequest,
+                       parser: ChatOutputParser | None = None) -> list[ChatCompletionStreamChoice]:
         frames = []
-        if c.text or c.token_ids:
+        finish_reason = c.finish_reason
+        if parser is None:
+            delta = DeltaMessage(content=c.text)
+        else:
+            parts = parser.delta(c.text, c.finish_reason is not None)
+            delta = DeltaMessage(content=parts.content or None, tool_calls=parts.tool_calls or None,
+                                 reasoning_content=parts.reasoning or None, reasoning=parts.reasoning or None)
+            if parser.called_tools and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        held_back = parser is not None and not parts and top_n is None and not req.return_token_ids
+        if (c.text or c.token_ids) and not held_back:
             frames.append(ChatCompletionStreamChoice(
                 index=c.index,
-                delta=DeltaMessage(content=c.text),
+                delta=delta,
                 logprobs=self._logprobs(c.logprobs or [], top_n, req.return_tokens_as_token_ids)
                 if top_n is not None else None,
                 token_ids=list(c.token_ids) if req.return_token_ids else None,
             ))
         if c.finish_reason is not None:
             frames.append(ChatCompletionStreamChoice(
-                index=c.index, delta=DeltaMessage(), finish_reason=c.finish_reason, stop_reason=c.stop_reason
+                index=c.index, delta=DeltaMessage(), finish_reason=finish_reason, stop_reason=c.stop_reason
             ))
         return frames
 

@@ -1,0 +1,82 @@
+"""A chat reply's text → the message's parts: reasoning, content and tool calls (what the reasoning and tool
+parsers make of it), for the whole reply (`final`) or as stream deltas (`delta`).
+
+Both parsers are pure functions of the text so far, so a stream is a diff of successive parses and reassembles to
+the non-streamed message.  With neither parser the text is content, untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenspout.reasoning import ReasoningParser
+from tokenspout.tool_parsers import ToolCallStream, ToolParser
+
+
+@dataclass(slots=True)
+class MessageParts:
+    content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI's shape: id, type, function
+
+
+@dataclass(slots=True)
+class DeltaParts:
+    content: str = ""
+    reasoning: str = ""
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.content or self.reasoning or self.tool_calls)
+
+
+class ChatOutputParser:
+    """One choice's parser.  `tool_parser` is None when the request has no tools (or tool_choice "none")."""
+
+    def __init__(self, tool_parser: ToolParser | None, reasoning: ReasoningParser | None) -> None:
+        self.tool_parser = tool_parser
+        self.reasoning = reasoning
+        self._text = ""
+        self._reasoning_sent = ""
+        self._answer_sent = ""
+        self._calls = ToolCallStream(tool_parser) if tool_parser is not None else None
+
+    @property
+    def active(self) -> bool:
+        return self.tool_parser is not None or self.reasoning is not None
+
+    def _split(self, text: str, final: bool) -> tuple[str | None, str]:
+        if self.reasoning is None:
+            return None, text
+        s = self.reasoning.split(text, final)
+        return s.reasoning, s.answer
+
+    def final(self, text: str) -> MessageParts:
+        reasoning, answer = self._split(text, True)
+        if self.tool_parser is None:
+            return MessageParts(answer if answer or reasoning is None else None, reasoning or None)
+        parse = self.tool_parser.parse(answer, True)
+        calls = [{"id": self.tool_parser.new_call_id(), "type": "function",
+                  "function": {"name": c.name, "arguments": c.arguments}} for c in parse.tool_calls()]
+        return MessageParts(parse.content or (None if calls or reasoning else ""), reasoning or None, calls)
+
+    def delta(self, new_text: str, final: bool) -> DeltaParts:
+        """The parts `new_text` (appended to the reply so far) adds; `final` on the reply's last output."""
+        self._text += new_text
+        reasoning, answer = self._split(self._text, final)
+        out = DeltaParts()
+        if reasoning is not None and reasoning.startswith(self._reasoning_sent):
+            out.reasoning = reasoning[len(self._reasoning_sent):]
+            self._reasoning_sent = reasoning
+        if self._calls is None:
+            if answer.startswith(self._answer_sent):
+                out.content = answer[len(self._answer_sent):]
+                self._answer_sent = answer
+        else:
+            out.content, out.tool_calls = self._calls.update(answer, final)
+        return out
+
+    @property
+    def called_tools(self) -> bool:
+        return self._calls is not None and self._calls.num_calls > 0
