@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -32,6 +33,15 @@ class RequestMetrics:
 
 
 @dataclass(slots=True)
+class MessageParts:
+    """A chat reply as the tool-call and reasoning parsers read it (engine/chat_output.py)."""
+
+    content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI's shape: id, type, function
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     index: int  # choice index (0 .. n-1)
     text: str
@@ -41,6 +51,7 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop string or stop token id that ended the choice
     metrics: RequestMetrics | None = field(default=None, compare=False)  # set once the choice finished
+    message: MessageParts | None = None  # LLM.chat with tools or a reasoning parser: the parsed reply
 
     @property
     def finished(self) -> bool:

@@ -10,15 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenspout.outputs import MessageParts
 from tokenspout.reasoning import ReasoningParser
 from tokenspout.tool_parsers import ToolCallStream, ToolParser
-
-
-@dataclass(slots=True)
-class MessageParts:
-    content: str | None = None
-    reasoning: str | None = None
-    tool_calls: list[dict[str, Any]] = field(default_factory=list)  # OpenAI's shape: id, type, function
 
 
 @dataclass(slots=True)

@@ -22,6 +22,14 @@ from tokenspout.config import (
     read_hf_config,
 )
 from tokenspout.engine.beam_search import BeamSearch, to_request_outputs
+from tokenspout.engine.chat_tools import (
+    ChatPlan,
+    constrain,
+    effective_template,
+    plan_tools,
+    special_token_ids,
+    template_tool_messages,
+)
 from tokenspout.engine.chat_template import load_chat_template
 from tokenspout.engine.core_client import InprocClient, SyncMPClient
 from tokenspout.engine.output_processor import OutputProcessor
@@ -29,6 +37,7 @@ from tokenspout.engine.processor import Processor
 from tokenspout.engine.tokenizer import load_tokenizer
 from tokenspout.models.default_model import resolve_model_path  # not loader: the frontend never imports torch
 from tokenspout.outputs import RequestOutput
+from tokenspout.reasoning import reasoning_parser_class
 from tokenspout.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
@@ -106,16 +115,46 @@ class LLM:
         return [results[i] for i in ids]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, *, tools: list[dict] | None = None,
+             tool_choice: str | dict | None = None, parallel_tool_calls: bool | None = None,
+             tool_call_parser: str | None = "auto", reasoning_parser: str | None = None,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Chat prompts through the chat template.  With `tools` (OpenAI's function definitions) the template gets
+        them and each output's `message` holds the parsed reply (content, tool_calls in OpenAI's shape); the
+        calls are constrained as on the server (tool_choice "auto" / "required" / "none" / a named function; see
+        README, Tool calling).  `reasoning_parser` ("deepseek_r1", "qwen3") splits the reasoning into
+        `message.reasoning`."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.processor.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+        kwargs = dict(chat_template_kwargs or {})
+        parser, renders = plan_tools(tools, tool_choice, parallel_tool_calls, parser_name=tool_call_parser,
+                                     template=effective_template(self.processor, kwargs.get("chat_template")))
+        if renders:
+            kwargs["tools"] = tools
+        convs = [template_tool_messages(c) for c in convs] if tools else convs
+        prompts = [self.processor.apply_chat_template(c, add_generation_prompt=add_generation_prompt, **kwargs)
                    for c in convs]
         params = sampling_params or SamplingParams()
         if params.uses_guidance and params.negative_prompt is None:
             # CFG's default unconditional prompt for chat: the template around an empty user message.
             params = dataclasses.replace(params, negative_prompt=self.processor.apply_chat_template(
                 [{"role": "user", "content": ""}], add_generation_prompt=add_generation_prompt))
-        return self.generate(prompts, params)
+        reasoning_cls = reasoning_parser_class(reasoning_parser)
+        plans = [ChatPlan(parser, reasoning_cls(str(p)) if reasoning_cls else None, parallel_tool_calls is not False)
+                 for p in prompts]
+        plist = []
+        for plan in plans:
+            p = dataclasses.replace(params)
+            constrain(p, plan.tool_parser, tools, tool_choice, parallel_tool_calls, plan.reasoning,
+                      special_token_ids(self.tokenizer))
+            plist.append(p)
+        outs = self.generate(prompts, plist)
+        for out, plan in zip(outs, plans):
+            if plan.active:
+                for c in out.outputs:
+                    c.message = plan.output_parser().final(c.text)
+                    if not plan.parallel:
+                        c.message.tool_calls = c.message.tool_calls[:1]
+        return outs
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], width: int = 4, max_tokens: int = 16,
                     length_penalty: float = 1.0, n: int | None = None) -> list[RequestOutput]:

@@ -47,8 +47,10 @@ class ReasoningParser:
         if self.prompt_closed:
             return ReasoningSplit("", text, True)
         body = text.lstrip()
-        if not final and body and THINK_START.startswith(body) and body != THINK_START:
-            return ReasoningSplit("", "", False)  # may still become the start marker
+        # May still become the start marker.  That includes a text of whitespace only: sending it (as reasoning or
+        # answer) before a `<think>` that follows it would leave it in the stream but out of the final split.
+        if not final and THINK_START.startswith(body) and body != THINK_START:
+            return ReasoningSplit("", "", False)
         if body.startswith(THINK_START):
             body = body[len(THINK_START):]
         elif not (self.opens_in_reasoning or self.prompt_opened):

@@ -9,7 +9,6 @@ next to a call.
 
 from __future__ import annotations
 
-import json
 import secrets
 import string
 from abc import ABC, abstractmethod
@@ -17,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from tokenspout.tool_parsers.json_scan import Malformed, object_members
+from tokenspout.tool_parsers.json_scan import Malformed, loads, object_members
 
 ARGUMENT_KEYS = ("arguments", "parameters")  # Llama 3.1 writes "parameters"
 
@@ -55,23 +54,26 @@ def call_from_object(text: str, pos: int, final: bool) -> tuple[ParsedCall, int 
     args = None
     for m in members:
         if m.key == "name" and m.end is not None:
-            value = json.loads(text[m.start:m.end])
+            value = loads(text[m.start:m.end])
             if not isinstance(value, str) or not value:
                 raise Malformed("a tool call's name must be a non-empty string")
             name = value
         elif m.key in ARGUMENT_KEYS and args is None:
             args = m
     if end is not None:
-        json.loads(text[pos:end])  # the whole object, strictly (value_end only checked nesting)
+        loads(text[pos:end])  # the whole object, strictly (value_end only checked nesting)
         if name is None:
             raise Malformed("a tool call needs a name")
         if args is None:
             return ParsedCall(name, "{}", True), end
         raw = text[args.start:args.end]
-        value = json.loads(raw)
+        value = loads(raw)
         if isinstance(value, str):  # arguments written as a JSON string holding the JSON text
             raw = value
-        elif not isinstance(value, dict):
+            # ...which must hold a JSON object too: `"arguments": "hello"` would hand the client arguments that
+            # are not JSON at all.
+            value = loads(raw)
+        if not isinstance(value, dict):
             raise Malformed("a tool call's arguments must be a JSON object")
         return ParsedCall(name, raw, True), end
     if final:
@@ -119,6 +121,15 @@ def assemble(items: list[str | ParsedCall], text_open: bool, final: bool,
     """Content and calls from a parser's items in text order (text segments and calls).  `text_open`: the last
     item is text that ends the output (it may still grow into a marker).  Whitespace next to a call is dropped
     and the text between calls is joined by newlines; with no call the content is the text itself."""
+    # Adjacent text items (e.g. a malformed block kept as content, then the text after it) are one run of text:
+    # joining them by the newline meant for text on either side of a call would insert a newline into it.
+    merged: list[str | ParsedCall] = []
+    for it in items:
+        if isinstance(it, str) and merged and isinstance(merged[-1], str):
+            merged[-1] += it
+        else:
+            merged.append(it)
+    items = merged
     calls = [it for it in items if isinstance(it, ParsedCall)]
     texts = [it for it in items if isinstance(it, str)]
     if not calls:

@@ -24,11 +24,14 @@ def function_of(tool: Mapping[str, Any]) -> Mapping[str, Any]:
 
 def call_schema(tools: Sequence[Mapping[str, Any]], args_key: str = "arguments") -> str:
     """`%json {...}` for a call to any of `tools`; each function's `parameters` schema is enforced (strict or not:
-    the constraint is what makes a small model's calls parse)."""
+    the constraint is what makes a small model's calls parse), with no undeclared top-level arguments."""
     options = []
     for tool in tools:
         fn = function_of(tool)
-        params = fn.get("parameters") or {"type": "object", "properties": {}}
+        params = dict(fn.get("parameters") or {"type": "object", "properties": {}})
+        # A function's parameters are its signature: an argument it does not declare would fail the call, so
+        # undeclared ones are closed off unless the schema itself allows them.
+        params.setdefault("additionalProperties", False)
         options.append({"type": "object",
                         "properties": {"name": {"const": fn["name"]}, args_key: params},
                         "required": ["name", args_key], "additionalProperties": False})

@@ -8,7 +8,7 @@ from typing import Any
 
 from tokenspout.tool_parsers.base import ParsedCall, ToolParse, ToolParser, assemble, call_from_object, held_back
 from tokenspout.tool_parsers.grammar import HEADER, WS, call_schema, free_text_until, literal
-from tokenspout.tool_parsers.json_scan import Malformed, skip_ws
+from tokenspout.tool_parsers.json_scan import Malformed, in_string, loads, skip_ws, value_end
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -27,7 +27,7 @@ class HermesToolParser(ToolParser):
                 items.append(text[pos:])
                 break
             items.append(text[pos:i])
-            j = text.find(END, i)
+            j = self._end_marker(text, i + len(START), final)
             # An open block stops short of a tail that may be the start of its end marker.
             block_end = len(held_back(text, (END,))) if j < 0 else j
             call = self._call(text[:block_end], i + len(START), final or j >= 0)
@@ -40,6 +40,27 @@ class HermesToolParser(ToolParser):
                 break
             pos = j + len(END)
         return assemble(items, text_open and isinstance(items[-1], str), final, self.start_markers)
+
+    @staticmethod
+    def _end_marker(text: str, pos: int, final: bool) -> int:
+        """Where the block whose JSON starts after `pos` ends (-1: not yet).  Usually the first END; but a string
+        argument may hold the text "</tool_call>" (code, docs), and an END inside the call's JSON string is not
+        the block's end: cutting the block there would turn a valid call into content."""
+        j = text.find(END, pos)
+        start = skip_ws(text, pos)
+        if j < 0 or not text.startswith("{", start):
+            return j
+        try:
+            end = value_end(text, start)
+            if end is not None:
+                if end > j:  # END lies inside the object: in one of its strings, if the object is valid JSON
+                    loads(text[start:end])
+                    return text.find(END, end)
+                return j
+        except Malformed:
+            return j
+        # The object is still open: an END inside a string that is still open may yet be part of an argument.
+        return -1 if not final and in_string(text, start, j) else j
 
     @staticmethod
     def _call(text: str, pos: int, closed: bool) -> ParsedCall | None:

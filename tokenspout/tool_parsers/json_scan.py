@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from typing import Any
 
 _WS = " \t\r\n"
 _SCALAR = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?|true|false|null")
@@ -18,6 +19,20 @@ _SCALAR = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?|true|false|nu
 
 class Malformed(ValueError):
     """The text can never become valid JSON, whatever follows."""
+
+
+def _not_json(name: str) -> Any:
+    raise Malformed(f"{name} is not JSON")
+
+
+def loads(text: str) -> Any:
+    """`json.loads`, raising Malformed: the parsers catch only Malformed, and a model's invalid JSON (a trailing
+    comma, a bad escape, a raw newline in a string) must become content, not an exception out of `parse`.  NaN and
+    Infinity (which json.loads accepts) are not JSON either: a client's strict parser would refuse the arguments."""
+    try:
+        return json.loads(text, parse_constant=_not_json)
+    except ValueError as e:
+        raise Malformed(str(e)) from None
 
 
 def skip_ws(text: str, pos: int) -> int:
@@ -38,6 +53,20 @@ def _string_end(text: str, pos: int) -> int | None:
             return i + 1
         i += 1
     return None
+
+
+def in_string(text: str, pos: int, stop: int) -> bool:
+    """Whether `text[stop]` lies inside a JSON string, scanning from `pos` (outside any string)."""
+    i = pos
+    while i < stop:
+        if text[i] == '"':
+            end = _string_end(text, i)
+            if end is None or end > stop:
+                return True
+            i = end
+        else:
+            i += 1
+    return False
 
 
 def value_end(text: str, pos: int, final: bool = False) -> int | None:
@@ -102,7 +131,7 @@ def object_members(text: str, pos: int) -> tuple[list[Member], int | None]:
         kend = _string_end(text, i)
         if kend is None:
             return members, None
-        key = json.loads(text[i:kend])
+        key = loads(text[i:kend])
         i = skip_ws(text, kend)
         if i >= len(text):
             return members, None

@@ -1,0 +1,205 @@
+"""Tool calling over HTTP with the official openai client, on the default model with a tool-capable ChatML
+template (tests/data/chatml_tools.jinja, Hermes format; --tool-call-parser auto picks hermes from it).
+
+Oracles: jsonschema validates every call's arguments against its function's schema; the non-streamed response is
+the oracle of the streamed one (same seed); the rendered prompt (return_token_ids, decoded by transformers'
+tokenizer) shows what reached the template."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+
+from tokenspout.entrypoints.openai.api_server import BackgroundServer, build_app
+
+TEMPLATE = Path(__file__).resolve().parents[1] / "data" / "chatml_tools.jinja"
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather in a city",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"]}}},
+    {"type": "function", "function": {
+        "name": "add", "description": "Add two integers", "strict": True,
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                       "required": ["a", "b"], "additionalProperties": False}}},
+]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+MAX_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from tokenspout.engine.async_llm import AsyncLLM
+    from tokenspout.engine.llm import build_engine_config
+
+    real = AsyncLLM(build_engine_config(None, max_model_len=1024, kv_cache_memory=0.25, chat_template=str(TEMPLATE)))
+    yield real
+    real.shutdown()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    srv = BackgroundServer(build_app(engine)).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model(engine):
+    return engine.model_name
+
+
+def ask(client, model, **kw):
+    kw.setdefault("messages", ASK)
+    kw.setdefault("max_tokens", MAX_TOKENS)
+    return client.chat.completions.create(model=model, tools=TOOLS, **kw)
+
+
+def check_call(call, allowed: set[str]) -> None:
+    assert call.type == "function" and call.id
+    assert call.function.name in allowed
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def many(fn, seeds):
+    with concurrent.futures.ThreadPoolExecutor(10) as pool:  # concurrent: the engine batches them
+        return list(pool.map(fn, seeds))
+
+
+def test_required_calls_parse_and_validate_over_20_seeds(client, model):
+    rs = many(lambda s: ask(client, model, tool_choice="required", temperature=1.0, seed=s), range(20))
+    for r in rs:
+        choice = r.choices[0]
+        assert choice.message.tool_calls, choice
+        # Parallel calls are allowed: the model may go on calling until max_tokens cuts a call (returned as text).
+        assert choice.finish_reason in ("tool_calls", "length")
+        if choice.finish_reason == "tool_calls":
+            assert not choice.message.content  # calls only
+        for call in choice.message.tool_calls:
+            check_call(call, set(SCHEMAS))
+
+
+def test_named_function_calls_parse_and_validate_over_20_seeds(client, model):
+    named = {"type": "function", "function": {"name": "add"}}
+    rs = many(lambda s: ask(client, model, tool_choice=named, temperature=1.0, seed=100 + s), range(20))
+    for r in rs:
+        calls = r.choices[0].message.tool_calls
+        assert calls and all(c.function.name == "add" for c in calls)
+        for call in calls:
+            check_call(call, {"add"})
+
+
+def reassemble(stream):
+    content, reasoning, calls, finish, ids = "", "", {}, None, set()
+    for chunk in stream:
+        for d in chunk.choices:
+            content += d.delta.content or ""
+            for tc in d.delta.tool_calls or []:
+                entry = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+                if tc.id:
+                    assert entry["id"] is None, "a call's id comes once, in its first delta"
+                    entry["id"] = tc.id
+                    ids.add(tc.id)
+                    assert tc.function.name, "the first delta names the function"
+                entry["name"] += tc.function.name or ""
+                entry["arguments"] += tc.function.arguments or ""
+            finish = d.finish_reason or finish
+    return content, [(c["name"], c["arguments"]) for _, c in sorted(calls.items())], finish, ids
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "auto", {"type": "function", "function": {"name": "get_weather"}}])
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_streamed_call_reassembles_to_the_non_streamed_one(client, model, tool_choice, seed):
+    kw = {"tool_choice": tool_choice, "temperature": 1.0, "seed": seed}
+    whole = ask(client, model, **kw).choices[0]
+    content, calls, finish, ids = reassemble(ask(client, model, stream=True, **kw))
+    assert calls == [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+    assert content == (whole.message.content or "")
+    assert finish == whole.finish_reason
+    assert len(ids) == len(calls)
+    assert "<tool_call" not in content  # no half-parsed marker leaks into the text
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "auto"])
+def test_parallel_tool_calls_false_yields_at_most_one_call(client, model, tool_choice):
+    kw = {"tool_choice": tool_choice, "parallel_tool_calls": False, "temperature": 1.0}
+    rs = many(lambda s: ask(client, model, seed=200 + s, **kw), range(8))
+    for r in rs:
+        assert len(r.choices[0].message.tool_calls or []) <= 1
+    assert any(r.choices[0].message.tool_calls for r in rs) or tool_choice == "auto"
+    streamed = reassemble(ask(client, model, seed=200, stream=True, **kw))
+    assert len(streamed[1]) <= 1
+
+
+def test_auto_calls_validate_or_answer_in_text(client, model):
+    rs = many(lambda s: ask(client, model, tool_choice="auto", temperature=1.0, seed=300 + s), range(8))
+    for r in rs:
+        choice = r.choices[0]
+        for call in choice.message.tool_calls or []:
+            check_call(call, set(SCHEMAS))
+        if not choice.message.tool_calls:
+            assert choice.finish_reason in ("stop", "length") and "<tool_call>" not in (choice.message.content or "")
+
+
+def test_a_two_turn_exchange_renders_every_field(client, model, tokenizer):
+    first = ask(client, model, tool_choice="required", temperature=0.0).choices[0].message
+    call = first.tool_calls[0]
+    history = [*ASK,
+               {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+               {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "sunny"}'}]
+    r = client.chat.completions.create(model=model, messages=history, tools=TOOLS, tool_choice="none",
+                                       max_tokens=16, temperature=0.0, extra_body={"return_token_ids": True})
+    prompt = tokenizer.decode(r.prompt_token_ids)
+    args = json.loads(call.function.arguments)
+    assert '"name": "get_weather"' in prompt and '"name": "add"' in prompt  # the tool definitions
+    assert f'<tool_call>\n{{"name": "{call.function.name}", "arguments": ' in prompt  # the assistant's call
+    assert all(json.dumps(v) in prompt for v in args.values())  # its arguments, as an object
+    assert '<tool_response>\n{"temperature": 21, "sky": "sunny"}\n</tool_response>' in prompt  # the tool result
+    answer = r.choices[0]
+    assert answer.message.tool_calls == [] and answer.finish_reason in ("stop", "length")
+    assert isinstance(answer.message.content, str)
+
+
+def test_tool_choice_none_renders_tools_but_never_parses(client, model):
+    r = ask(client, model, tool_choice="none", temperature=0.0, max_tokens=8).choices[0]
+    assert r.message.tool_calls == [] and r.finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("kw, param", [
+    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required", "tools": []}, "tool_choice"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "retrieval"}]}, "tools.0.type"),
+    ({"tools": [TOOLS[0], TOOLS[0]]}, "tools"),
+])
+def test_bad_tool_requests_are_400s_naming_the_field(client, model, kw, param):
+    kw = {"tools": TOOLS, **kw}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=ASK, max_tokens=4, **kw)
+    assert e.value.status_code == 400 and param in str(e.value), str(e.value)
+
+
+def test_a_template_without_tool_support_is_a_400_naming_the_template(client, model, engine):
+    own = engine.tokenizer.chat_template  # SmolLM2's own template never reads `tools`
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=4,
+                                       extra_body={"chat_template": own})
+    assert "chat template does not render tools" in str(e.value) and "--chat-template" in str(e.value)
+    # tool_choice "none" needs no tool support: the tools are simply not rendered.
+    r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=4,
+                                       extra_body={"chat_template": own})
+    assert r.choices[0].message.tool_calls == []
