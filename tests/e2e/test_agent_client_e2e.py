@@ -16,17 +16,16 @@ from pathlib import Path
 
 import httpx
 import jsonschema
+import langchain_openai
 import openai
 import pytest
+from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+from langchain_core.tools import tool
+from langchain_core.utils.function_calling import convert_to_openai_tool
 
 from tokenspout.engine.async_llm import AsyncLLM
 from tokenspout.engine.llm import build_engine_config
 from tokenspout.entrypoints.openai.api_server import BackgroundServer, build_app
-
-langchain_openai = pytest.importorskip("langchain_openai")
-from langchain_core.messages import AIMessage, HumanMessage, ToolMessage  # noqa: E402
-from langchain_core.tools import tool  # noqa: E402
-from langchain_core.utils.function_calling import convert_to_openai_tool  # noqa: E402
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "data" / "chatml_tools.jinja"
 WEATHER = "Sunny, 21 degrees Celsius, light wind from the west."

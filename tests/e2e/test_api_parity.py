@@ -169,7 +169,7 @@ def test_n_is_bounded(client, model):
     assert body["param"] == "n"
 
 
-@pytest.mark.parametrize("field", ["tools", "tool_choice", "logits_processors", "priority", "best_of_x"])
+@pytest.mark.parametrize("field", ["functions", "function_call", "reasoning_effort", "logits_processors", "priority", "best_of_x"])
 def test_unsupported_fields_are_named(client, model, field):
     body = bad_request(lambda: client.chat.completions.create(model=model, messages=CHAT, max_tokens=1,
                                                               extra_body={field: "auto"}))
