@@ -102,7 +102,7 @@ def test_named_function_calls_parse_and_validate_over_20_seeds(client, model):
 
 
 def reassemble(stream):
-    content, reasoning, calls, finish, ids = "", "", {}, None, set()
+    content, calls, finish, ids = "", {}, None, set()
     for chunk in stream:
         for d in chunk.choices:
             content += d.delta.content or ""

@@ -22,6 +22,7 @@ from tokenspout.config import (
     read_hf_config,
 )
 from tokenspout.engine.beam_search import BeamSearch, to_request_outputs
+from tokenspout.engine.chat_template import load_chat_template
 from tokenspout.engine.chat_tools import (
     ChatPlan,
     constrain,
@@ -30,7 +31,6 @@ from tokenspout.engine.chat_tools import (
     special_token_ids,
     template_tool_messages,
 )
-from tokenspout.engine.chat_template import load_chat_template
 from tokenspout.engine.core_client import InprocClient, SyncMPClient
 from tokenspout.engine.output_processor import OutputProcessor
 from tokenspout.engine.processor import Processor

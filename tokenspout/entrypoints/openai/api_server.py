@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from tokenspout.engine.chat_tools import check_parser_names
+from tokenspout.entrypoints.openai.middleware import install_middleware
 from tokenspout.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -39,7 +40,6 @@ from tokenspout.entrypoints.openai.protocol import (
     validation_error_to_serving_error,
 )
 from tokenspout.entrypoints.openai.serving_chat import OpenAIServingChat
-from tokenspout.entrypoints.openai.middleware import install_middleware
 from tokenspout.entrypoints.openai.serving_common import EngineClient
 from tokenspout.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenspout.entrypoints.openai.serving_tokenization import install_tokenization_routes

@@ -59,8 +59,8 @@ from tokenspout.entrypoints.openai.serving_common import (
 )
 from tokenspout.entrypoints.openai.sse import DONE_FRAME, ChunkEnvelope, error_frame, sse_frame
 from tokenspout.metrics import ServerMetrics
-from tokenspout.reasoning import ReasoningParser, reasoning_parser_class
 from tokenspout.outputs import CompletionOutput, PositionLogprobs
+from tokenspout.reasoning import ReasoningParser, reasoning_parser_class
 from tokenspout.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
