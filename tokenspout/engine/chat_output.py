@@ -49,7 +49,9 @@ class ChatOutputParser:
     def final(self, text: str) -> MessageParts:
         reasoning, answer = self._split(text, True)
         if self.tool_parser is None:
-            return MessageParts(answer if answer or reasoning is None else None, reasoning or None)
+            # content is None only beside reasoning (as with a tool parser below): an empty reply without any is
+            # "", as it is with no reasoning parser at all.
+            return MessageParts(answer if answer or not reasoning else None, reasoning or None)
         parse = self.tool_parser.parse(answer, True)
         calls = [{"id": self.tool_parser.new_call_id(), "type": "function",
                   "function": {"name": c.name, "arguments": c.arguments}} for c in parse.tool_calls()]

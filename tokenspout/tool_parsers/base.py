@@ -31,10 +31,11 @@ class ParsedCall:
 @dataclass(slots=True)
 class ToolParse:
     content: str  # text outside calls that can be shown now
-    calls: list[ParsedCall] = field(default_factory=list)  # with final=True: complete calls only
+    calls: list[ParsedCall] = field(default_factory=list)  # final=True: complete calls, and a named cut-off one
 
     def tool_calls(self) -> list[ParsedCall]:
-        return [c for c in self.calls if c.complete]
+        """The calls of a final parse: complete ones, and one cut off by the end of the reply (named)."""
+        return [c for c in self.calls if c.name is not None]
 
 
 def held_back(text: str, markers: Sequence[str]) -> str:
@@ -46,9 +47,12 @@ def held_back(text: str, markers: Sequence[str]) -> str:
     return text
 
 
-def call_from_object(text: str, pos: int, final: bool) -> tuple[ParsedCall, int | None]:
+def call_from_object(text: str, pos: int, final: bool, cut_ok: bool = False) -> tuple[ParsedCall, int | None]:
     """The call written as a JSON object at `text[pos]` ({"name": ..., "arguments": {...}}): (call, end), end the
-    index after the object or None while it is open.  Raises Malformed when it can never be a call."""
+    index after the object or None while it is open.  Raises Malformed when it can never be a call.  `cut_ok`: at
+    the end of the reply (final) an object the text stops inside (max_tokens) is still a call once its name is
+    complete, with its arguments as far as they were written (OpenAI's behaviour, and what a stream has already
+    sent of it); else it is malformed."""
     members, end = object_members(text, pos)
     name: str | None = None
     args = None
@@ -76,7 +80,7 @@ def call_from_object(text: str, pos: int, final: bool) -> tuple[ParsedCall, int 
         if not isinstance(value, dict):
             raise Malformed("a tool call's arguments must be a JSON object")
         return ParsedCall(name, raw, True), end
-    if final:
+    if final and not (cut_ok and name is not None):
         raise Malformed("the tool call's JSON was cut off")
     if name is None or args is None or text[args.start] != "{":
         return ParsedCall(name, "", False), None

@@ -30,7 +30,7 @@ class HermesToolParser(ToolParser):
             j = self._end_marker(text, i + len(START), final)
             # An open block stops short of a tail that may be the start of its end marker.
             block_end = len(held_back(text, (END,))) if j < 0 else j
-            call = self._call(text[:block_end], i + len(START), final or j >= 0)
+            call = self._call(text[:block_end], i + len(START), final or j >= 0, cut=final and j < 0)
             if call is None:  # malformed or cut off: the block is content, as written
                 items.append(text[i:block_end + (len(END) if j >= 0 else 0)])
             else:
@@ -63,13 +63,13 @@ class HermesToolParser(ToolParser):
         return -1 if not final and in_string(text, start, j) else j
 
     @staticmethod
-    def _call(text: str, pos: int, closed: bool) -> ParsedCall | None:
+    def _call(text: str, pos: int, closed: bool, cut: bool = False) -> ParsedCall | None:
         """The call in a block whose JSON starts after `pos`; `closed`: the block can grow no more."""
         pos = skip_ws(text, pos)
         if pos >= len(text):
             return None if closed else ParsedCall(None, "", False)
         try:
-            call, end = call_from_object(text, pos, closed)
+            call, end = call_from_object(text, pos, closed, cut_ok=cut)
         except Malformed:
             return None if closed else ParsedCall(None, "", False)
         if end is not None and text[end:].strip():  # more than the call's object in the block

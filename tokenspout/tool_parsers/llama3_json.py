@@ -32,7 +32,7 @@ class Llama3JsonToolParser(ToolParser):
         pos = start
         while True:
             try:
-                call, end = call_from_object(text, pos, final)
+                call, end = call_from_object(text, pos, final, cut_ok=True)
             except Malformed:
                 # Not (or no longer) a call: at the end, what is left is content; while it grows, hold it back.
                 if final:

@@ -54,18 +54,16 @@ class MistralToolParser(ToolParser):
         while True:
             pos = skip_ws(text, pos)
             if pos >= len(text):
-                if final:
+                if final and not calls:
                     raise Malformed("the call list was cut off")
-                return calls or [ParsedCall(None, "", False)]
-            call, end = call_from_object(text, pos, final)
+                return calls or [ParsedCall(None, "", False)]  # cut after a call: the calls stand
+            call, end = call_from_object(text, pos, final, cut_ok=True)
             calls.append(call)
             if end is None or single:
                 return calls if end is None else calls + [text[end:]]
             pos = skip_ws(text, end)
             if pos >= len(text):
-                if final:
-                    raise Malformed("the call list was cut off")
-                return calls
+                return calls  # the list not closed yet, or cut by the end of the reply: the calls stand
             if text[pos] == "]":
                 return calls + [text[pos + 1:]]
             if text[pos] != ",":
