@@ -83,3 +83,27 @@ def test_async_scheduling_in_the_engine_process(llm):
         for _ in range(2):
             got = [(c.text, c.finish_reason) for o in fast.generate(prompts, params) for c in o.outputs]
             assert got == want
+
+
+def test_chat_with_tools_returns_parsed_calls(llm):
+    """LLM.chat(tools=...): the tool template's calls come back parsed and valid (constrained as on the server)."""
+    import json
+    from pathlib import Path
+
+    import jsonschema
+
+    template = (Path(__file__).resolve().parents[1] / "data" / "chatml_tools.jinja").read_text()
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": schema}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    outs = llm.chat([messages, messages], SamplingParams(temperature=1.0, seed=5, max_tokens=48), tools=tools,
+                    tool_choice="required", parallel_tool_calls=False, chat_template_kwargs={"chat_template": template})
+    for out in outs:
+        msg = out.outputs[0].message
+        assert msg is not None and len(msg.tool_calls) == 1 and not msg.content
+        call = msg.tool_calls[0]
+        assert call["type"] == "function" and call["function"]["name"] == "get_weather"
+        jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
+        assert out.outputs[0].text.startswith("<tool_call>\n")  # the raw text stays in `text`
+    with pytest.raises(ValueError, match="does not render tools"):  # the model's own template has no tools
+        llm.chat(messages, tools=tools)
