@@ -1,12 +1,14 @@
 """Tool-call grammar cost: batch-16 decode throughput under the constrained tool-call grammar, and its compile time.
 
-    python -m bench.tool_grammar [--batch 16] [--max-tokens 64] [--rounds 3] [--ttft-reps 5] [--threads N] [--quick]
+    python -m bench.tool_grammar [--batch 16] [--max-tokens 64] [--rounds 3] [--ttft-reps 5] [--threads N]
+                                 [--check-max-tokens 256] [--quick]
 
 The grammar is the one the hermes tool parser builds (`TOOL_PARSERS["hermes"]().grammar(TOOLS, ...)`, a Lark
 grammar for llguidance) for three tools in OpenAI's format (typed properties, enums, a pattern, a nested object, an
-array, required keys), passed as `StructuredOutputsParams(grammar=...)`.  One chat prompt (the tools listed in a
-Hermes-style system message, since the default model's template does not render `tools`; a user request that
-calls for a tool), 16 rows of it with seeds 1000..1015, temperature 1.0, max_tokens 64, ignore_eos off.  Cases:
+array, required keys), passed as `StructuredOutputsParams(grammar=...)`.  One chat prompt: the tools listed in a
+Hermes-style system message as Qwen2.5's template writes it (the default model's own template does not render
+`tools`), two earlier turns answered with calls, then a request for flights.  16 rows of it with seeds
+1000..1015, temperature 1.0, max_tokens 64, ignore_eos off.  Cases:
 
   baseline   no grammar: free text
   required   hermes grammar, required=True: `<tool_call>\\n{call}\\n</tool_call>` and nothing else
@@ -14,20 +16,23 @@ calls for a tool), 16 rows of it with seeds 1000..1015, temperature 1.0, max_tok
   json       for reference: the same calls' anyOf schema as a plain JSON-schema constraint (`json=`), no markers
 
 Rows end on their own (EOS, or the grammar's end), so the cases generate different numbers of tokens and their
-batches shrink at different steps: `vs baseline` compares decode tok/s as the brief's cases run, which also
-credits or charges each case for its batch occupancy.  The grammar's own cost is isolated as in bench.guided: for
-each grammar case, a `plain@case` run of the same prompts and seeds without a grammar, with ignore_eos and
-max_tokens set per row to the number of tokens that row generated under the grammar (a calibration run first, which
-also compiles and caches every grammar), so both generate exactly the same tokens per row; `own cost` = 1 -
-case / plain@case.  All runs are interleaved within each of --rounds rounds (the order rotates between rounds),
-median decode tok/s (bench.speculative.timed_generate: tokens after the step at which the last row got its first
-token / time from that step to the end); `tok/cpu-s` is the same in this process's CPU time.  Grammar work in the
-grammar runs (mask fill, mask apply, matcher advance) is timed by wrapping the grammar manager's calls.
+batches shrink at different steps: `vs baseline` compares decode tok/s as the cases run, which also credits or
+charges each case for its batch occupancy.  The grammar's own cost is isolated as in bench.guided: for the two tool
+grammar cases (json too with --match-json: one more run a round), a `plain@case` run of the same prompts and seeds
+without a grammar, with ignore_eos and max_tokens set per row to the number of tokens that row generated under the
+grammar (a calibration run first, which also compiles and caches every grammar), so both generate exactly the same
+tokens per row; `own cost` = 1 - case / plain@case.  All runs are interleaved within each of --rounds rounds (the
+order rotates between rounds), median decode tok/s (bench.speculative.timed_generate: tokens after the step at which
+the last row got its first token / time from that step to the end); `tok/cpu-s` is the same in this process's CPU
+time (with --threads 1, insensitive to other load on a shared machine).  Grammar work in the grammar runs (mask
+fill, mask apply, matcher advance) is timed by wrapping the grammar manager's calls.
 
 Validity: every output of the required case (calibration and every round) must parse with
 `TOOL_PARSERS["hermes"]().parse(text, final=True)` into at least one complete call to a known tool whose arguments
-are a JSON object; the fraction is reported, with the failing texts.  For auto: how many rows wrote a call; json:
-how many outputs are valid JSON naming a known tool.
+are a JSON object; the fraction is reported, with the failing texts and whether they were cut off by max_tokens.
+Since a 135M model at temperature 1 writes long strings, a further run of the required case with max_tokens
+--check-max-tokens (256) shows whether the rows cut off at 64 complete into calls when given room.  For auto: how
+many rows wrote the marker and how many a call; json: how many outputs are valid JSON naming a known tool.
 
 Compile time: llguidance compiles of each spec in this process (median of --ttft-reps, each a spec never seen,
 the tools plus one optional property with a random name), and first-token latency at batch 1 (max_tokens 1) of a
@@ -112,15 +117,25 @@ _SYSTEM = ("You are a helpful assistant.\n\n# Tools\n\nYou may call one or more 
            "</tools>\n\nFor each function call, return a json object with function name and arguments within "
            "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
            "<args-json-object>}}\n</tool_call>")
-QUESTION = ("My partner and I are flying from Lisbon to Oslo on 2025-03-14 with our two kids, nonstop if possible. "
-            "Can you find flights, and what will the weather be like in Oslo that week?")
+QUESTION = "Find me flights from Lisbon (LIS) to Oslo (OSL) on 2025-03-14 for two adults and two kids."
+# Two earlier turns in which the assistant answered with calls: without them the 135M default model never writes
+# `<tool_call>` on its own (0/16 rows), so the auto case would never leave free text.
+_EARLIER = [
+    {"role": "user", "content": "What's the weather in Paris for the next 3 days?"},
+    {"role": "assistant", "content": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+                                     '"unit": "celsius", "days": 3}}\n</tool_call>'},
+    {"role": "user", "content": "Put lunch with Ana on my calendar for Friday at noon."},
+    {"role": "assistant", "content": '<tool_call>\n{"name": "create_event", "arguments": {"title": "Lunch with '
+                                     'Ana", "start": "2025-03-14T12:00:00"}}\n</tool_call>'},
+]
 CASES = ("baseline", "required", "auto", "json")
 GRAMMAR_CASES = CASES[1:]
 
 
 def messages(tools: list[dict]) -> list[dict]:
     listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    return [{"role": "system", "content": _SYSTEM.format(tools=listing)}, {"role": "user", "content": QUESTION}]
+    return [{"role": "system", "content": _SYSTEM.format(tools=listing)}, *_EARLIER,
+            {"role": "user", "content": QUESTION}]
 
 
 def fresh_tools() -> list[dict]:
@@ -157,11 +172,12 @@ def check_call(text: str) -> str | None:
     from tokenspout.tool_parsers import TOOL_PARSERS
 
     try:
-        calls = TOOL_PARSERS["hermes"]().parse(text, final=True).tool_calls()
+        found = TOOL_PARSERS["hermes"]().parse(text, final=True).tool_calls()
     except Exception as e:  # noqa: BLE001 - a parser crash is a finding, not a reason to stop the benchmark
         return f"parse raised {type(e).__name__}: {e}"
+    calls = [c for c in found if c.complete]  # a final parse also returns a named call cut off by max_tokens
     if not calls:
-        return "no complete call"
+        return f"no complete call (a cut-off call to {found[0].name!r})" if found else "no complete call"
     for c in calls:
         if c.name not in TOOL_NAMES:
             return f"unknown tool {c.name!r}"
@@ -189,8 +205,11 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--ttft-reps", type=int, default=5)
+    ap.add_argument("--check-max-tokens", type=int, default=256,
+                    help="max_tokens of the extra validity run of the required case (0: skip it)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--match-json", action="store_true", help="a length-matched plain run for json too")
     ap.add_argument("--quick", action="store_true", help="1 round, 3 latency repeats")
     ap.add_argument("--out", default="tool_grammar.json")
     args = ap.parse_args()
@@ -223,10 +242,11 @@ def main() -> None:
     case_params = {c: [params(c, args.max_tokens, s) for s in seeds] for c in CASES}
     calib = {c: timed_generate(llm, texts, case_params[c]) for c in CASES}
     lengths = {c: [len(t) for t in calib[c]["token_ids"]] for c in CASES}
-    for c in GRAMMAR_CASES:
+    matched = [*GRAMMAR_CASES] if args.match_json else ["required", "auto"]
+    for c in matched:
         case_params[f"plain@{c}"] = [SamplingParams(temperature=args.temperature, seed=s, max_tokens=n,
                                                     ignore_eos=True) for s, n in zip(seeds, lengths[c])]
-    names = [*CASES, *(f"plain@{c}" for c in GRAMMAR_CASES)]
+    names = [*CASES, *(f"plain@{c}" for c in matched)]
 
     mgr = llm.client.core.scheduler.structured
     runs: dict[str, list[dict]] = {n: [] for n in names}
@@ -246,8 +266,8 @@ def main() -> None:
     tps_cpu = {n: median([x["decode_tok_cpu_s"] for x in v]) for n, v in runs.items()}
     e2e = {n: median([x["e2e_tok_s"] for x in v]) for n, v in runs.items()}
     vs_base = {n: tps[n] / tps["baseline"] for n in names}
-    own_cost = {c: 1 - tps[c] / tps[f"plain@{c}"] for c in GRAMMAR_CASES}
-    own_cost_cpu = {c: 1 - tps_cpu[c] / tps_cpu[f"plain@{c}"] for c in GRAMMAR_CASES}
+    own_cost = {c: 1 - tps[c] / tps[f"plain@{c}"] for c in matched}
+    own_cost_cpu = {c: 1 - tps_cpu[c] / tps_cpu[f"plain@{c}"] for c in matched}
     work = {}
     for c in GRAMMAR_CASES:
         t = {k: sum(g.t[k] for g in timers[c]) for k in timers[c][0].t}
@@ -258,12 +278,21 @@ def main() -> None:
 
     # ---- validity of the outputs -------------------------------------------------------------------------------
     outputs = {c: calib[c]["texts"] + [t for x in runs[c] for t in x["texts"]] for c in CASES}
-    req_fail = [(t, why) for t in outputs["required"] if (why := check_call(t)) is not None]
+    n_tokens = {c: lengths[c] + [len(t) for x in runs[c] for t in x["token_ids"]] for c in CASES}
+    req_fail = [(t, n, why) for t, n in zip(outputs["required"], n_tokens["required"])
+                if (why := check_call(t)) is not None]
     auto_calls = sum(check_call(t) is None for t in outputs["auto"])
     auto_marker = sum("<tool_call>" in t for t in outputs["auto"])
     json_ok = sum(check_json(t) for t in outputs["json"])
     base_calls = sum(check_call(t) is None for t in outputs["baseline"])
     n_out = len(outputs["required"])
+    req_cut = sum(n >= args.max_tokens for _, n, _ in req_fail)
+    long_fail: list[tuple[str, int, str]] = []
+    long_lens: list[int] = []
+    if args.check_max_tokens:
+        long = timed_generate(llm, texts, [params("required", args.check_max_tokens, s) for s in seeds])
+        long_lens = [len(t) for t in long["token_ids"]]
+        long_fail = [(t, n, why) for t, n in zip(long["texts"], long_lens) if (why := check_call(t)) is not None]
 
     # ---- compile time: in-process compiles of never-seen specs, and first-token latency at batch 1 ------------
     backend = mgr._backend_or_build()  # built by now (the first structured request)
@@ -305,7 +334,7 @@ def main() -> None:
         print(f"{n:<18}{tps[n]:>13.1f}{vs_base[n]:>12.2f}{cost}{tps_cpu[n]:>11.1f}{e2e[n]:>11.1f}"
               f"{f'{min(lens)}/{median(lens):.0f}/{max(lens)}':>24}{sum(x == args.max_tokens for x in lens):>8}")
     print("own cost = 1 - decode tok/s / plain@case (same tokens per row, no grammar); in CPU time: "
-          + ", ".join(f"{c} {100 * own_cost_cpu[c]:.1f}%" for c in GRAMMAR_CASES))
+          + ", ".join(f"{c} {100 * own_cost_cpu[c]:.1f}%" for c in matched))
     for c in GRAMMAR_CASES:
         w = work[c]
         print(f"grammar work, {c}: mask fill {1e3 * w['time_s']['grammar_bitmask']:.0f} ms over "
@@ -317,8 +346,16 @@ def main() -> None:
           f"{n_out - len(req_fail)}/{n_out} ({100 * (n_out - len(req_fail)) / n_out:.0f}%); auto wrote a call "
           f"{auto_calls}/{n_out} (marker in {auto_marker}); json valid call {json_ok}/{n_out}; baseline (no "
           f"grammar) wrote a parseable call {base_calls}/{n_out}")
-    for t, why in req_fail[:5]:
-        print(f"  required FAILED ({why}): {t!r}")
+    print(f"  required failures: {len(req_fail)}, of which {req_cut} cut off at max_tokens {args.max_tokens} and "
+          f"{len(req_fail) - req_cut} ended on their own")
+    for t, n, why in req_fail[:3]:
+        print(f"  required FAILED ({why}; {n} tokens{', hit max_tokens' if n >= args.max_tokens else ''}): {t!r}")
+    if args.check_max_tokens:
+        print(f"required with max_tokens {args.check_max_tokens}: parses to >= 1 complete call "
+              f"{len(long_lens) - len(long_fail)}/{len(long_lens)}; tokens/row min {min(long_lens)}, median "
+              f"{median(long_lens):.0f}, max {max(long_lens)}")
+        for t, n, why in long_fail[:5]:
+            print(f"  FAILED ({why}; {n} tokens): {t!r}")
     print(f"sample required output: {calib['required']['texts'][0]!r}")
     print(f"sample auto output:     {calib['auto']['texts'][0]!r}")
 
@@ -336,7 +373,7 @@ def main() -> None:
     results = {
         "config": {"batch": args.batch, "max_tokens": args.max_tokens, "temperature": args.temperature,
                    "rounds": args.rounds, "ttft_reps": args.ttft_reps, "threads": args.threads, "quick": args.quick,
-                   "parser": "hermes", "tools": TOOLS, "question": QUESTION,
+                   "match_json": args.match_json, "parser": "hermes", "tools": TOOLS, "question": QUESTION,
                    "comparison": "vs baseline: decode tok/s / no-grammar run (natural lengths); own cost: vs "
                                  "plain@case (same prompts/seeds, ignore_eos, max_tokens = the row's grammar length)"},
         "grammars": {c: specs[c].grammar if specs[c].grammar is not None else specs[c].json for c in GRAMMAR_CASES},
@@ -347,9 +384,12 @@ def main() -> None:
         "grammar_work": work,
         "validity": {"outputs_per_case": n_out, "required_parsed": n_out - len(req_fail),
                      "required_parsed_fraction": (n_out - len(req_fail)) / n_out,
-                     "required_failures": [{"text": t, "why": why} for t, why in req_fail],
+                     "required_failures": [{"text": t, "tokens": n, "why": why} for t, n, why in req_fail],
                      "auto_calls": auto_calls, "auto_marker": auto_marker, "json_valid_calls": json_ok,
-                     "baseline_calls": base_calls},
+                     "required_cut_off": req_cut, "baseline_calls": base_calls,
+                     "long_check": {"max_tokens": args.check_max_tokens, "row_lengths": long_lens,
+                                    "parsed": len(long_lens) - len(long_fail),
+                                    "failures": [{"text": t, "tokens": n, "why": why} for t, n, why in long_fail]}},
         "compile_ms": {c: {"p50": median(v), "p90": percentile(v, 90), "all": v} for c, v in compile_ms.items()},
         "ttft_ms": {k: {"p50": 1e3 * median(v), "p90": 1e3 * percentile(v, 90), "all": [1e3 * x for x in v]}
                     for k, v in lat.items()},

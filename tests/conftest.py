@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,3 +41,16 @@ def loaded_model(model_path):
     from tokenspout.models.loader import load_model
 
     return load_model(ModelConfig(model=str(model_path), max_model_len=2048))
+
+
+TOOLS_TEMPLATE = Path(__file__).resolve().parent / "data" / "chatml_tools.jinja"
+
+
+@pytest.fixture(scope="session")
+def tools_server():
+    """(engine, server): the default model behind a real server with the tool-capable ChatML template, shared by
+    the tool-calling and agent-client e2e tests (one engine process for both)."""
+    from tests.helpers import background_server, real_engine
+
+    with real_engine(chat_template=str(TOOLS_TEMPLATE)) as engine, background_server(engine) as srv:
+        yield engine, srv

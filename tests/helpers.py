@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
 from tokenspout.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tokenspout.core.engine_core import EngineCore
 from tokenspout.engine.messages import EngineCoreRequest
@@ -37,3 +41,29 @@ def run_to_completion(core: EngineCore, prompts: list[list[int]], params: Sampli
                 finished.add(o.request_id)
     assert finished == set(out), "not every request finished"
     return out
+
+
+@contextmanager
+def real_engine(**config: Any) -> Iterator[Any]:
+    """The real AsyncLLM (engine-core process) on the default model; `config`: build_engine_config's keywords
+    (default: a 1024-token context and a 0.25 GiB KV cache, enough for the e2e tests)."""
+    from tokenspout.engine.async_llm import AsyncLLM
+    from tokenspout.engine.llm import build_engine_config
+
+    engine = AsyncLLM(build_engine_config(None, **{"max_model_len": 1024, "kv_cache_memory": 0.25, **config}))
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+@contextmanager
+def background_server(engine: Any, **app_options: Any) -> Iterator[Any]:
+    """uvicorn in a thread serving build_app(engine, **app_options); yields the BackgroundServer (its .url)."""
+    from tokenspout.entrypoints.openai.api_server import BackgroundServer, build_app
+
+    srv = BackgroundServer(build_app(engine, **app_options)).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import httpx
 import jsonschema
@@ -23,11 +22,6 @@ from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
 from langchain_core.tools import tool
 from langchain_core.utils.function_calling import convert_to_openai_tool
 
-from tokenspout.engine.async_llm import AsyncLLM
-from tokenspout.engine.llm import build_engine_config
-from tokenspout.entrypoints.openai.api_server import BackgroundServer, build_app
-
-TEMPLATE = Path(__file__).resolve().parents[1] / "data" / "chatml_tools.jinja"
 WEATHER = "Sunny, 21 degrees Celsius, light wind from the west."
 CALLS: list[str] = []  # what get_weather was called with
 
@@ -52,17 +46,8 @@ def no_tracing():
 
 
 @pytest.fixture(scope="module")
-def engine():
-    eng = AsyncLLM(build_engine_config(None, max_model_len=1024, kv_cache_memory=0.25, chat_template=str(TEMPLATE)))
-    yield eng
-    eng.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    srv = BackgroundServer(build_app(engine)).start()
-    yield srv
-    srv.stop()
+def server(tools_server):
+    return tools_server[1]
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from tests.helpers import background_server, real_engine
 from tests.unit.fake_engine import FakeEngine
 from tokenspout.entrypoints.openai.api_server import BackgroundServer, build_app
 
@@ -24,19 +25,14 @@ CHAT = [{"role": "user", "content": "Name a colour."}]
 
 @pytest.fixture(scope="module")
 def engine():
-    from tokenspout.engine.async_llm import AsyncLLM
-    from tokenspout.engine.llm import build_engine_config
-
-    real = AsyncLLM(build_engine_config(None, max_model_len=MAX_MODEL_LEN, kv_cache_memory=0.1))
-    yield real
-    real.shutdown()
+    with real_engine(max_model_len=MAX_MODEL_LEN, kv_cache_memory=0.1) as real:
+        yield real
 
 
 @pytest.fixture(scope="module")
 def server(engine):
-    srv = BackgroundServer(build_app(engine)).start()
-    yield srv
-    srv.stop()
+    with background_server(engine) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

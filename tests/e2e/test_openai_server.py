@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from tests.helpers import background_server, real_engine
 from tests.unit.fake_engine import FakeEngine
 from tokenspout.entrypoints.openai.api_server import BackgroundServer, build_app
 
@@ -29,19 +30,14 @@ def engine(request):
     if request.param == "fake":
         yield FakeEngine()
         return
-    from tokenspout.engine.async_llm import AsyncLLM
-    from tokenspout.engine.llm import build_engine_config
-
-    real = AsyncLLM(build_engine_config(None, max_model_len=1024, kv_cache_memory=0.25))
-    yield real
-    real.shutdown()
+    with real_engine() as real:
+        yield real
 
 
 @pytest.fixture(scope="module")
 def server(engine):
-    srv = BackgroundServer(build_app(engine)).start()
-    yield srv
-    srv.stop()
+    with background_server(engine) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

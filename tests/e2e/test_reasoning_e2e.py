@@ -81,7 +81,7 @@ def test_reasoning_is_split_streamed_and_not(served, script, reasoning, content)
 
 
 def test_reasoning_cut_by_max_tokens_stays_reasoning(served):
-    engine, client, parser = served
+    engine, client, _ = served
     engine.script = THINK + ANSWER
     whole = client.chat.completions.create(model="scripted", messages=MSGS, max_tokens=20).choices[0]
     assert whole.finish_reason == "length"
@@ -105,7 +105,7 @@ def test_a_tool_call_after_reasoning_is_parsed_from_the_answer_only(served):
 
 
 def test_a_call_inside_the_reasoning_is_not_a_call(served):
-    engine, client, parser = served
+    engine, client, _ = served
     engine.script = "<think>\nmaybe " + CALL + "\n</think>\n\nNo tool needed."
     whole = client.chat.completions.create(model="scripted", messages=MSGS, tools=TOOLS, max_tokens=300).choices[0]
     assert whole.message.tool_calls == [] and whole.finish_reason == "stop"

@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
-from pathlib import Path
 
 import jsonschema
 import openai
 import pytest
 
-from tokenspout.entrypoints.openai.api_server import BackgroundServer, build_app
-
-TEMPLATE = Path(__file__).resolve().parents[1] / "data" / "chatml_tools.jinja"
 TOOLS = [
     {"type": "function", "function": {
         "name": "get_weather", "description": "Get the current weather in a city",
@@ -35,20 +31,13 @@ MAX_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
-def engine():
-    from tokenspout.engine.async_llm import AsyncLLM
-    from tokenspout.engine.llm import build_engine_config
-
-    real = AsyncLLM(build_engine_config(None, max_model_len=1024, kv_cache_memory=0.25, chat_template=str(TEMPLATE)))
-    yield real
-    real.shutdown()
+def engine(tools_server):
+    return tools_server[0]
 
 
 @pytest.fixture(scope="module")
-def server(engine):
-    srv = BackgroundServer(build_app(engine)).start()
-    yield srv
-    srv.stop()
+def server(tools_server):
+    return tools_server[1]
 
 
 @pytest.fixture(scope="module")
