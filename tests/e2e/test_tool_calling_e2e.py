@@ -178,6 +178,9 @@ def test_tool_choice_none_renders_tools_but_never_parses(client, model):
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
     ({"tools": [{"type": "retrieval"}]}, "tools.0.type"),
     ({"tools": [TOOLS[0], TOOLS[0]]}, "tools"),
+    ({"tool_choice": "required", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "string", "pattern": "(?<=a)b"}}}}}]},
+     "tools"),
 ])
 def test_bad_tool_requests_are_400s_naming_the_field(client, model, kw, param):
     kw = {"tools": TOOLS, **kw}
@@ -196,3 +199,12 @@ def test_a_template_without_tool_support_is_a_400_naming_the_template(client, mo
     r = client.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=4,
                                        extra_body={"chat_template": own})
     assert r.choices[0].message.tool_calls == []
+
+
+def test_tokenize_with_tools_counts_the_chat_prompt(client, model, server):
+    import httpx
+
+    r = ask(client, model, tool_choice="none", temperature=0.0, max_tokens=1)
+    count = httpx.post(server.url + "/tokenize", json={"messages": ASK, "tools": TOOLS}, timeout=60).json()["count"]
+    bare = httpx.post(server.url + "/tokenize", json={"messages": ASK}, timeout=60).json()["count"]
+    assert count == r.usage.prompt_tokens and count > bare + 50  # the tool definitions are in the prompt

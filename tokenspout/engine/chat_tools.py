@@ -20,6 +20,7 @@ from typing import Any
 from tokenspout.engine.chat_output import ChatOutputParser
 from tokenspout.reasoning import ReasoningParser, reasoning_parser_class
 from tokenspout.sampling_params import SamplingParams, StructuredOutputsParams
+from tokenspout.structured_output import validate as validate_grammar
 from tokenspout.tool_parsers import ToolParser, resolve_tool_parser, template_renders_tools
 
 ToolChoice = str | Mapping[str, Any] | None
@@ -121,6 +122,11 @@ def constrain(params: SamplingParams, parser: ToolParser | None, tools: Sequence
         grammar = parser.grammar(selected_tools(tools, tool_choice), required=kind != "auto",
                                  parallel=parallel is not False, special_token_ids=special_token_ids)
         params.structured_outputs = StructuredOutputsParams(grammar=grammar)
+        try:  # here, so the 400 names the tools rather than a grammar the client never wrote
+            validate_grammar(params.structured_outputs)
+        except ValueError as e:
+            raise ValueError(f"tools: a function's parameters schema cannot be enforced: "
+                             f"{str(e).split(': ', 1)[-1]}") from None
         if parser.needs_special_tokens:
             params.skip_special_tokens = False  # its markers are special tokens
     if reasoning is not None and params.structured_outputs is not None and not reasoning.starts_in_answer():

@@ -20,14 +20,17 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 from starlette.responses import Response
 
+from tokenspout.engine.chat_tools import effective_template, template_tool_messages
 from tokenspout.entrypoints.openai.chat_render import render_chat_prompt
 from tokenspout.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
+    ChatTool,
     OpenAIServingError,
     validation_error_to_serving_error,
 )
 from tokenspout.entrypoints.openai.serving_common import EngineClient, check_model
+from tokenspout.tool_parsers import template_renders_tools
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +55,7 @@ class TokenizeChatRequest(_Request):
     add_special_tokens: bool = Field(
         default=False, description="Add the tokenizer's special tokens on top of what the chat template writes.")
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = Field(default=None, description="Rendered as the chat route renders them.")
     return_token_strs: bool | None = Field(default=False, description="Also return each token id's string.")
 
     @model_validator(mode="after")
@@ -154,10 +158,15 @@ def tokenize(engine: EngineClient, req: TokenizeCompletionRequest | TokenizeChat
     check_model(engine, req.model)
     if isinstance(req, TokenizeChatRequest):
         # Through ChatCompletionRequest so the messages are flattened by the very code the chat route runs.
-        chat = ChatCompletionRequest(messages=req.messages)
-        text = render_chat_prompt(engine, chat.template_messages(), add_generation_prompt=req.add_generation_prompt,
-                                  continue_final_message=req.continue_final_message,
-                                  chat_template_kwargs=req.chat_template_kwargs)
+        chat = ChatCompletionRequest(messages=req.messages, tools=req.tools)
+        kwargs = dict(req.chat_template_kwargs or {})
+        messages = chat.template_messages()
+        if req.tools:  # as the chat route: only a template that reads `tools` gets them
+            messages = template_tool_messages(messages)
+            if template_renders_tools(effective_template(engine, None)):
+                kwargs["tools"] = chat.tool_dicts()
+        text = render_chat_prompt(engine, messages, add_generation_prompt=req.add_generation_prompt,
+                                  continue_final_message=req.continue_final_message, chat_template_kwargs=kwargs)
     else:
         text = req.prompt
     ids = [int(t) for t in engine.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)]
