@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PIP := $(BIN)/pip install --disable-pip-version-check -q
 
-.PHONY: install serve test test-fast bench-throughput bench-sampler clean-cache
+.PHONY: install serve test test-fast bench-throughput bench-sampler clean-cache browser
 
 $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -21,7 +21,14 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/tokenspout serve
 
-test: $(STAMP)
+# The playground's browser tests drive Debian's Chromium (+ its chromedriver), installed here when missing.
+browser:
+	@if ! command -v chromium >/dev/null || ! test -x /usr/bin/chromedriver; then \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
+	    --no-install-recommends chromium chromium-driver; fi
+
+test: $(STAMP) browser
 	$(BIN)/python -m tokenspout.models.default_model
 	$(BIN)/python -m pytest -q
 

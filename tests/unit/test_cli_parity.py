@@ -53,6 +53,8 @@ def test_unknown_flag_without_a_close_one(capsys):
 
 def test_api_key_flag_env_and_several_keys():
     assert server_app_options(parse("serve"), {})["api_key"] is None
+    assert server_app_options(parse("serve"), {})["playground"] is True
+    assert server_app_options(parse("serve", "--no-playground"), {})["playground"] is False
     assert server_app_options(parse("serve"), {API_KEY_ENV: "from-env"})["api_key"] == ["from-env"]
     assert server_app_options(parse("serve", "--api-key", "flag"), {API_KEY_ENV: "env"})["api_key"] == ["flag"]
     args = parse("serve", "/m", "--api-key", "k1", "k2", "--api-key", "k3")

@@ -69,6 +69,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="how the model writes tool calls; auto: by the chat template's text (README, Tool calling)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility: tool_choice 'auto' is always on when a parser is known")
+    p.add_argument("--no-playground", action="store_true",
+                   help="do not serve the playground page at / and /playground (README, Playground)")
     p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
                    help="split <think> reasoning into message.reasoning_content (README, Reasoning)")
 
@@ -89,7 +91,8 @@ def server_app_options(args: argparse.Namespace, environ: dict[str, str] | None 
     keys = args.api_key if args.api_key else ([env[API_KEY_ENV]] if env.get(API_KEY_ENV) else None)
     return {"api_key": keys, "allowed_origins": args.allowed_origins, "allowed_methods": args.allowed_methods,
             "allowed_headers": args.allowed_headers, "allow_credentials": args.allow_credentials,
-            "tool_call_parser": args.tool_call_parser, "reasoning_parser": args.reasoning_parser}
+            "tool_call_parser": args.tool_call_parser, "reasoning_parser": args.reasoning_parser,
+            "playground": not args.no_playground}
 
 
 def parse_cli(parser: argparse.ArgumentParser, commands: dict[str, argparse.ArgumentParser],

@@ -46,6 +46,7 @@ from tokenspout.entrypoints.openai.serving_tokenization import install_tokenizat
 from tokenspout.entrypoints.openai.sse import ClientDisconnected, SSEResponse, run_until_disconnect
 from tokenspout.metrics import DEFAULT_PREFIX, PROMETHEUS_CONTENT_TYPE, ServerMetrics, check_prefix
 from tokenspout.platform import freeze_startup_heap
+from tokenspout.playground import install_playground
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,7 @@ def build_app(
     metrics_prefix: str = DEFAULT_PREFIX,
     tool_call_parser: str | None = "auto",
     reasoning_parser: str | None = None,
+    playground: bool = True,
 ) -> FastAPI:
     """`engine`: a constructed AsyncLLM (or anything meeting EngineClient), or a zero-argument factory called in
     the server's event loop at startup (for engines that bind to the running loop).  `owns_engine` (default: True
@@ -117,7 +119,8 @@ def build_app(
     frontend records request-level metrics itself.  `api_key` (one or several; None: open) and the CORS settings
     (`allowed_origins` None: no CORS): see middleware.install_middleware.  `metrics_prefix`: the families' prefix
     ("vllm" for vLLM's dashboards) when the metrics object is made here.  `tool_call_parser` / `reasoning_parser`:
-    --tool-call-parser / --reasoning-parser (see engine/chat_tools.py)."""
+    --tool-call-parser / --reasoning-parser (see engine/chat_tools.py).  `playground`: serve the playground page at
+    / and /playground (--no-playground turns it off)."""
     check_prefix(metrics_prefix)  # a bad prefix fails here, not at the server's start
     check_parser_names(tool_call_parser, reasoning_parser)
     chat_options = {"tool_call_parser": tool_call_parser, "reasoning_parser": reasoning_parser}
@@ -192,6 +195,9 @@ def build_app(
         st = state(request)
         check_alive(st)
         return await respond(request, st.completion, st.completion.prepare(req), bool(req.stream))
+
+    if playground:
+        install_playground(app)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -9,6 +9,8 @@ before authentication, and a 401 still carries the CORS headers so a browser can
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import hmac
 import logging
@@ -20,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenspout.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
 from tokenspout.entrypoints.openai.request_ids import REQUEST_ID_HEADER, new_request_id, reset_current, set_current
+from tokenspout.playground import is_page
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +43,8 @@ def _digest(key: bytes) -> bytes:
 
 
 class APIKeyMiddleware:
-    """401 in OpenAI's error shape unless `Authorization: Bearer <one of the keys>`; OPTIONS (CORS preflight) and
-    PUBLIC_PATHS pass."""
+    """401 in OpenAI's error shape unless `Authorization: Bearer <one of the keys>` (or HTTP Basic with the key as
+    the password, what a browser sends for the playground); OPTIONS (CORS preflight) and PUBLIC_PATHS pass."""
 
     def __init__(self, app: ASGIApp, api_keys: Sequence[str]) -> None:
         if not api_keys:
@@ -54,9 +57,16 @@ class APIKeyMiddleware:
         if header is None:
             return False, "Missing API key: send it in the header 'Authorization: Bearer <key>'."
         scheme, _, token = header.strip().partition(b" ")
-        if scheme.lower() != b"bearer" or not token.strip():
+        token = token.strip()
+        if scheme.lower() == b"basic" and token:
+            # A browser's answer to the playground's Basic challenge: any user name, the key as the password.
+            try:
+                token = base64.b64decode(token, validate=True).partition(b":")[2]
+            except (ValueError, binascii.Error):
+                return False, "Malformed Authorization header: Basic credentials are not base64."
+        elif scheme.lower() != b"bearer" or not token:
             return False, "Malformed Authorization header: expected 'Bearer <key>'."
-        offered = _digest(token.strip())
+        offered = _digest(token)
         match = False
         for d in self._digests:  # no early exit: the time does not tell which key (or whether any) matched
             match |= hmac.compare_digest(offered, d)
@@ -74,11 +84,13 @@ class APIKeyMiddleware:
         if ok:
             await self.app(scope, receive, send)
             return
+        # A browser opening the page is asked for credentials (Basic); API clients are told to send a Bearer key.
+        challenge = b'Basic realm="tokenspout", charset="UTF-8"' if is_page(path) else b"Bearer"
         body = ErrorResponse(error=ErrorInfo(message=message, type="AuthenticationError", param=None, code=401))
         payload = body.model_dump_json().encode()
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-                                (b"www-authenticate", b"Bearer")]})
+                                (b"www-authenticate", challenge)]})
         await send({"type": "http.response.body", "body": payload})
 
 

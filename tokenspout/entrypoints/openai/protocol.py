@@ -216,6 +216,9 @@ class _SamplingRequest(_Strict):
     negative_prompt: str | None = None
     # vLLM extra: logprobs of the prompt tokens (+ top-N), in the response's prompt_logprobs
     prompt_logprobs: int | None = None
+    # vLLM's --logprobs-mode, per request here: the model's distribution (raw) or the one the sampler drew from
+    # (processed: after bans, bias, penalties, temperature, min-p, top-k/top-p)
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -287,6 +290,7 @@ class _SamplingRequest(_Strict):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
+                logprobs_mode=self.logprobs_mode or "raw_logprobs",
                 logit_bias=self._logit_bias_ids(),
                 allowed_token_ids=self.allowed_token_ids,
                 bad_words=self.bad_words,

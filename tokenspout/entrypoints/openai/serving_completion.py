@@ -24,8 +24,8 @@ from tokenspout.entrypoints.openai.protocol import (
     CompletionResponse,
     OpenAIServingError,
 )
-from tokenspout.entrypoints.openai.serving_beam import beam_search_completion
 from tokenspout.entrypoints.openai.request_ids import request_ids
+from tokenspout.entrypoints.openai.serving_beam import beam_search_completion
 from tokenspout.entrypoints.openai.serving_common import (
     EngineClient,
     PromptState,
