@@ -143,6 +143,7 @@ def test_the_page_needs_the_key_and_is_an_ordinary_client(served):
 def test_generate_hover_slide_reproduce_regenerate(served, browser, shots):
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
 
     d = browser
     open_page(d, served)
@@ -178,7 +179,9 @@ def test_generate_hover_slide_reproduce_regenerate(served, browser, shots):
         return js(d, "return [...document.querySelectorAll('#chart .bar-row')].map(r => Number(r.dataset.kept))")
 
     before = kept()
-    set_value(d, "temperature", "0.3")
+    slider = d.find_element(By.ID, "temperature")
+    slider.send_keys(*[Keys.ARROW_LEFT] * 14)  # as a user moves it: 1.0 -> 0.3 in steps of 0.05
+    assert abs(float(slider.get_attribute("value")) - 0.3) < 1e-9
     after = kept()
     assert after != before and after[0] > before[0]  # cooler: the top token gains
     set_value(d, "top_k", "2")
