@@ -120,8 +120,12 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     num_threads: int | None = None  # torch intra-op threads in the engine process (None: all cores)
+    # Engine-core processes behind one frontend, each with its own KV cache (--data-parallel-size, vLLM's name).
+    data_parallel_size: int = 1
 
     def validate(self) -> None:
+        if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be an integer >= 1, got {self.data_parallel_size!r}")
         self.model.validate()
         self.cache.validate()
         self.scheduler.validate()

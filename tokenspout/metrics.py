@@ -164,6 +164,19 @@ class ServerMetrics:
         self._prefix_hits = Counter(p + "prefix_cache_hits", "Looked-up tokens found in the prefix cache.", m,
                                     registry=r)
 
+        # --- per data-parallel engine (--data-parallel-size; the families above are the engines' totals) ---
+        e = ["model_name", "engine"]
+        self._engine_running = Gauge(p + "engine_num_requests_running", "Requests running in one engine.", e,
+                                     registry=r)
+        self._engine_waiting = Gauge(p + "engine_num_requests_waiting", "Requests waiting in one engine.", e,
+                                     registry=r)
+        self._engine_kv = Gauge(p + "engine_kv_cache_usage_perc", "Fraction of one engine's KV blocks in use.", e,
+                                registry=r)
+        self._engine_up = Gauge(p + "engine_up", "1 while the engine's process serves, 0 once it died.", e,
+                                registry=r)
+        self._engine_routed = Gauge(p + "engine_requests_routed", "Engine requests routed to the engine so far.", e,
+                                    registry=r)
+
         # Bind the model label once: `labels()` is a locked dict lookup, too slow for a per-token path.  Binding also
         # exports every series from the start (at 0), not only after its first event.
         self._bound = {
@@ -319,6 +332,17 @@ class ServerMetrics:
         drafts = self._snapshot_totals.get("spec_num_drafts", 0.0)
         if drafts > 0:
             self._l(self._spec_mean_len).set(self._snapshot_totals.get("spec_num_emitted_tokens", 0.0) / drafts)
+
+    def update_engines(self, engines: Sequence[Mapping[str, float]]) -> None:
+        """Per-engine gauges from `AsyncLLM.get_engine_snapshots()` (data parallel only): keys `up`,
+        `num_running`, `num_waiting`, `kv_cache_usage`, `routed`, labelled engine="k"."""
+        for k, snap in enumerate(engines):
+            labels = {"model_name": self.model_name, "engine": str(k)}
+            for key, gauge in (("up", self._engine_up), ("num_running", self._engine_running),
+                               ("num_waiting", self._engine_waiting), ("kv_cache_usage", self._engine_kv),
+                               ("routed", self._engine_routed)):
+                if key in snap:
+                    gauge.labels(**labels).set(snap[key])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

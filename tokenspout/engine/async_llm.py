@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 from tokenspout.config import EngineConfig
 from tokenspout.engine.core_client import AsyncMPClient
+from tokenspout.engine.dp_client import DPAsyncMPClient
 from tokenspout.engine.exceptions import EngineDeadError
 from tokenspout.engine.messages import SchedulerStats
 from tokenspout.engine.output_processor import OutputProcessor, RequestOutputCollector
@@ -28,13 +29,20 @@ logger = logging.getLogger(__name__)
 _CHUNK = 128  # outputs processed between two yields to the event loop
 
 
+def make_async_client(config: EngineConfig) -> AsyncMPClient | DPAsyncMPClient:
+    """The engine process(es) for `config`, started and not waited for (the caller loads its tokenizer meanwhile)."""
+    if config.data_parallel_size > 1:
+        return DPAsyncMPClient(config, wait=False)
+    return AsyncMPClient(config, wait=False)
+
+
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, on_wait=None, client: AsyncMPClient | None = None):
+    def __init__(self, config: EngineConfig, on_wait=None, client: AsyncMPClient | DPAsyncMPClient | None = None):
         """client: the engine process, already started for this config (AsyncMPClient(config, wait=False))."""
         self.config = config
         # The engine process starts first (unless the caller started it): it loads the model while this process
         # loads the tokenizer.
-        self.client = client or AsyncMPClient(config, wait=False)
+        self.client = client or make_async_client(config)
         try:
             self.tokenizer = load_tokenizer(config.model.model)
             info = self.client.wait_ready(on_wait)
@@ -74,6 +82,9 @@ class AsyncLLM:
     async def check_health(self) -> None:
         if self.errored:
             raise EngineDeadError(self.dead_reason or "engine is dead")
+        problem = getattr(self.client, "health_problem", None)  # data parallel: some engine died, others serve
+        if problem:
+            raise EngineDeadError(problem)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kw) -> str:
         return self.processor.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kw)
@@ -113,6 +124,11 @@ class AsyncLLM:
                 "prefix_cache_queries": st.prefix_cache_queries, "prefix_cache_hits": st.prefix_cache_hits,
                 "num_wasted_tokens": self.output_processor.stats.num_wasted_tokens}
 
+    def get_engine_snapshots(self) -> list[dict[str, float]]:
+        """Per-engine gauges with --data-parallel-size > 1 (empty with one engine: the totals say it all)."""
+        snapshots = getattr(self.client, "engine_snapshots", None)
+        return snapshots() if snapshots is not None else []
+
     def get_cache_config_info(self) -> dict[str, str]:
         """The KV-cache configuration as vLLM's `cache_config_info` labels.  The KV blocks live in CPU memory here,
         but they are the blocks vLLM's CPU backend also reports as num_gpu_blocks (num_cpu_blocks is swap: none)."""
@@ -143,6 +159,8 @@ class AsyncLLM:
         try:
             while True:
                 outs = await self.client.get_output_async()
+                for request_ids, reason in getattr(self.client, "take_failed", list)():
+                    self.output_processor.propagate_error(reason, set(request_ids))  # one DP engine died
                 items = outs.outputs
                 num_tokens = 0
                 times = {t.request_id: t for t in outs.request_timestamps} if outs.request_timestamps else None

@@ -52,7 +52,7 @@ def build_engine_config(model: str | None = None, *, dtype: str = "float32", qua
                         ngram_max: int = 4, enable_prefix_caching: bool = True, draft_model: str | None = None,
                         draft_layers: int | None = None, adaptive_speculation: bool = True,
                         async_scheduling: bool = False, generation_config: str = "auto",
-                        chat_template: str | None = None) -> EngineConfig:
+                        chat_template: str | None = None, data_parallel_size: int = 1) -> EngineConfig:
     path, _ = resolve_model_path(model)  # converts the default model here, once, before any engine starts
     if draft_model is not None:
         draft_path = Path(draft_model).expanduser()
@@ -70,7 +70,7 @@ def build_engine_config(model: str | None = None, *, dtype: str = "float32", qua
         speculative=SpeculativeConfig(method=speculative, num_speculative_tokens=num_speculative_tokens,
                                       ngram_min=ngram_min, ngram_max=ngram_max, draft_model=draft_model,
                                       draft_layers=draft_layers, adaptive=adaptive_speculation),
-        num_threads=num_threads)
+        num_threads=num_threads, data_parallel_size=data_parallel_size)
     cfg.validate()
     return cfg
 
@@ -78,6 +78,8 @@ def build_engine_config(model: str | None = None, *, dtype: str = "float32", qua
 class LLM:
     def __init__(self, model: str | None = None, *, multiprocess: bool = True, on_wait=None, **engine_kwargs):
         self.config = build_engine_config(model, **engine_kwargs)
+        if self.config.data_parallel_size > 1:
+            raise ValueError("data_parallel_size > 1 is a server option (tokenspout serve); LLM runs one engine")
         if multiprocess:
             # Start the engine process first: it loads the model while this process loads the tokenizer.
             self.client = SyncMPClient(self.config, wait=False)

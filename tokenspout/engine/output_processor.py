@@ -179,13 +179,16 @@ class OutputProcessor:
         self._emit_parents(touched, self._pending)
         return list(dict.fromkeys(engine_ids))
 
-    def propagate_error(self, message: str) -> None:
-        """The engine core died: every in-flight request ends with finish_reason "error".  Queues get an
-        EngineDeadError (raised to the consumer); requests without a queue get a final output."""
+    def propagate_error(self, message: str, request_ids: set[str] | None = None) -> None:
+        """The engine core died: every in-flight request (or those of `request_ids`, the engine requests of one
+        data-parallel engine that died) ends with finish_reason "error".  Queues get an EngineDeadError (raised to
+        the consumer); requests without a queue get a final output."""
         now = time.time()
         touched: _Touched = {}
         queues: dict[int, RequestOutputCollector] = {}
         for state in list(self._states.values()):
+            if request_ids is not None and state.request_id not in request_ids:
+                continue
             state.finish("error")
             self._finish(state, now)
             if state.queue is not None:

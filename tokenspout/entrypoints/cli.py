@@ -34,7 +34,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--num-threads", type=int, default=None, help="torch threads in the engine process")
+    p.add_argument("--num-threads", type=int, default=None,
+                   help="torch threads per engine process (default: the cores, divided among the engines)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="engine-core processes behind the server, each with its own KV cache (README, Scaling out)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
                    help="schedule and prepare step N+1 while step N runs (see README: on this 2-core CPU the "
                         "overlap takes a core from the model)")
@@ -71,7 +74,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             "ngram_max": args.ngram_max, "enable_prefix_caching": args.enable_prefix_caching,
             "draft_model": args.draft_model, "draft_layers": args.draft_layers,
             "async_scheduling": args.async_scheduling, "generation_config": args.generation_config,
-            "chat_template": args.chat_template}
+            "chat_template": args.chat_template, "data_parallel_size": args.data_parallel_size}
 
 
 class Spinner:
@@ -125,13 +128,13 @@ def _metrics_prefix(value: str) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from tokenspout.engine.core_client import AsyncMPClient
+    from tokenspout.engine.async_llm import make_async_client
     from tokenspout.engine.llm import build_engine_config
 
     config = build_engine_config(args.model, **engine_kwargs(args))  # converts the default model once, here
     # Start the engine process now: it loads the model while this process imports the web stack and loads the
     # tokenizer.  The server's lifespan waits for it: uvicorn accepts connections once the engine is ready.
-    client = AsyncMPClient(config, wait=False)
+    client = make_async_client(config)
     try:
         from tokenspout.engine.async_llm import AsyncLLM
         from tokenspout.entrypoints.openai.api_server import run_server

@@ -223,6 +223,9 @@ def build_app(
         if snapshot is not None:
             try:
                 st.metrics.update_from_snapshot(snapshot())
+                engines = getattr(st.engine, "get_engine_snapshots", None)
+                if engines is not None:
+                    st.metrics.update_engines(engines())
             except Exception:  # a scrape must not fail because the engine is gone
                 logger.warning("could not read the engine's metrics snapshot", exc_info=True)
         return Response(content=st.metrics.render(), media_type=PROMETHEUS_CONTENT_TYPE)
