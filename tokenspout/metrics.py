@@ -2,7 +2,8 @@
 
 Names, types, label names and buckets follow vLLM's v1 metrics (vllm/v1/metrics/loggers.py) under a prefix,
 `tokenspout:` by default: with `prefix="vllm"` every family is `vllm:...`, so a vLLM Grafana dashboard reads this server
-unchanged.  vLLM's `engine` label is left out (one engine core; dashboards select on `model_name`).
+unchanged.  vLLM's `engine` label is left out of those families: they are the totals over the engines (dashboards
+select on `model_name`); with --data-parallel-size the `engine_*` families carry `engine="k"` per engine.
 
 Who records what:
 - Request-level metrics (finished requests by finish reason, prompt/generation tokens, TTFT, inter-token latency,

@@ -1,0 +1,117 @@
+"""Scaling out on one machine: `tokenspout serve --data-parallel-size N` against one engine with all the threads,
+measured by bench/serve.py (closed loop, streamed, ignore_eos) in one run.
+
+Configurations (default): N=1 engine x 2 threads (the default on this 2-core machine) and N=2 engines x 1 thread,
+each a fresh `tokenspout serve` (make serve's defaults otherwise: the default model, int4), at concurrency 1, 16, 64,
+greedy and random.  `--rounds R` measures the configurations R times, alternating, and reports medians.  Also
+measures one engine's own scaling with threads (N=1 x 1 thread), which is what tells a bigger machine's outlook.
+Writes bench/results/scale.json and prints a table.
+
+    python -m bench.scale                      # full (~10 min on 2 cores)
+    python -m bench.scale --concurrency 1 64 --mode random --rounds 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+from bench import serve
+from bench.common import write_json
+
+CONFIGS = {  # name -> serve flags
+    "1x2": ["--data-parallel-size", "1", "--num-threads", "2"],
+    "2x1": ["--data-parallel-size", "2", "--num-threads", "1"],
+    "1x1": ["--data-parallel-size", "1", "--num-threads", "1"],
+}
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(flags: list[str]) -> tuple[subprocess.Popen, str, float]:
+    port = _port()
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "tokenspout.entrypoints.cli", "serve", "--port", str(port),
+                             *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    while time.monotonic() - t0 < 300:
+        if proc.poll() is not None:
+            raise RuntimeError(f"tokenspout serve {' '.join(flags)} exited ({proc.returncode})")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url, time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError("server did not become healthy")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def measure(name: str, args: argparse.Namespace) -> dict:
+    proc, url, startup = start(CONFIGS[name])
+    try:
+        sargs = serve.parse_args(["--base-url", url + "/v1", "--model", "SmolLM2-135M-Instruct", "--concurrency",
+                                  *map(str, args.concurrency), "--mode", *args.mode, "--max-tokens",
+                                  str(args.max_tokens), "--label", name])
+        res = asyncio.run(serve.run(sargs))
+    finally:
+        stop(proc)
+    res["startup_s"] = startup
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", nargs="+", default=["1x2", "2x1", "1x1"], choices=list(CONFIGS))
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--mode", nargs="+", default=["greedy", "random"])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--out", default="scale.json")
+    args = ap.parse_args()
+    runs: dict[str, list[dict]] = {c: [] for c in args.configs}
+    for r in range(args.rounds):
+        order = args.configs if r % 2 == 0 else list(reversed(args.configs))
+        for name in order:
+            print(f"== round {r + 1}: {name}", flush=True)
+            runs[name].append(measure(name, args))
+    table: dict[str, dict[str, float]] = {}
+    for name, results in runs.items():
+        for row in results[0]["results"]:
+            key = f"c={row['concurrency']} {row['mode']}"
+            vals = [next(x for x in res["results"] if x["concurrency"] == row["concurrency"]
+                         and x["mode"] == row["mode"])["output_tok_s"] for res in results]
+            table.setdefault(key, {})[name] = statistics.median(vals)
+    base = args.configs[0]
+    print("\noutput tok/s (median of rounds), ratio vs " + base)
+    print("level".ljust(16) + "".join(n.rjust(16) for n in args.configs))
+    for key, row in table.items():
+        print(key.ljust(16) + "".join(f"{row[n]:9.1f} ({row[n] / row[base]:.2f}x)".rjust(16)
+                                      for n in args.configs))
+    print("wrote", write_json(args.out, {"configs": {n: CONFIGS[n] for n in args.configs}, "rounds": args.rounds,
+                                         "max_tokens": args.max_tokens, "table": table, "runs": runs}))
+
+
+if __name__ == "__main__":
+    main()
