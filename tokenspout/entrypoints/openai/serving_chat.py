@@ -265,8 +265,11 @@ class OpenAIServingChat:
                                  reasoning_content=parts.reasoning or None, reasoning=parts.reasoning or None)
             if parser.called_tools and finish_reason == "stop":
                 finish_reason = "tool_calls"
-        held_back = parser is not None and not parts and top_n is None and not req.return_token_ids
-        if (c.text or c.token_ids) and not held_back:
+        if parser is None:
+            send = bool(c.text or c.token_ids)
+        else:  # what the parser releases (held-back text is released at the end), or the tokens' own fields
+            send = bool(parts) or (bool(c.text or c.token_ids) and (top_n is not None or req.return_token_ids))
+        if send:
             frames.append(ChatCompletionStreamChoice(
                 index=c.index,
                 delta=delta,
