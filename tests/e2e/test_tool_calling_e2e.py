@@ -187,6 +187,7 @@ def test_bad_tool_requests_are_400s_naming_the_field(client, model, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model, messages=ASK, max_tokens=4, **kw)
     assert e.value.status_code == 400 and param in str(e.value), str(e.value)
+    assert e.value.body["param"] == param, e.value.body
 
 
 def test_a_template_without_tool_support_is_a_400_naming_the_template(client, model, engine):
@@ -208,3 +209,5 @@ def test_tokenize_with_tools_counts_the_chat_prompt(client, model, server):
     count = httpx.post(server.url + "/tokenize", json={"messages": ASK, "tools": TOOLS}, timeout=60).json()["count"]
     bare = httpx.post(server.url + "/tokenize", json={"messages": ASK}, timeout=60).json()["count"]
     assert count == r.usage.prompt_tokens and count > bare + 50  # the tool definitions are in the prompt
+    dup = httpx.post(server.url + "/tokenize", json={"messages": ASK, "tools": [TOOLS[0], TOOLS[0]]}, timeout=60)
+    assert dup.status_code == 400 and dup.json()["error"]["param"] == "tools"

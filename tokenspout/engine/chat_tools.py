@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenspout.engine.chat_output import ChatOutputParser
+from tokenspout.outputs import MessageParts
 from tokenspout.reasoning import ReasoningParser, reasoning_parser_class
 from tokenspout.sampling_params import SamplingParams, StructuredOutputsParams
 from tokenspout.structured_output import validate as validate_grammar
@@ -34,6 +35,13 @@ class ChatPlan:
 
     def output_parser(self) -> ChatOutputParser:
         return ChatOutputParser(self.tool_parser, self.reasoning)
+
+    def final(self, text: str) -> MessageParts:
+        """The whole reply's parts; with parallel_tool_calls false, one call at most."""
+        parts = self.output_parser().final(text)
+        if not self.parallel:
+            parts.tool_calls = parts.tool_calls[:1]
+        return parts
 
     @property
     def active(self) -> bool:
@@ -89,7 +97,17 @@ def template_tool_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any
     return out
 
 
-def plan_tools(tools: Sequence[Mapping[str, Any]] | None, tool_choice: ToolChoice, parallel: bool | None, *,
+def plan_chat(tools: Sequence[Mapping[str, Any]] | None, tool_choice: ToolChoice, parallel: bool | None, *,
+              template: str | None, parser_name: str | None, template_kwargs: dict[str, Any]) -> ChatPlan:
+    """The plan of a chat request's reply (its reasoning parser is the caller's to set); adds `tools` to
+    `template_kwargs` when the template renders them.  ValueErrors name the field."""
+    parser, renders = plan_tools(tools, tool_choice, template=template, parser_name=parser_name)
+    if renders:
+        template_kwargs["tools"] = list(tools or [])
+    return ChatPlan(parser, None, parallel is not False)
+
+
+def plan_tools(tools: Sequence[Mapping[str, Any]] | None, tool_choice: ToolChoice, *,
                template: str | None, parser_name: str | None) -> tuple[ToolParser | None, bool]:
     """(the parser that reads the reply, whether the template gets `tools=`).  ValueErrors name the field."""
     selected_tools(tools, tool_choice)  # checks tool_choice against tools

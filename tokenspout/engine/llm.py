@@ -24,10 +24,9 @@ from tokenspout.config import (
 from tokenspout.engine.beam_search import BeamSearch, to_request_outputs
 from tokenspout.engine.chat_template import load_chat_template
 from tokenspout.engine.chat_tools import (
-    ChatPlan,
     constrain,
     effective_template,
-    plan_tools,
+    plan_chat,
     special_token_ids,
     template_tool_messages,
 )
@@ -128,10 +127,9 @@ class LLM:
         `message.reasoning`."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         kwargs = dict(chat_template_kwargs or {})
-        parser, renders = plan_tools(tools, tool_choice, parallel_tool_calls, parser_name=tool_call_parser,
-                                     template=effective_template(self.processor, kwargs.get("chat_template")))
-        if renders:
-            kwargs["tools"] = tools
+        plan = plan_chat(tools, tool_choice, parallel_tool_calls, parser_name=tool_call_parser,
+                         template=effective_template(self.processor, kwargs.get("chat_template")),
+                         template_kwargs=kwargs)
         convs = [template_tool_messages(c) for c in convs] if tools else convs
         prompts = [self.processor.apply_chat_template(c, add_generation_prompt=add_generation_prompt, **kwargs)
                    for c in convs]
@@ -141,21 +139,19 @@ class LLM:
             params = dataclasses.replace(params, negative_prompt=self.processor.apply_chat_template(
                 [{"role": "user", "content": ""}], add_generation_prompt=add_generation_prompt))
         reasoning_cls = reasoning_parser_class(reasoning_parser)
-        plans = [ChatPlan(parser, reasoning_cls(str(p)) if reasoning_cls else None, parallel_tool_calls is not False)
+        plans = [dataclasses.replace(plan, reasoning=reasoning_cls(str(p)) if reasoning_cls else None)
                  for p in prompts]
+        specials = special_token_ids(self.tokenizer)
         plist = []
         for plan in plans:
             p = dataclasses.replace(params)
-            constrain(p, plan.tool_parser, tools, tool_choice, parallel_tool_calls, plan.reasoning,
-                      special_token_ids(self.tokenizer))
+            constrain(p, plan.tool_parser, tools, tool_choice, parallel_tool_calls, plan.reasoning, specials)
             plist.append(p)
         outs = self.generate(prompts, plist)
         for out, plan in zip(outs, plans):
             if plan.active:
                 for c in out.outputs:
-                    c.message = plan.output_parser().final(c.text)
-                    if not plan.parallel:
-                        c.message.tool_calls = c.message.tool_calls[:1]
+                    c.message = plan.final(c.text)
         return outs
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], width: int = 4, max_tokens: int = 16,

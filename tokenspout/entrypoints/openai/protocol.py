@@ -105,9 +105,10 @@ def validation_error_to_serving_error(exc: ValidationError | Sequence[Mapping[st
 
 
 def value_error_to_serving_error(exc: ValueError, fields: set[str]) -> OpenAIServingError:
-    """SamplingParams / engine messages start with the field name ("top_p must be in (0, 1], got 2.0")."""
+    """SamplingParams / engine messages start with the field name ("top_p must be in (0, 1], got 2.0"), or with it
+    and a colon ("tools: ...")."""
     msg = str(exc)
-    head = msg.split(" ", 1)[0] if msg else ""
+    head = msg.split(" ", 1)[0].removesuffix(":") if msg else ""
     return OpenAIServingError(msg or "invalid request", param=head if head in fields else None)
 
 

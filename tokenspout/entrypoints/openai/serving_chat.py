@@ -24,7 +24,7 @@ from tokenspout.engine.chat_tools import (
     check_parser_names,
     constrain,
     effective_template,
-    plan_tools,
+    plan_chat,
     special_token_ids,
     template_tool_messages,
 )
@@ -99,14 +99,11 @@ class OpenAIServingChat:
         if req.tools is None and req.tool_choice is None:
             return None
         try:
-            parser, renders = plan_tools(req.tool_dicts(), req.tool_choice_value(), req.parallel_tool_calls,
-                                         template=effective_template(self.engine, req.chat_template),
-                                         parser_name=self.tool_call_parser)
+            return plan_chat(req.tool_dicts(), req.tool_choice_value(), req.parallel_tool_calls,
+                             template=effective_template(self.engine, req.chat_template),
+                             parser_name=self.tool_call_parser, template_kwargs=template_kwargs)
         except ValueError as e:
             raise value_error_to_serving_error(e, _TOOL_FIELDS) from None
-        if renders:
-            template_kwargs["tools"] = req.tool_dicts()
-        return ChatPlan(parser, None, req.parallel_tool_calls is not False)
 
     def prepare(self, req: ChatCompletionRequest) -> ChatJob:
         """Everything that can fail before the engine sees the request (raises OpenAIServingError)."""
@@ -189,8 +186,8 @@ class OpenAIServingChat:
     def _message(job: ChatJob, c: CompletionOutput) -> ChatResponseMessage:
         if job.plan is None:
             return ChatResponseMessage(role="assistant", content=job.echo + c.text)
-        parts = job.plan.output_parser().final(c.text)
-        calls = parts.tool_calls if job.plan.parallel else parts.tool_calls[:1]
+        parts = job.plan.final(c.text)
+        calls = parts.tool_calls
         content = parts.content if not job.echo else job.echo + (parts.content or "")
         return ChatResponseMessage(
             role="assistant", content=content, reasoning_content=parts.reasoning, reasoning=parts.reasoning,

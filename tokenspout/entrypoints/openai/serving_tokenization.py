@@ -20,7 +20,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 from starlette.responses import Response
 
-from tokenspout.engine.chat_tools import effective_template, template_tool_messages
+from tokenspout.engine.chat_tools import effective_template, plan_chat, template_tool_messages
 from tokenspout.entrypoints.openai.chat_render import render_chat_prompt
 from tokenspout.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -28,9 +28,9 @@ from tokenspout.entrypoints.openai.protocol import (
     ChatTool,
     OpenAIServingError,
     validation_error_to_serving_error,
+    value_error_to_serving_error,
 )
 from tokenspout.entrypoints.openai.serving_common import EngineClient, check_model
-from tokenspout.tool_parsers import template_renders_tools
 
 logger = logging.getLogger(__name__)
 
@@ -161,10 +161,13 @@ def tokenize(engine: EngineClient, req: TokenizeCompletionRequest | TokenizeChat
         chat = ChatCompletionRequest(messages=req.messages, tools=req.tools)
         kwargs = dict(req.chat_template_kwargs or {})
         messages = chat.template_messages()
-        if req.tools:  # as the chat route: only a template that reads `tools` gets them
+        if req.tools:  # as the chat route renders them (tool_choice "none": only a template that reads them)
             messages = template_tool_messages(messages)
-            if template_renders_tools(effective_template(engine, None)):
-                kwargs["tools"] = chat.tool_dicts()
+            try:
+                plan_chat(chat.tool_dicts(), "none", None, template=effective_template(engine, None),
+                          parser_name=None, template_kwargs=kwargs)
+            except ValueError as e:  # e.g. two tools of one name, as the chat route says
+                raise value_error_to_serving_error(e, {"tools"}) from None
         text = render_chat_prompt(engine, messages, add_generation_prompt=req.add_generation_prompt,
                                   continue_final_message=req.continue_final_message, chat_template_kwargs=kwargs)
     else:
