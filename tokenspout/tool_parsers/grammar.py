@@ -18,16 +18,12 @@ HEADER = "%llguidance {}\n"
 WS = "/[ \\t\\r\\n]*/"
 
 
-def function_of(tool: Mapping[str, Any]) -> Mapping[str, Any]:
-    return tool["function"]
-
-
 def call_schema(tools: Sequence[Mapping[str, Any]], args_key: str = "arguments") -> str:
     """`%json {...}` for a call to any of `tools`; each function's `parameters` schema is enforced (strict or not:
     the constraint is what makes a small model's calls parse), with no undeclared top-level arguments."""
     options = []
     for tool in tools:
-        fn = function_of(tool)
+        fn = tool["function"]
         params = dict(fn.get("parameters") or {"type": "object", "properties": {}})
         # A function's parameters are its signature: an argument it does not declare would fail the call, so
         # undeclared ones are closed off unless the schema itself allows them.

@@ -154,11 +154,3 @@ def object_members(text: str, pos: int) -> tuple[list[Member], int | None]:
         i = skip_ws(text, i + 1)
     return members, None
 
-
-def complete_value(text: str) -> bool:
-    """Whether `text` (stripped) is one complete JSON value."""
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
