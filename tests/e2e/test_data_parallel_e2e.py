@@ -32,7 +32,7 @@ def dp():
 def metric(text: str, name: str, engine: str | None = None) -> float:
     label = f'engine="{engine}"' if engine is not None else ""
     pattern = rf"^{re.escape(name)}\{{[^}}]*{label}[^}}]*\}} ([0-9.e+-]+)$"
-    return sum(float(m) for m in re.findall(pattern, text, re.M))
+    return sum(float(m) for m in re.findall(pattern, text, re.MULTILINE))
 
 
 def wait_until(predicate, timeout: float = 60.0):
@@ -70,7 +70,7 @@ def test_requests_spread_over_both_engines_with_one_engines_results(dp):
 
 
 def test_disconnects_abort_in_the_owning_engine(dp):
-    engine, srv, client = dp
+    engine, srv, _ = dp
 
     def start_and_leave(i: int) -> None:
         with httpx.stream("POST", srv.url + "/v1/chat/completions", timeout=120, json={

@@ -9,27 +9,22 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.helpers import background_server, real_engine
 from tests.unit.test_metrics_families import dashboard_series
-from tokenspout.entrypoints.openai.api_server import BackgroundServer, build_app
 
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
 
 
 @pytest.fixture(scope="module")
 def engine():
-    from tokenspout.engine.async_llm import AsyncLLM
-    from tokenspout.engine.llm import build_engine_config
-
-    real = AsyncLLM(build_engine_config(None, max_model_len=1024, kv_cache_memory=0.25))
-    yield real
-    real.shutdown()
+    with real_engine() as real:
+        yield real
 
 
 @pytest.fixture(scope="module")
 def server(engine):
-    srv = BackgroundServer(build_app(engine, metrics_prefix="vllm")).start()
-    yield srv
-    srv.stop()
+    with background_server(engine, metrics_prefix="vllm") as srv:
+        yield srv
 
 
 def scrape(server) -> tuple[dict[str, float], list]:

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tokenspout.entrypoints.openai.api_server import BackgroundServer, build_app
+from tests.helpers import background_server, real_engine
 
 KEY, OTHER_KEY = "sk-test-key-1", "sk-test-key-2"
 ORIGIN = "https://ui.example"
@@ -19,20 +19,14 @@ CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "conte
 
 @pytest.fixture(scope="module")
 def engine():
-    from tokenspout.engine.async_llm import AsyncLLM
-    from tokenspout.engine.llm import build_engine_config
-
-    real = AsyncLLM(build_engine_config(None, max_model_len=1024, kv_cache_memory=0.25))
-    yield real
-    real.shutdown()
+    with real_engine() as real:
+        yield real
 
 
 @pytest.fixture(scope="module")
 def server(engine):
-    app = build_app(engine, api_key=[KEY, OTHER_KEY], allowed_origins=[ORIGIN])
-    srv = BackgroundServer(app).start()
-    yield srv
-    srv.stop()
+    with background_server(engine, api_key=[KEY, OTHER_KEY], allowed_origins=[ORIGIN]) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
