@@ -178,6 +178,18 @@ class SamplingParams:
                     raise ValueError(f"{name} has token id {t}, outside the vocabulary [0, {vocab_size})")
 
     @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def depends_on_output(self, num_output_tokens: int) -> bool:
+        """Whether processing this request's logits depends on the tokens it has generated so far: penalties
+        (they count them), bad words (a multi-token word is banned after its prefix; speculation treats single
+        ones alike), or min_tokens not reached yet (stop tokens banned until then).  Such a row's sampling state
+        is rebuilt each step, and it never verifies drafts (a drafted position's processing would need the drafts
+        before it as outputs)."""
+        return self.has_penalties or bool(self.bad_words_token_ids) or num_output_tokens < self.min_tokens
+
+    @property
     def uses_guidance(self) -> bool:
         return self.guidance_scale != 1.0
 
