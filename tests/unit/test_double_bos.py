@@ -74,11 +74,11 @@ def test_processor_chat_prompt_has_one_bos_and_completion_prompt_keeps_its_bos(h
     bos = bos_id(hf_tokenizer)
     chat = p.apply_chat_template(MESSAGES)
     assert isinstance(chat, ChatPrompt) and chat.startswith(BOS)
-    (req,), text = p.process("c", chat, SamplingParams(max_tokens=1))
+    (req,), text, _ = p.process("c", chat, SamplingParams(max_tokens=1))
     assert req.prompt_token_ids == oracle_chat_ids(hf_tokenizer)
     assert req.prompt_token_ids.count(bos) == 1
     assert type(text) is str  # the marker does not leak into outputs
-    (req,), _ = p.process("p", "hello world", SamplingParams(max_tokens=1))
+    (req,), _, _ = p.process("p", "hello world", SamplingParams(max_tokens=1))
     assert req.prompt_token_ids == [bos, *hf_tokenizer.convert_tokens_to_ids(["hello", "world"])]
     # An explicit choice still wins: this is the double BOS the default avoids.
     assert p.tokenize(chat, add_special_tokens=True).count(bos) == 2
@@ -88,7 +88,7 @@ def test_processor_chat_prompt_has_one_bos_and_completion_prompt_keeps_its_bos(h
 def test_cfg_default_negative_prompt_of_a_chat_has_one_bos(hf_tokenizer):
     p = make_processor(hf_tokenizer)
     neg = p.apply_chat_template([{"role": "user", "content": ""}])
-    (req,), _ = p.process("g", p.apply_chat_template(MESSAGES),
+    (req,), _, _ = p.process("g", p.apply_chat_template(MESSAGES),
                           SamplingParams(max_tokens=1, guidance_scale=1.5, negative_prompt=neg))
     assert req.sampling_params.negative_prompt_token_ids.count(bos_id(hf_tokenizer)) == 1
 

@@ -18,7 +18,7 @@ def proc(tokenizer):
 
 
 def test_string_prompt_tokenized_without_extra_bos(proc, tokenizer):
-    (req,), text = proc.process("a", "Hello world", SamplingParams(max_tokens=5), arrival_time=12.5)
+    (req,), text, _ = proc.process("a", "Hello world", SamplingParams(max_tokens=5), arrival_time=12.5)
     assert text == "Hello world"
     # SmolLM2's tokenizer adds no BOS by itself, so neither do we.
     assert req.prompt_token_ids == tokenizer.encode("Hello world", add_special_tokens=False)
@@ -30,7 +30,7 @@ def test_string_prompt_tokenized_without_extra_bos(proc, tokenizer):
 
 
 def test_token_prompt_passes_through(proc):
-    (req,), text = proc.process("a", [5, 6, 7], SamplingParams())
+    (req,), text, _ = proc.process("a", [5, 6, 7], SamplingParams())
     assert req.prompt_token_ids == [5, 6, 7] and text is None
     assert req.arrival_time > 0  # defaults to now
 
@@ -51,39 +51,39 @@ def test_bad_prompts(proc, prompt, match):
 def test_prompt_too_long_names_length_and_limit(proc):
     with pytest.raises(ValueError, match=r"prompt is 64 tokens long.*max_model_len.*64"):
         proc.process("a", [7] * 64, SamplingParams())
-    (req,), _ = proc.process("a", [7] * 63, SamplingParams(max_tokens=None))
+    (req,), _, _ = proc.process("a", [7] * 63, SamplingParams(max_tokens=None))
     assert req.sampling_params.max_tokens == 1
 
 
 def test_max_tokens_fill_and_clamp(proc):
-    (req,), _ = proc.process("a", [7] * 10, SamplingParams(max_tokens=None))
+    (req,), _, _ = proc.process("a", [7] * 10, SamplingParams(max_tokens=None))
     assert req.sampling_params.max_tokens == 54
     # A default the client did not choose is cut to the room left (min_tokens with it) ...
-    (req,), _ = proc.process("a", [7] * 10, SamplingParams(max_tokens=1000, min_tokens=40, clamp_max_tokens=True))
+    (req,), _, _ = proc.process("a", [7] * 10, SamplingParams(max_tokens=1000, min_tokens=40, clamp_max_tokens=True))
     assert req.sampling_params.max_tokens == 54 and req.sampling_params.min_tokens == 40
     # ... one the client chose is a 400 naming the prompt length and max_model_len, as OpenAI and vLLM answer.
     with pytest.raises(ValueError, match=r"^max_tokens .* 1000\. .*max_model_len\) is 64 .* prompt has 10 tokens"):
         proc.process("a", [7] * 10, SamplingParams(max_tokens=1000))
     with pytest.raises(ValueError, match=r"^min_tokens is too large: 55"):
         proc.process("a", [7] * 10, SamplingParams(max_tokens=None, min_tokens=55))
-    (req,), _ = proc.process("a", [7] * 10, SamplingParams(max_tokens=54, min_tokens=54))
+    (req,), _, _ = proc.process("a", [7] * 10, SamplingParams(max_tokens=54, min_tokens=54))
     assert req.sampling_params.max_tokens == 54
 
 
 def test_truncate_prompt_tokens(proc):
     ids = list(range(3, 23))  # 20 tokens
-    (req,), text = proc.process("a", ids, SamplingParams(truncate_prompt_tokens=5))
+    (req,), _, _ = proc.process("a", ids, SamplingParams(truncate_prompt_tokens=5))
     assert req.prompt_token_ids == ids[-5:]
-    (req,), _ = proc.process("a", ids, SamplingParams(truncate_prompt_tokens=5, truncation_side="right"))
+    (req,), _, _ = proc.process("a", ids, SamplingParams(truncate_prompt_tokens=5, truncation_side="right"))
     assert req.prompt_token_ids == ids[:5]
-    (req,), _ = proc.process("a", ids, SamplingParams(truncate_prompt_tokens=50))
+    (req,), _, _ = proc.process("a", ids, SamplingParams(truncate_prompt_tokens=50))
     assert req.prompt_token_ids == ids
     # -1: as much as leaves room for max_tokens (64 - 10)
-    (req,), _ = proc.process("a", list(range(3, 103)), SamplingParams(truncate_prompt_tokens=-1, max_tokens=10))
+    (req,), _, _ = proc.process("a", list(range(3, 103)), SamplingParams(truncate_prompt_tokens=-1, max_tokens=10))
     assert req.prompt_token_ids == list(range(3, 103))[-54:] and req.sampling_params.max_tokens == 10
     with pytest.raises(ValueError, match="^truncate_prompt_tokens"):
         SamplingParams(truncate_prompt_tokens=0)
-    (req,), _ = proc.process("a", [7] * 10, SamplingParams(max_tokens=20, min_tokens=3))
+    (req,), _, _ = proc.process("a", [7] * 10, SamplingParams(max_tokens=20, min_tokens=3))
     assert (req.sampling_params.max_tokens, req.sampling_params.min_tokens) == (20, 3)
 
 
@@ -105,7 +105,7 @@ def test_request_id_required(proc):
 
 
 def test_bad_words_with_and_without_leading_space(proc, tokenizer):
-    (req,), _ = proc.process("a", "hi", SamplingParams(bad_words=["hello", " world peace"]))
+    (req,), _, _ = proc.process("a", "hi", SamplingParams(bad_words=["hello", " world peace"]))
     def enc(s: str) -> list[int]:
         return tokenizer.encode(s, add_special_tokens=False)
 
@@ -115,9 +115,9 @@ def test_bad_words_with_and_without_leading_space(proc, tokenizer):
 
 def test_generation_config_eos_joins_stop_ids(tokenizer):
     proc = Processor(tokenizer, 64, VOCAB, generation_config={"eos_token_id": [2, 0]})
-    (req,), _ = proc.process("a", "hi", SamplingParams(stop_token_ids=[9]))
+    (req,), _, _ = proc.process("a", "hi", SamplingParams(stop_token_ids=[9]))
     assert req.sampling_params.eos_token_id == 2 and req.sampling_params.stop_token_ids == [9, 0]
-    (req,), _ = proc.process("a", "hi", SamplingParams(ignore_eos=True))
+    (req,), _, _ = proc.process("a", "hi", SamplingParams(ignore_eos=True))
     assert req.sampling_params.stop_token_ids == []
 
 
@@ -134,7 +134,7 @@ def test_caller_params_not_mutated(proc):
 
 
 def test_n_fan_out_ids_and_seeds(proc):
-    reqs, _ = proc.process("req", "hi", SamplingParams(n=3, seed=42, temperature=0.8))
+    reqs, _, _ = proc.process("req", "hi", SamplingParams(n=3, seed=42, temperature=0.8))
     assert [r.request_id for r in reqs] == ["0_req", "1_req", "2_req"]
     seeds = [r.sampling_params.seed for r in reqs]
     assert seeds[0] == 42 and len(set(seeds)) == 3
@@ -143,24 +143,26 @@ def test_n_fan_out_ids_and_seeds(proc):
     assert all(r.sampling_params.n == 1 and r.sampling_params.temperature == 0.8 for r in reqs)
     assert reqs[0].prompt_token_ids == reqs[1].prompt_token_ids and reqs[0].prompt_token_ids is not \
         reqs[1].prompt_token_ids
-    again, _ = proc.process("other", "hi", SamplingParams(n=3, seed=42))
+    again, _, _ = proc.process("other", "hi", SamplingParams(n=3, seed=42))
     assert [r.sampling_params.seed for r in again] == seeds  # deterministic in (seed, index)
-    unseeded, _ = proc.process("u", "hi", SamplingParams(n=2))
+    unseeded, _, _ = proc.process("u", "hi", SamplingParams(n=2))
     assert [r.sampling_params.seed for r in unseeded] == [None, None]
 
 
-def test_add_to_registers_children_then_engine(proc, tokenizer):
+def test_add_processed_registers_children_then_engine(proc, tokenizer):
     class Client:
         def __init__(self):
             self.added = []
 
         def add_request(self, req):
-            assert op.has_unfinished_requests()  # the output side knows the id before the engine does
+            assert op.get_num_unfinished_requests() == 2  # the output side knows every child before the engine
             self.added.append(req.request_id)
 
     op = OutputProcessor(tokenizer)
     client = Client()
-    ids = proc.add_to(op, client, "p", "hi", SamplingParams(n=2))
+    processed = proc.process("p", "hi", SamplingParams(n=2))
+    assert processed.parent is not None and processed.parent.child_request_ids == ["0_p", "1_p"]
+    ids = op.add_processed(processed, client)
     assert ids == client.added == ["0_p", "1_p"]
     assert op.abort_requests(["p"]) == ["0_p", "1_p"]
 

@@ -97,8 +97,9 @@ class AsyncLLM:
             raise EngineDeadError(self.dead_reason or "engine is dead")
         self._ensure_handler()
         queue = RequestOutputCollector(sampling_params.output_kind)
-        self.processor.add_to(self.output_processor, self.client, request_id, prompt, sampling_params,
-                              time.time(), queue=queue, add_special_tokens=add_special_tokens)
+        processed = self.processor.process(request_id, prompt, sampling_params, time.time(),
+                                           add_special_tokens=add_special_tokens)
+        self.output_processor.add_processed(processed, self.client, queue)
         finished = False
         try:
             while not finished:

@@ -195,7 +195,7 @@ class LLM:
     def _add(self, prompt: Prompt, params: SamplingParams, kind: RequestOutputKind) -> str:
         rid = str(next(self._ids))
         params = dataclasses.replace(params, output_kind=kind)
-        self.processor.add_to(self.output_processor, self.client, rid, prompt, params, time.time())
+        self.output_processor.add_processed(self.processor.process(rid, prompt, params, time.time()), self.client)
         return rid
 
     def _run(self, pending: set[str]) -> Iterator[RequestOutput]:

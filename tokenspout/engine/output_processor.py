@@ -15,7 +15,7 @@ import logging
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tokenspout.engine.detokenizer import TokenTexts
 from tokenspout.engine.exceptions import EngineDeadError
@@ -24,12 +24,21 @@ from tokenspout.engine.parallel_sampling import ParentRequest, RequestOutputColl
 from tokenspout.engine.request_state import RequestState
 from tokenspout.outputs import RequestOutput
 
+if TYPE_CHECKING:
+    from tokenspout.engine.processor import ProcessedRequest
+
 logger = logging.getLogger(__name__)
 
 _Touched = dict[str, tuple[ParentRequest, RequestState]]  # user request id -> (parent, a child's state)
 
-__all__ = ["EngineDeadError", "FrontendStats", "OutputProcessor", "OutputProcessorOutput", "ParentRequest",
+__all__ = ["EngineDeadError", "EngineRequestSink", "FrontendStats", "OutputProcessor", "OutputProcessorOutput", "ParentRequest",
            "RequestOutputCollector"]
+
+
+class EngineRequestSink(Protocol):
+    """The one call `add_processed` makes on an engine client (Inproc / SyncMP / AsyncMP / data-parallel)."""
+
+    def add_request(self, req: EngineCoreRequest) -> None: ...
 
 
 @dataclass(slots=True)
@@ -83,6 +92,16 @@ class OutputProcessor:
         self._children.setdefault(user_id, []).append(rid)
         if parent is not None:
             self._parents[user_id] = parent
+
+    def add_processed(self, processed: ProcessedRequest, client: EngineRequestSink,
+                      queue: RequestOutputCollector | None = None) -> list[str]:
+        """Registers a processed request here, every child first, then sends the children to the engine: an output
+        can then never arrive for an id this side does not know yet.  Returns the engine request ids."""
+        for index, req in enumerate(processed.requests):
+            self.add_request(req, processed.prompt_text, processed.parent, index, queue)
+        for req in processed.requests:
+            client.add_request(req)
+        return [req.request_id for req in processed.requests]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)

@@ -30,14 +30,11 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, NamedTuple
 
 from tokenspout.engine.messages import EngineCoreRequest
-from tokenspout.engine.parallel_sampling import ParentRequest, RequestOutputCollector
+from tokenspout.engine.parallel_sampling import ParentRequest
 from tokenspout.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from tokenspout.engine.output_processor import OutputProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +85,12 @@ def default_add_special_tokens(prompt: object) -> bool:
     return not isinstance(prompt, ChatPrompt)
 
 
-class _EngineClient(Protocol):
-    def add_request(self, req: EngineCoreRequest) -> None: ...
+class ProcessedRequest(NamedTuple):
+    """One user request, validated: what the engine runs and what the OutputProcessor needs to follow it."""
+
+    requests: list[EngineCoreRequest]  # n of them, in choice order
+    prompt_text: str | None  # None for a token-id prompt (or one cut by truncate_prompt_tokens)
+    parent: ParentRequest | None  # folds the n > 1 children into one output; None when n == 1
 
 
 class Processor:
@@ -113,42 +114,23 @@ class Processor:
     # ---- prompts -----------------------------------------------------------------------------------------------
 
     def process(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-                arrival_time: float | None = None, *,
-                add_special_tokens: bool | None = None) -> tuple[list[EngineCoreRequest], str | None]:
-        """Validates and tokenizes one request.  Returns its EngineCoreRequests (n of them) and the prompt text
-        (None for a token-id prompt).  `arrival_time` is wall-clock time.time(); None means now.
-        `add_special_tokens` None: the prompt's own rule (False for a ChatPrompt, else True)."""
-        requests, prompt_text, _ = self._process(request_id, prompt, params, arrival_time, add_special_tokens)
-        return requests, prompt_text
-
-    def add_to(self, output_processor: OutputProcessor, client: _EngineClient, request_id: str,
-               prompt: str | Sequence[int], params: SamplingParams, arrival_time: float | None = None, *,
-               queue: RequestOutputCollector | None = None, add_special_tokens: bool | None = None) -> list[str]:
-        """process() + registration: every child goes to the OutputProcessor first (so no output can arrive for an
-        id it does not know yet), then to the engine.  Returns the engine request ids."""
-        requests, prompt_text, prepared = self._process(request_id, prompt, params, arrival_time, add_special_tokens)
-        parent = ParentRequest(request_id, prepared) if prepared.n > 1 else None
-        for index, req in enumerate(requests):
-            output_processor.add_request(req, prompt_text, parent, index, queue)
-        for req in requests:
-            client.add_request(req)
-        return [req.request_id for req in requests]
-
-    def _process(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams,
-                 arrival_time: float | None,
-                 add_special_tokens: bool | None) -> tuple[list[EngineCoreRequest], str | None, SamplingParams]:
+                arrival_time: float | None = None, *, add_special_tokens: bool | None = None) -> ProcessedRequest:
+        """Validates and tokenizes one request into its EngineCoreRequests (n of them).  `arrival_time` is
+        wall-clock time.time(); None means now.  `add_special_tokens` None: the prompt's own rule (False for a
+        ChatPrompt, else True).  Registering the result (OutputProcessor, then engine) is the caller's job:
+        OutputProcessor.add_processed."""
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         prompt_ids, prompt_text = self._prompt_token_ids(prompt, add_special_tokens, params)
         params = self._prepare_params(params, len(prompt_ids))
         arrival = time.time() if arrival_time is None else arrival_time
         if params.n == 1:
-            return [EngineCoreRequest(request_id, prompt_ids, params, arrival)], prompt_text, params
+            return ProcessedRequest([EngineCoreRequest(request_id, prompt_ids, params, arrival)], prompt_text, None)
         parent = ParentRequest(request_id, params)
         # Each child gets its own list: an in-process engine may hold on to (or extend) it.
         requests = [EngineCoreRequest(cid, list(prompt_ids), parent.child_params(i), arrival)
                     for i, cid in enumerate(parent.child_request_ids)]
-        return requests, prompt_text, params
+        return ProcessedRequest(requests, prompt_text, parent)
 
     def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool | None = None) -> list[int]:
         """A prompt (text or token ids) as validated token ids."""

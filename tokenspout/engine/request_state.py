@@ -35,14 +35,15 @@ class RequestState:
         self.output_kind = params.output_kind
         self.max_tokens = params.max_tokens
         self.min_tokens = params.min_tokens
-        self.include_stop_str_in_output = params.include_stop_str_in_output
         self.stop_token_ids = params.all_stop_token_ids  # EOS (unless ignore_eos) and stop_token_ids
         self.detokenizer: IncrementalDetokenizer | None = None
         if params.detokenize:
             self.detokenizer = IncrementalDetokenizer.from_request(tokenizer, request.prompt_token_ids, params,
                                                                    token_texts=token_texts)
+        # The StopChecker is the one owner of include_stop_str_in_output (stop strings and the stop token's text
+        # follow the same rule), so there is one whenever there is text, with or without stop strings.
         self.stop_checker: StopChecker | None = None
-        if params.stop and self.detokenizer is not None:
+        if self.detokenizer is not None:
             self.stop_checker = StopChecker(params.stop, params.include_stop_str_in_output)
         want_logprobs = params.logprobs is not None
         self.text = ""
@@ -87,7 +88,8 @@ class RequestState:
         # The engine ended on a stop token (EOS or stop_token_ids): like vLLM, that token's text is not part of the
         # output unless include_stop_str_in_output; its id still is.
         # (A request can also stop on an ordinary token, e.g. the one completing its grammar: that text stays.)
-        skip_last_text = (out.finish_reason == "stop" and not self.include_stop_str_in_output and bool(ids)
+        skip_last_text = (out.finish_reason == "stop" and self.stop_checker is not None
+                          and not self.stop_checker.include_stop_str_in_output and bool(ids)
                           and ids[-1] in self.stop_token_ids)
         last = len(ids) - 1
         for j, tid in enumerate(ids):

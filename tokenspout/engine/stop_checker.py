@@ -7,7 +7,9 @@ Rules (vLLM semantics, written out):
 * When several stop strings match, the one that ends first wins (that is the one a token-by-token stream would have
   seen first); on a tie the one that starts first (the longer) wins.  This makes the result independent of how many
   tokens arrive per step.
-* Without include_stop_str_in_output the text is cut at the start of the match; with it, at its end.
+* Without include_stop_str_in_output the text is cut at the start of the match; with it, at its end.  The same flag
+  decides whether the text of a stop token (EOS, stop_token_ids) the engine ended on is shown: RequestState reads it
+  here, so a detokenized request always has a StopChecker (with no stop strings it finds nothing, holds nothing back).
 * Streaming never shows any part of a stop string that will be cut: `holdback()` says how many trailing characters
   must stay unsent.  It returns the length of the longest suffix that is a proper prefix of some stop string, which
   is at most max(len(stop)) - 1 and usually 0, so ordinary text streams without delay.  Any future match must begin
