@@ -18,6 +18,12 @@ $(STAMP): requirements.txt requirements-test.txt pyproject.toml
 
 install: $(STAMP)
 
+# Optional extra for Ray Serve replicas (README, Scaling out): the tests need it, `make serve` does not.
+RAY_STAMP := $(VENV)/.installed-ray
+$(RAY_STAMP): $(STAMP) requirements-ray.txt
+	$(PIP) -r requirements-ray.txt -c requirements.txt -c requirements-test.txt
+	touch $(RAY_STAMP)
+
 serve: $(STAMP)
 	$(BIN)/tokenspout serve
 
@@ -28,7 +34,7 @@ browser:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq \
 	    --no-install-recommends chromium chromium-driver; fi
 
-test: $(STAMP) browser
+test: $(STAMP) $(RAY_STAMP) browser
 	$(BIN)/python -m tokenspout.models.default_model
 	$(BIN)/python -m pytest -q
 

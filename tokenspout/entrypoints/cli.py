@@ -10,6 +10,7 @@ import sys
 from tokenspout.entrypoints.cli_args import (
     SuggestingArgumentParser,
     add_chat_template_arg,
+    add_ray_args,
     add_server_args,
     parse_cli,
     server_app_options,
@@ -128,6 +129,11 @@ def _metrics_prefix(value: str) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.ray:
+        from tokenspout.entrypoints.ray_serve import run_on_ray  # imports ray: only here
+
+        run_on_ray(args)
+        return 0
     from tokenspout.engine.async_llm import make_async_client
     from tokenspout.engine.llm import build_engine_config
 
@@ -157,6 +163,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     add_server_args(s)
     s.add_argument("--metrics-prefix", type=_metrics_prefix, default="tokenspout",
                    help="prefix of the /metrics families (vllm: vLLM's names, for its Grafana dashboards)")
+    add_ray_args(s)
     s.set_defaults(func=cmd_serve)
     g = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
     add_engine_args(g)

@@ -107,3 +107,25 @@ def parse_cli(parser: argparse.ArgumentParser, commands: dict[str, argparse.Argu
         sub.error(f"unrecognized arguments: {' '.join(extras)}")
     resolve_model(sub, args)
     return args
+
+
+def add_ray_args(p: argparse.ArgumentParser) -> None:
+    """`serve --ray`: replicas on Ray Serve (README, Scaling out: Many machines); every other serve flag applies to
+    each replica."""
+    g = p.add_argument_group("Ray Serve (with --ray)")
+    g.add_argument("--ray", action="store_true",
+                   help="serve replicas on a Ray cluster through Ray Serve's HTTP proxy (needs requirements-ray.txt)")
+    g.add_argument("--ray-address", default=None,
+                   help="the cluster to join (default: $RAY_ADDRESS, else a cluster started on this machine with "
+                        "`ray start`, else a new local one)")
+    g.add_argument("--num-replicas", type=int, default=1, help="replicas (engines), one engine each")
+    g.add_argument("--min-replicas", type=int, default=None, help="autoscaling: at least this many replicas")
+    g.add_argument("--max-replicas", type=int, default=None, help="autoscaling: at most this many replicas")
+    g.add_argument("--target-ongoing-requests", type=float, default=16,
+                   help="autoscaling: ongoing requests per replica Ray Serve aims at (default 16)")
+    g.add_argument("--replica-cpus", type=float, default=None,
+                   help="CPUs Ray reserves per replica (default: --num-threads, which defaults to 1 with --ray)")
+    g.add_argument("--max-ongoing-requests", type=int, default=256,
+                   help="requests in flight per replica before Ray Serve queues more in front of it (default 256)")
+    g.add_argument("--ingress-replicas", type=int, default=1,
+                   help="replicas of the routing ingress (0 CPU each; routing state is per ingress replica)")
