@@ -16,7 +16,7 @@ import ctypes
 import torch
 
 from tokenspout.kernels import cpu
-from tokenspout.models.llama import LlamaForCausalLM
+from tokenspout.models.llama import DecoderLayer, LlamaForCausalLM
 
 # Up to this many tokens a step runs through the kernels (larger: the torch model, MKL GEMMs).  Measured on this
 # 2-core AVX2 machine (offline generation, one core): the float32 row-streaming kernel still beat MKL at 64 decode
@@ -38,14 +38,14 @@ def supported(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
 
 
 class CpuDecoder:
-    def __init__(self, lib, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_size: int,
+    def __init__(self, lib: ctypes.CDLL, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_size: int,
                  quantized: dict | None = None, num_layers: int | None = None):
         """num_layers: run only the first layers (self-draft speculative decoding)."""
         self.lib, self.model = lib, model
         a = model.arch
         self.arch = a
         q = quantized or {}
-        self._keep = []  # every tensor whose address the C struct holds stays alive here
+        self._keep: list[object] = []  # every tensor whose address the C struct holds stays alive here
 
         def ptr(t: torch.Tensor | None) -> int | None:
             if t is None:
@@ -68,10 +68,13 @@ class CpuDecoder:
 
         n = num_layers or a.num_layers
         slots = kv_caches[0].shape[1]
+        rotary = model.rotary
+        assert rotary is not None, "the loader sets the rotary table before the decoder is built"
 
         def descriptor(quant: bool) -> cpu.Model:
             layers = (cpu.Layer * n)()
             for i, (layer, kv) in enumerate(zip(model.layers[:n], kv_caches[:n])):
+                assert isinstance(layer, DecoderLayer)  # (nn.ModuleList items are typed as Module)
                 p = f"layers.{i}."
                 att, mlp = layer.self_attn, layer.mlp
                 bias = att.qkv_proj.bias.data if att.qkv_proj.bias is not None else None
@@ -84,7 +87,7 @@ class CpuDecoder:
             self._keep.append(layers)
             return cpu.Model(n, a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads,
                              a.head_dim, slots, block_size, a.rms_norm_eps, a.head_dim**-0.5, layers,
-                             ptr(model.rotary.cos.contiguous()), ptr(model.rotary.sin.contiguous()),
+                             ptr(rotary.cos.contiguous()), ptr(rotary.sin.contiguous()),
                              int(kv_caches[0].dtype == torch.float16))
 
         # quantized models stream their packed codes at every batch size; float32 ones their float32 weights

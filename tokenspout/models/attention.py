@@ -18,6 +18,7 @@ GQA without repeating K/V: the query heads that share a KV head are folded into 
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 
 import torch
@@ -42,7 +43,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillChunk] = field(default_factory=list)
     decode_seq_lens: torch.Tensor | None = None  # [num_decodes] int64, for the C kernel
-    kernels: object | None = None  # the C kernel library (float32 models), or None for SDPA
+    kernels: ctypes.CDLL | None = None  # the C kernel library (kernels/cpu.py), or None for SDPA
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -63,19 +64,23 @@ def paged_attention(
     out = torch.empty_like(q)
     blocks = kv_cache.view(2, -1, meta.block_size, num_kv, head_dim)  # the same memory, block-major
     nd = meta.num_decode_tokens
-    if nd and meta.kernels is not None:
-        qd = q[:nd].contiguous()
-        meta.kernels.ts_attn_decode(qd.data_ptr(), num_heads * head_dim, kv_cache.data_ptr(), kv_cache.shape[1],
-                                    meta.decode_block_ids.data_ptr(), meta.decode_block_ids.numel() // nd,
-                                    meta.decode_seq_lens.data_ptr(), meta.block_size, nd, num_heads, num_kv,
-                                    head_dim, scale, out.data_ptr(), num_heads * head_dim,
-                                    int(kv_cache.dtype == torch.float16))
-    elif nd:
-        k = blocks[0].index_select(0, meta.decode_block_ids).view(nd, -1, num_kv, head_dim).transpose(1, 2).to(q.dtype)
-        v = blocks[1].index_select(0, meta.decode_block_ids).view(nd, -1, num_kv, head_dim).transpose(1, 2).to(q.dtype)
-        qd = q[:nd].view(nd, num_kv, group, head_dim)  # [R, Hkv, G, D]
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale)
-        out[:nd] = o.reshape(nd, num_heads, head_dim)
+    if nd:
+        block_ids = meta.decode_block_ids
+        assert block_ids is not None, "decode tokens without their block table"
+        if meta.kernels is not None:
+            assert meta.decode_seq_lens is not None, "the C kernel reads the decodes' sequence lengths"
+            qd = q[:nd].contiguous()
+            meta.kernels.ts_attn_decode(qd.data_ptr(), num_heads * head_dim, kv_cache.data_ptr(), kv_cache.shape[1],
+                                        block_ids.data_ptr(), block_ids.numel() // nd,
+                                        meta.decode_seq_lens.data_ptr(), meta.block_size, nd, num_heads, num_kv,
+                                        head_dim, scale, out.data_ptr(), num_heads * head_dim,
+                                        int(kv_cache.dtype == torch.float16))
+        else:
+            k = blocks[0].index_select(0, block_ids).view(nd, -1, num_kv, head_dim).transpose(1, 2).to(q.dtype)
+            v = blocks[1].index_select(0, block_ids).view(nd, -1, num_kv, head_dim).transpose(1, 2).to(q.dtype)
+            qd = q[:nd].view(nd, num_kv, group, head_dim)  # [R, Hkv, G, D]
+            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scale)
+            out[:nd] = o.reshape(nd, num_heads, head_dim)
     for p in meta.prefills:
         ql = p.token_end - p.token_start
         k = blocks[0].index_select(0, p.block_ids).view(-1, num_kv, head_dim)[: p.ctx_len].to(q.dtype)

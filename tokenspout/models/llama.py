@@ -71,6 +71,9 @@ class RMSNorm(nn.Module):
 class Rotary(nn.Module):
     """Precomputed cos/sin table for every position; rows are gathered by the step's positions."""
 
+    cos: torch.Tensor  # [max_pos, D/2] buffers (register_buffer: typed here, nn.Module's stubs cannot know them)
+    sin: torch.Tensor
+
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float, max_pos: int):
         super().__init__()
         t = torch.arange(max_pos, dtype=torch.float32)
@@ -105,7 +108,7 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv, self.head_dim)
         v = v.view(t, self.num_kv, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:  # (qk_norm sets both)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv(kv_cache, k, v, meta.slot_mapping)
@@ -161,6 +164,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
         num_layers: int | None = None,  # run only the first layers (self-draft speculative decoding)
     ) -> torch.Tensor:
+        assert self.rotary is not None, "the loader sets the rotary table"
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
         layers = self.layers if num_layers is None else self.layers[:num_layers]

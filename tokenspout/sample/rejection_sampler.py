@@ -95,14 +95,16 @@ def rejection_sample(
 
     valid = torch.arange(k, device=dev) < num_draft.unsqueeze(1)  # [B, k]
     draft = torch.where(valid, draft_token_ids, 0)  # padding may be -1: make it a safe index
-    argmax = None
-    if any_greedy:
-        argmax = target_argmax if target_argmax is not None else target_probs.argmax(-1)  # [B, k+1]
+    argmax = None  # [B, k+1], computed iff some row is greedy
+    if any_greedy or all_greedy:
+        argmax = target_argmax if target_argmax is not None else target_probs.argmax(-1)
     keys = None if all_greedy else _noise_keys(seeds, batch, width, dev)
 
     if all_greedy:
+        assert argmax is not None
         ok = draft == argmax[:, :k]
     else:
+        assert keys is not None
         p_x = target_probs[:, :k].gather(2, draft.unsqueeze(-1)).squeeze(-1).double()
         u = uniform(keys[:, :k].reshape(-1), torch.zeros(batch * k, 1, dtype=torch.int64, device=dev), SALT_ACCEPT)
         u = u.view(batch, k)
@@ -113,15 +115,17 @@ def rejection_sample(
             # u < p/q without dividing: q(x) = 0 accepts iff p(x) > 0 (the limit of min(1, p/q)); p(x) = 0
             # never accepts, so a masked token can never be emitted as an accepted draft.
             ok = u * q_x < p_x
-        if any_greedy:
+        if argmax is not None:
             ok = torch.where(is_greedy.unsqueeze(1), draft == argmax[:, :k], ok)
     ok &= valid
     n_acc = ok.long().cumprod(1).sum(1)  # accepted prefix length = the stop position, in 0..num_draft
     rows = torch.arange(batch, device=dev)
 
     if all_greedy:
+        assert argmax is not None
         final = argmax[rows, n_acc]
     else:
+        assert keys is not None
         rejected = n_acc < num_draft  # else the stop position is the bonus position
         # The one position per row that needs a draw, [B, V] (index_select on the flat view: one row copy each).
         p_s = target_probs.reshape(batch * width, vocab).index_select(0, rows * width + n_acc)
@@ -133,7 +137,7 @@ def rejection_sample(
         w, mass, empty = recovery_weights(p_s, q_s, x_s, rejected, block_size)
         key_s = keys.gather(1, n_acc.unsqueeze(1)).squeeze(1)
         final = _draw(w, p_s, empty, mass, key_s, block_size)
-        if any_greedy:
+        if argmax is not None:
             final = torch.where(is_greedy, argmax[rows, n_acc], final)
 
     cols = torch.arange(width, device=dev)
