@@ -5,9 +5,13 @@ Configurations (default): N=1 engine x 2 threads (the default on this 2-core mac
 each a fresh `tokenspout serve` (make serve's defaults otherwise: the default model, int4), at concurrency 1, 16, 64,
 greedy and random.  `--rounds R` measures the configurations R times, alternating, and reports medians.  Also
 measures one engine's own scaling with threads (N=1 x 1 thread), which is what tells a bigger machine's outlook.
-Writes bench/results/scale.json and prints a table.
+Ray Serve rows (README, Scaling out: Many machines): `tokenspout serve --ray` with 1 and 2 replicas of 1 thread
+each (ray1x1, ray2x1), on a local Ray cluster that the server process starts and stops, measured through Ray
+Serve's HTTP proxy by the same load generator.  Writes bench/results/scale.json (configurations not measured in
+this run keep their earlier rows there, each with its own `measured_at`) and prints a table.
 
     python -m bench.scale                      # full (~10 min on 2 cores)
+    python -m bench.scale --configs 1x2 2x1 ray1x1 ray2x1
     python -m bench.scale --concurrency 1 64 --mode random --rounds 1
 """
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -26,13 +31,16 @@ import time
 import httpx
 
 from bench import serve
-from bench.common import write_json
+from bench.common import RESULTS, write_json
 
 CONFIGS = {  # name -> serve flags
     "1x2": ["--data-parallel-size", "1", "--num-threads", "2"],
     "2x1": ["--data-parallel-size", "2", "--num-threads", "1"],
     "1x1": ["--data-parallel-size", "1", "--num-threads", "1"],
+    "ray1x1": ["--ray", "--num-replicas", "1", "--num-threads", "1"],
+    "ray2x1": ["--ray", "--num-replicas", "2", "--num-threads", "1"],
 }
+DEFAULT_CONFIGS = ["1x2", "2x1", "1x1", "ray1x1", "ray2x1"]
 
 
 def _port() -> int:
@@ -49,6 +57,7 @@ def start(flags: list[str]) -> tuple[subprocess.Popen, str, float]:
     url = f"http://127.0.0.1:{port}"
     while time.monotonic() - t0 < 300:
         if proc.poll() is not None:
+            stop(proc)  # a Ray server that failed may leave its cluster's processes in its group
             raise RuntimeError(f"tokenspout serve {' '.join(flags)} exited ({proc.returncode})")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
@@ -60,12 +69,19 @@ def start(flags: list[str]) -> tuple[subprocess.Popen, str, float]:
 
 
 def stop(proc: subprocess.Popen) -> None:
-    os.killpg(proc.pid, signal.SIGTERM)
+    """SIGTERM to the server only (a Ray server then removes its app and stops the cluster it started: signalling
+    the cluster's processes too would leave it talking to a dead GCS), then whatever is left of its group."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            pass
     try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+    except ProcessLookupError:
+        pass
+    proc.wait(10)
 
 
 def measure(name: str, args: argparse.Namespace) -> dict:
@@ -83,7 +99,7 @@ def measure(name: str, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--configs", nargs="+", default=["1x2", "2x1", "1x1"], choices=list(CONFIGS))
+    ap.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, choices=list(CONFIGS))
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     ap.add_argument("--mode", nargs="+", default=["greedy", "random"])
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -109,8 +125,31 @@ def main() -> None:
     for key, row in table.items():
         print(key.ljust(16) + "".join(f"{row[n]:9.1f} ({row[n] / row[base]:.2f}x)".rjust(16)
                                       for n in args.configs))
-    print("wrote", write_json(args.out, {"configs": {n: CONFIGS[n] for n in args.configs}, "rounds": args.rounds,
-                                         "max_tokens": args.max_tokens, "table": table, "runs": runs}))
+    print("wrote", write_json(args.out, merge_previous(args, table, runs)))
+
+
+def merge_previous(args: argparse.Namespace, table: dict[str, dict[str, float]], runs: dict[str, list[dict]]) -> dict:
+    """This run's results, plus the configurations of the existing results file that this run did not measure
+    (same max_tokens only), so one file holds every row of the README's table."""
+    now = time.time()
+    data = {"configs": {n: CONFIGS[n] for n in args.configs}, "rounds": args.rounds, "max_tokens": args.max_tokens,
+            "measured_at": {n: now for n in args.configs}, "table": table, "runs": runs}
+    path = RESULTS / args.out
+    if not path.exists():
+        return data
+    old = json.loads(path.read_text())
+    if old.get("max_tokens") != args.max_tokens:
+        return data
+    for name, flags in old.get("configs", {}).items():
+        if name in args.configs:
+            continue
+        data["configs"][name] = flags
+        data["measured_at"][name] = old.get("measured_at", {}).get(name, old.get("time"))
+        data["runs"][name] = old["runs"][name]
+        for key, row in old.get("table", {}).items():
+            if name in row:
+                data["table"].setdefault(key, {})[name] = row[name]
+    return data
 
 
 if __name__ == "__main__":
