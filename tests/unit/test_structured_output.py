@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from tokenspout.sample.ops.penalties import apply_grammar_bitmask
+from tokenspout.sample.ops.masks import apply_grammar_bitmask
 from tokenspout.sampling_params import StructuredOutputsParams as SOP
 from tokenspout.structured_output import StructuredOutputManager, validate
 from tokenspout.structured_output.backend import Grammar, StructuredOutputBackend, bitmask_width

@@ -20,14 +20,9 @@ from tokenspout.sample.metadata import SamplingMetadata
 from tokenspout.sample.ops import rows_cpu
 from tokenspout.sample.ops.draw import draw_dense, draw_sparse
 from tokenspout.sample.ops.logprobs import gather_logprobs
+from tokenspout.sample.ops.masks import apply_allowed, apply_bans, apply_bias, apply_grammar_bitmask
 from tokenspout.sample.ops.noise import keys_from_seed_keys
-from tokenspout.sample.ops.penalties import (
-    apply_allowed,
-    apply_bans,
-    apply_bias,
-    apply_grammar_bitmask,
-    apply_penalties,
-)
+from tokenspout.sample.ops.penalties import apply_penalties
 from tokenspout.sample.ops.topk_topp import DenseKept, Kept, SparseKept, TierConfig, materialize, truncate
 from tokenspout.tensors import long_tensor
 

@@ -16,15 +16,11 @@ The result is the same kept set as a full sort (tests/unit/test_sampler_truncati
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from tokenspout.sample.ops.candidates import order_ties
 from tokenspout.sample.ops.draw import DEFAULT_BLOCK_SIZE, block_mass
-
-if TYPE_CHECKING:
-    from tokenspout.sample.ops.topk_topp import RowKnobs
+from tokenspout.sample.ops.knobs import RowKnobs
 
 ONE_BITS = 0x3F800000  # bit pattern of 1.0, the largest probability
 NEG_INF = float("-inf")

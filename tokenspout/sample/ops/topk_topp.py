@@ -36,6 +36,7 @@ import torch
 
 from tokenspout.sample.ops.candidates import candidates
 from tokenspout.sample.ops.draw import DEFAULT_BLOCK_SIZE, block_mass
+from tokenspout.sample.ops.knobs import RowKnobs
 from tokenspout.sample.ops.nucleus import wide_top_p
 
 if TYPE_CHECKING:
@@ -111,23 +112,6 @@ def _dense_z(x: torch.Tensor, rows: torch.Tensor, top_ids: torch.Tensor, kn: Row
 
 
 @dataclass(slots=True)
-class RowKnobs:
-    """The truncated rows' settings, and host-side facts that let _resolve skip whole steps."""
-
-    temperature: torch.Tensor
-    top_k: torch.Tensor
-    top_p: torch.Tensor
-    min_p: torch.Tensor
-    any_top_k: bool
-    any_top_p: bool
-    any_min_p: bool
-
-    def select(self, idx: torch.Tensor) -> RowKnobs:
-        return RowKnobs(self.temperature[idx], self.top_k[idx], self.top_p[idx], self.min_p[idx],
-                        self.any_top_k, self.any_top_p, self.any_min_p)
-
-
-@dataclass(slots=True)
 class _Pending:
     """Rows still looking for a covering candidate set, with what earlier passes learnt about them."""
 
@@ -141,11 +125,7 @@ class _Pending:
         return _Pending(self.rows[idx], self.x[idx], self.kn.select(idx), self.z[idx], self.need[idx])
 
     def cat(self, other: _Pending) -> _Pending:
-        kn = RowKnobs(*(torch.cat([a, b]) for a, b in zip(
-            (self.kn.temperature, self.kn.top_k, self.kn.top_p, self.kn.min_p),
-            (other.kn.temperature, other.kn.top_k, other.kn.top_p, other.kn.min_p))),
-            self.kn.any_top_k, self.kn.any_top_p, self.kn.any_min_p)
-        return _Pending(torch.cat([self.rows, other.rows]), torch.cat([self.x, other.x]), kn,
+        return _Pending(torch.cat([self.rows, other.rows]), torch.cat([self.x, other.x]), self.kn.cat(other.kn),
                         torch.cat([self.z, other.z]), torch.cat([self.need, other.need]))
 
 
@@ -266,9 +246,10 @@ def truncate(x: torch.Tensor, meta: SamplingMetadata, cfg: TierConfig,
     plain_rows = [plain]
     if rows.numel():
         every = rows.numel() == x.shape[0]
-        kn = RowKnobs(*(t if every else t.index_select(0, rows)
-                      for t in (meta.temperature, meta.top_k, meta.top_p, meta.min_p)),
-                    meta.max_top_k > 0, meta.any_top_p, meta.any_min_p)
+        kn = RowKnobs(meta.temperature, meta.top_k, meta.top_p, meta.min_p, meta.max_top_k > 0, meta.any_top_p,
+                      meta.any_min_p)
+        if not every:
+            kn = kn.select(rows)
         # First pass: K per row from its own top_k only, so a row's path never depends on its neighbours.
         # A top-k row needs candidates past the k-th to show the k-th value is not tied with the rest;
         # bf16 logits tie often, so leave room for a tie group rather than retrying with 1024.
@@ -295,9 +276,9 @@ def materialize(x: torch.Tensor, kept: Kept) -> torch.Tensor:
     """Full [B, V] processed logits: x on rows that were not truncated (greedy), the kept scaled logits
     on the others, -inf on dropped tokens."""
     out = x.clone()
-    for part in kept.sparse:
-        rows = torch.full((part.rows.numel(), x.shape[1]), NEG_INF, dtype=x.dtype, device=x.device)
-        out[part.rows] = rows.scatter_(1, part.ids, part.logits)
-    for part in kept.dense:
-        out[part.rows] = part.logits
+    for sparse in kept.sparse:
+        rows = torch.full((sparse.rows.numel(), x.shape[1]), NEG_INF, dtype=x.dtype, device=x.device)
+        out[sparse.rows] = rows.scatter_(1, sparse.ids, sparse.logits)
+    for dense in kept.dense:
+        out[dense.rows] = dense.logits
     return out
