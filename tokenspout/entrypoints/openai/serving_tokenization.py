@@ -60,10 +60,10 @@ class TokenizeChatRequest(_Request):
 
     @model_validator(mode="after")
     def _generation_prompt(self) -> TokenizeChatRequest:
-        if self.continue_final_message and self.add_generation_prompt:
-            # vLLM's rule: only an explicit add_generation_prompt=true clashes; its default yields to continuation
-            if "add_generation_prompt" in self.model_fields_set:
-                raise ValueError("continue_final_message cannot be used with add_generation_prompt=true")
+        # vLLM's rule: only an explicit add_generation_prompt=true clashes; its default yields to continuation
+        if self.continue_final_message and self.add_generation_prompt and \
+                "add_generation_prompt" in self.model_fields_set:
+            raise ValueError("continue_final_message cannot be used with add_generation_prompt=true")
         return self
 
 

@@ -1,0 +1,217 @@
+"""What chat and completion requests share: strict parsing (unknown fields are a 400), vLLM's sampling extras at
+the top level, structured-output fields, and the mapping onto SamplingParams."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tokenspout.entrypoints.openai.protocol.errors import OpenAIServingError, value_error_to_serving_error
+from tokenspout.entrypoints.openai.structured import structured_outputs_from_request
+from tokenspout.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, SamplingParams
+
+MAX_N = 128  # OpenAI's bound on n
+
+
+def _check_text(value: Any, path: str) -> None:
+    """Strings must be encodable as UTF-8: JSON allows lone UTF-16 surrogates ("\\ud800"), tokenizers do not."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{path or 'body'} holds a lone UTF-16 surrogate, which is not valid Unicode text") \
+                from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_text(k, path)
+            _check_text(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_text(v, f"{path}.{i}")
+
+
+class StrictModel(BaseModel):
+    """Every request object rejects fields it does not know: a silently ignored field is a bug (the client meant
+    something by it).  The error names the field (see `validation_error_to_serving_error`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM: every chunk carries the usage so far
+
+
+class JsonSchemaFormat(StrictModel):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(StrictModel):
+    """vLLM's `structured_outputs` object: exactly one constraint."""
+
+    json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class SamplingRequest(StrictModel):
+    """Fields shared by chat and completions, including vLLM's extra sampling knobs at the top level."""
+
+    model: str | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # OpenAI's end-user id: informational only
+    # vLLM extras
+    request_id: str | None = Field(default=None, min_length=1, max_length=256)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
+    return_token_ids: bool = False
+    return_tokens_as_token_ids: bool = False
+    # structured output (see structured.py)
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    # classifier-free guidance
+    guidance_scale: float = 1.0
+    negative_prompt: str | None = None
+    # vLLM extra: logprobs of the prompt tokens (+ top-N), in the response's prompt_logprobs
+    prompt_logprobs: int | None = None
+    # vLLM's --logprobs-mode, per request here: the model's distribution (raw) or the one the sampler drew from
+    # (processed: after bans, bias, penalties, temperature, min-p, top-k/top-p)
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        _check_text(data, "")
+        return data
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> Self:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """vLLM's rule: continuous_usage_stats counts only together with include_usage."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    def _logit_bias_ids(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        ids: dict[int, float] = {}
+        for key, bias in self.logit_bias.items():
+            try:
+                ids[int(key)] = bias
+            except ValueError:
+                raise OpenAIServingError(
+                    f"logit_bias keys must be token ids (integers as strings), got {key!r}", param="logit_bias"
+                ) from None
+        return ids
+
+    def _user_prompt_logprobs(self) -> int | None:
+        """prompt_logprobs as sent; as vLLM, a stream cannot carry them (its chunks have no place for them)."""
+        k = self.prompt_logprobs
+        if k is not None and self.stream and (k > 0 or k == -1):
+            raise OpenAIServingError("prompt_logprobs are not available when stream=true", param="prompt_logprobs")
+        return k
+
+    def _sampling_params(self, max_tokens: int | None, logprobs: int | None, stream: bool,
+                         defaults: Mapping[str, Any], clamp_max_tokens: bool = False,
+                         prompt_logprobs: int | None = None) -> SamplingParams:
+        """`defaults`: the model's generation_config sampling defaults for fields the request omits."""
+        def pick(name: str, neutral: Any) -> Any:
+            value = getattr(self, name)
+            return defaults.get(name, neutral) if value is None else value
+
+        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        try:
+            return SamplingParams(
+                n=self.n,
+                temperature=pick("temperature", 1.0),
+                top_p=pick("top_p", 1.0),
+                top_k=pick("top_k", 0),
+                min_p=pick("min_p", 0.0),
+                seed=self.seed,
+                presence_penalty=pick("presence_penalty", 0.0),
+                frequency_penalty=pick("frequency_penalty", 0.0),
+                repetition_penalty=pick("repetition_penalty", 1.0),
+                max_tokens=max_tokens,
+                clamp_max_tokens=clamp_max_tokens,
+                min_tokens=self.min_tokens,
+                stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+                stop_token_ids=list(self.stop_token_ids or []),
+                ignore_eos=self.ignore_eos,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                logprobs_mode=self.logprobs_mode or "raw_logprobs",
+                logit_bias=self._logit_bias_ids(),
+                allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words,
+                skip_special_tokens=self.skip_special_tokens,
+                spaces_between_special_tokens=self.spaces_between_special_tokens,
+                truncate_prompt_tokens=self.truncate_prompt_tokens,
+                truncation_side=self.truncation_side or "left",
+                output_kind=kind,
+                structured_outputs=structured_outputs_from_request(self),
+                guidance_scale=self.guidance_scale,
+                negative_prompt=self.negative_prompt,
+            )
+        except ValueError as e:
+            raise value_error_to_serving_error(e, set(type(self).model_fields)) from None
+
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """This request's SamplingParams (each route's request says how its fields map)."""
+        raise NotImplementedError
+
+
+def to_sampling_params(request: SamplingRequest,
+                       defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+    """DELTA for streams (each chunk carries only what is new), FINAL_ONLY otherwise (one output at the end).
+    `defaults`: sampling defaults of the model's generation_config for the fields the request omits."""
+    return request.to_sampling_params(defaults)
