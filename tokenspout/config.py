@@ -23,6 +23,13 @@ class ModelConfig:
     generation_config: str = "auto"
     chat_template: str | None = None  # Jinja text replacing the tokenizer's (--chat-template); None: the model's
 
+    def folder(self) -> str:
+        """The local model folder.  The frontend needs it resolved (build_engine_config converts the default model
+        and fills it in); the model loader alone resolves None itself."""
+        if self.model is None:
+            raise ValueError("model: no folder resolved; build the config with build_engine_config()")
+        return self.model
+
     def validate(self) -> None:
         if self.generation_config not in ("auto", "vllm"):
             raise ValueError(f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")

@@ -237,15 +237,17 @@ class ServerMetrics:
                 continue
             if m.max_tokens_param:
                 self._l(self._req_max_tokens).observe(m.max_tokens_param)
-            if c.finish_reason in ("abort", "error") or m.inference_time is None:
+            # The phases are known together (once the request produced a token) or not at all.
+            prefill, decode, inference = m.prefill_time, m.decode_time, m.inference_time
+            if c.finish_reason in ("abort", "error") or prefill is None or decode is None or inference is None:
                 continue
             if m.queued_time is not None:
                 self._l(self._queue).observe(m.queued_time)
-            self._l(self._prefill).observe(m.prefill_time)
-            self._l(self._decode).observe(m.decode_time)
-            self._l(self._inference).observe(m.inference_time)
+            self._l(self._prefill).observe(prefill)
+            self._l(self._decode).observe(decode)
+            self._l(self._inference).observe(inference)
             if c.generation_tokens > 1:
-                self._l(self._req_tpot).observe(m.decode_time / (c.generation_tokens - 1))
+                self._l(self._req_tpot).observe(decode / (c.generation_tokens - 1))
         self._l(self._req_n).observe(len(choices))
         self._l(self._req_max_gen).observe(max(c.generation_tokens for c in choices))
 

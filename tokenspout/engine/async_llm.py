@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from tokenspout.config import EngineConfig
 from tokenspout.engine.core_client import AsyncMPClient
@@ -44,7 +44,7 @@ class AsyncLLM:
         # loads the tokenizer.
         self.client = client or make_async_client(config)
         try:
-            self.tokenizer = load_tokenizer(config.model.model)
+            self.tokenizer = load_tokenizer(config.model.folder())
             info = self.client.wait_ready(on_wait)
         except BaseException:
             self.client.shutdown()
@@ -90,7 +90,7 @@ class AsyncLLM:
         return self.processor.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kw)
 
     async def generate(self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str, *,
-                       add_special_tokens: bool | None = None) -> AsyncIterator[RequestOutput]:
+                       add_special_tokens: bool | None = None) -> AsyncGenerator[RequestOutput, None]:
         """add_special_tokens None: the prompt's rule (False for a ChatPrompt from apply_chat_template, whose
         template already wrote BOS; the tokenizer's rule for plain text)."""
         if self.errored:

@@ -191,15 +191,10 @@ class SyncMPClient(_MPBase):
 
 class AsyncMPClient(_MPBase):
     def __init__(self, config: EngineConfig, **kw):
-        # The output socket, asyncio flavour: created after the blocking READY handshake.
-        self.async_out: zmq.asyncio.Socket | None = None
         super().__init__(config, **kw)
-
-    def wait_ready(self, on_wait=None) -> EngineReady:
-        info = super().wait_ready(on_wait)
-        if self.async_out is None:
-            self.async_out = zmq.asyncio.Socket.shadow(self.out_sock)
-        return info
+        # The output socket, asyncio flavour.  A shadow of the same socket that binds to the running event loop at
+        # its first use, so it can exist while the READY handshake (blocking calls on out_sock) has yet to happen.
+        self.async_out = zmq.asyncio.Socket.shadow(self.out_sock)
 
     async def get_output_async(self) -> EngineCoreOutputs:
         while not await self.async_out.poll(_POLL_MS):

@@ -81,9 +81,11 @@ class EngineRouter:
             key = hashlib.blake2b(str(prompt_token_ids[:AFFINITY_TOKENS]).encode(), digest_size=8).digest()
             preferred = self._affinity.get(key)
             floor = self.load[least]
-            busy = preferred is None or preferred not in live or \
-                self.load[preferred] > floor + max(AFFINITY_SLACK, floor // 8)
-            chosen = least if busy else preferred
+            if preferred is None or preferred not in live or \
+                    self.load[preferred] > floor + max(AFFINITY_SLACK, floor // 8):
+                chosen = least  # the prefix's engine is unknown, gone, or too busy for the saving to pay
+            else:
+                chosen = preferred
             self._affinity[key] = chosen
             self._affinity.move_to_end(key)
             while len(self._affinity) > _AFFINITY_ENTRIES:

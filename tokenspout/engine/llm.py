@@ -11,7 +11,7 @@ import itertools
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Self
+from typing import Self, cast
 
 from tokenspout.config import (
     CacheConfig,
@@ -74,24 +74,41 @@ def build_engine_config(model: str | None = None, *, dtype: str = "float32", qua
     return cfg
 
 
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (a string, or one list of token ids) or several, as a list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts and isinstance(prompts[0], int):
+        return [cast("list[int]", prompts)]  # one prompt of ids; the Processor checks that every item is one
+    return list(cast("Sequence[Prompt]", prompts))
+
+
+def _first_logprobs(out: RequestOutput) -> dict[int, float]:
+    """The next-token logprobs a beam search step asked for (max_tokens=1 with logprobs)."""
+    logprobs = out.outputs[0].logprobs
+    assert logprobs is not None, "beam search steps ask for logprobs"
+    return {t: lp.logprob for t, lp in logprobs[0].items()}
+
+
 class LLM:
     def __init__(self, model: str | None = None, *, multiprocess: bool = True, on_wait=None, **engine_kwargs):
         self.config = build_engine_config(model, **engine_kwargs)
         if self.config.data_parallel_size > 1:
             raise ValueError("data_parallel_size > 1 is a server option (tokenspout serve); LLM runs one engine")
+        self.client: SyncMPClient | InprocClient
         if multiprocess:
             # Start the engine process first: it loads the model while this process loads the tokenizer.
             self.client = SyncMPClient(self.config, wait=False)
             try:
-                self.tokenizer = load_tokenizer(self.config.model.model)
-                self.client.wait_ready(on_wait)
+                self.tokenizer = load_tokenizer(self.config.model.folder())
+                info = self.client.wait_ready(on_wait)
             except BaseException:
                 self.client.shutdown()
                 raise
         else:
-            self.tokenizer = load_tokenizer(self.config.model.model)
+            self.tokenizer = load_tokenizer(self.config.model.folder())
             self.client = InprocClient(self.config)
-        info = self.client.info
+            info = self.client.info
         self.model_name = info.model_name
         self.max_model_len = info.max_model_len
         self.processor = Processor(self.tokenizer, info.max_model_len, info.vocab_size,
@@ -103,13 +120,12 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order (a single prompt may be a string or a list of token ids)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        batch = _prompt_list(prompts)
         params = sampling_params or SamplingParams()
-        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError(f"got {len(plist)} sampling params for {len(prompts)} prompts")
-        ids = [self._add(p, sp, RequestOutputKind.FINAL_ONLY) for p, sp in zip(prompts, plist)]
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(batch)
+        if len(plist) != len(batch):
+            raise ValueError(f"got {len(plist)} sampling params for {len(batch)} prompts")
+        ids = [self._add(p, sp, RequestOutputKind.FINAL_ONLY) for p, sp in zip(batch, plist)]
         results: dict[str, RequestOutput] = {}
         for out in self._run(set(ids)):
             results[out.request_id] = out
@@ -125,7 +141,9 @@ class LLM:
         calls are constrained as on the server (tool_choice "auto" / "required" / "none" / a named function; see
         README, Tool calling).  `reasoning_parser` ("deepseek_r1", "qwen3") splits the reasoning into
         `message.reasoning`."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        # One conversation (a list of messages) or several; the Processor checks each message's shape.
+        convs = ([cast("list[dict]", messages)] if messages and isinstance(messages[0], dict)
+                 else cast("list[list[dict]]", messages))
         kwargs = dict(chat_template_kwargs or {})
         plan = plan_chat(tools, tool_choice, parallel_tool_calls, parser_name=tool_call_parser,
                          template=effective_template(self.processor, kwargs.get("chat_template")),
@@ -158,15 +176,13 @@ class LLM:
                     length_penalty: float = 1.0, n: int | None = None) -> list[RequestOutput]:
         """Beam search (transformers' semantics with early stopping); each RequestOutput holds the n (default:
         width) best finished beams, best first, with their cumulative logprobs."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        ids = [self.processor.tokenize(p) for p in prompts]
+        ids = [self.processor.tokenize(p) for p in _prompt_list(prompts)]
         search = BeamSearch(ids, width, max_tokens, self.processor.eos_token_id, length_penalty)
         params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * width, ignore_eos=True,
                                 detokenize=False)
         while not search.done:
             outs = self.generate(search.pending(), params)
-            search.step([{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in outs])
+            search.step([_first_logprobs(o) for o in outs])
         return to_request_outputs(search, [str(next(self._ids)) for _ in ids], ids, n or width,
                                   lambda t: self.tokenizer.decode(t, skip_special_tokens=True))
 

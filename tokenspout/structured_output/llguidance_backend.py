@@ -33,10 +33,11 @@ from tokenspout.structured_output.backend import (
 
 if TYPE_CHECKING:
     import torch
+    from llguidance._lib import JsonCompileOptions  # a TypedDict of the stubs only (absent at run time)
 
 logger = logging.getLogger(__name__)
 
-JSON_DEFAULTS: dict[str, Any] = {"whitespace_flexible": False}
+JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}
 _MAX_MESSAGE = 600  # llguidance errors can quote a whole grammar; an HTTP 400 body needs the first lines
 # Without verbose errors llguidance leaves the parser state and grammar out of messages (they can be long and
 # would echo the user's schema into logs).
@@ -123,10 +124,11 @@ class GuidanceGrammar(Grammar):
 
     __slots__ = ("_eos", "_eos_after_stop", "_m")
 
-    def __init__(self, matcher: llguidance.LLMatcher, eos_ids: frozenset[int]) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, eos_ids: frozenset[int], eos_after_stop: int = 0) -> None:
+        """eos_after_stop: EOS tokens accepted past the grammar's stop so far (a fork carries its origin's)."""
         self._m = matcher
         self._eos = eos_ids
-        self._eos_after_stop = 0
+        self._eos_after_stop = eos_after_stop
 
     def _trailing_eos(self, ids: list[int], start: int) -> int:
         n = start
@@ -179,9 +181,7 @@ class GuidanceGrammar(Grammar):
         return self._m.is_stopped()
 
     def fork(self) -> GuidanceGrammar:
-        g = GuidanceGrammar(self._m.deep_copy(), self._eos)
-        g._eos_after_stop = self._eos_after_stop
-        return g
+        return GuidanceGrammar(self._m.deep_copy(), self._eos, self._eos_after_stop)
 
     @property
     def matcher(self) -> llguidance.LLMatcher:

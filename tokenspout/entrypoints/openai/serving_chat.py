@@ -42,10 +42,12 @@ from tokenspout.entrypoints.openai.protocol import (
     FunctionCall,
     ToolCall,
     TopLogprob,
+    UsageInfo,
     value_error_to_serving_error,
 )
 from tokenspout.entrypoints.openai.request_ids import request_ids
 from tokenspout.entrypoints.openai.serving_common import (
+    ChoiceState,
     EngineClient,
     PromptState,
     check_model,
@@ -183,7 +185,7 @@ class OpenAIServingChat:
         )
 
     @staticmethod
-    def _message(job: ChatJob, c: CompletionOutput) -> ChatResponseMessage:
+    def _message(job: ChatJob, c: ChoiceState) -> ChatResponseMessage:
         if job.plan is None:
             return ChatResponseMessage(role="assistant", content=job.echo + c.text)
         parts = job.plan.final(c.text)
@@ -202,9 +204,10 @@ class OpenAIServingChat:
         started = False
         parsers = [job.plan.output_parser() for _ in range(params.n)] if job.plan is not None else None
 
-        def chunk(*choices: ChatCompletionStreamChoice, **fields: object) -> ChatCompletionChunk:
+        def chunk(*choices: ChatCompletionStreamChoice, usage: UsageInfo | None = None,
+                  prompt_token_ids: list[int] | None = None) -> ChatCompletionChunk:
             return ChatCompletionChunk(id=job.request_id, created=job.created, model=model, choices=list(choices),
-                                       **fields)
+                                       usage=usage, prompt_token_ids=prompt_token_ids)
 
         envelope = ChunkEnvelope(chunk())
 

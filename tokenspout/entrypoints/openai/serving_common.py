@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from http import HTTPStatus
 from typing import Any, Protocol
 
@@ -44,7 +44,7 @@ class EngineClient(Protocol):
     def generate(
         self, prompt: str | list[int], sampling_params: SamplingParams, request_id: str, *,
         add_special_tokens: bool | None = None,
-    ) -> AsyncIterator[RequestOutput]: ...
+    ) -> AsyncGenerator[RequestOutput, None]: ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -80,7 +80,8 @@ def to_serving_error(exc: BaseException) -> OpenAIServingError:
     return OpenAIServingError(f"internal server error: {type(exc).__name__}", status=HTTPStatus.INTERNAL_SERVER_ERROR)
 
 
-async def merge_outputs(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merge_outputs(
+        gens: list[AsyncGenerator[RequestOutput, None]]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """Yields (prompt index, output) from several engine generators as outputs arrive.
 
     Nothing is yielded until every generator has produced its first output (or ended): the engine reports bad
@@ -93,12 +94,12 @@ async def merge_outputs(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterat
                 yield 0, out
         finally:
             with anyio.CancelScope(shield=True):
-                await gen.aclose()  # type: ignore[attr-defined]
+                await gen.aclose()
         return
 
     queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
 
-    async def pump(i: int, gen: AsyncIterator[RequestOutput]) -> None:
+    async def pump(i: int, gen: AsyncGenerator[RequestOutput, None]) -> None:
         try:
             async for out in gen:
                 queue.put_nowait((i, out, None))
@@ -111,14 +112,14 @@ async def merge_outputs(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterat
         pending: list[tuple[int, RequestOutput]] = []
         unprimed, live = set(range(len(gens))), len(gens)
         while live:
-            i, out, err = await queue.get()
+            i, got, err = await queue.get()  # got None: generator i ended
             if err is not None:
                 raise err
             unprimed.discard(i)
-            if out is None:
+            if got is None:
                 live -= 1
             else:
-                pending.append((i, out))
+                pending.append((i, got))
             if not unprimed:
                 for item in pending:
                     yield item
@@ -129,7 +130,7 @@ async def merge_outputs(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterat
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             for g in gens:
-                await g.aclose()  # type: ignore[attr-defined]
+                await g.aclose()
 
 
 class ChoiceState:

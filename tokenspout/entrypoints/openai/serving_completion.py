@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -41,7 +41,7 @@ from tokenspout.entrypoints.openai.serving_common import (
 )
 from tokenspout.entrypoints.openai.sse import DONE_FRAME, ChunkEnvelope, error_frame, sse_frame
 from tokenspout.metrics import ServerMetrics
-from tokenspout.outputs import Logprob, PositionLogprobs
+from tokenspout.outputs import Logprob, PositionLogprobs, RequestOutput
 from tokenspout.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,8 @@ class OpenAIServingCompletion:
         params = req.to_sampling_params(getattr(self.engine, "default_sampling_params", None))
         return CompletionJob(req, *request_ids("cmpl", req.request_id), prompts, params, int(time.time()))
 
-    def _start(self, job: CompletionJob, keep_text: bool) -> tuple[list[PromptState], AsyncIterator]:
+    def _start(self, job: CompletionJob,
+               keep_text: bool) -> tuple[list[PromptState], AsyncGenerator[tuple[int, RequestOutput], None]]:
         states = [PromptState(job.params.n, job.params.output_kind, self.metrics, keep_text) for _ in job.prompts]
         kw = special_tokens_kwargs(job.request)
         gens = [self.engine.generate(p, job.params, f"{job.engine_id}-{i}", **kw) for i, p in enumerate(job.prompts)]
