@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-ASGIApp = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Awaitable[None]]
+from starlette.types import ASGIApp, Message
 Head = tuple[int, list[tuple[bytes, bytes]]]
 
 
@@ -38,14 +38,14 @@ def _scope(req: ForwardedRequest) -> dict[str, Any]:
 
 
 async def run_asgi(app: ASGIApp, req: ForwardedRequest,
-                   extra_headers: list[tuple[bytes, bytes]] = ()) -> AsyncIterator[Head | bytes]:
+                   extra_headers: Sequence[tuple[bytes, bytes]] = ()) -> AsyncIterator[Head | bytes]:
     """Runs `req` through `app`; yields the head `(status, headers + extra_headers)`, then body chunks.  Closing or
     cancelling the iterator early is a client disconnect for the app (its SSE stream aborts the engine request)."""
-    messages: asyncio.Queue[dict | None] = asyncio.Queue()
+    messages: asyncio.Queue[Message | None] = asyncio.Queue()
     disconnected = asyncio.Event()
     body_read = False
 
-    async def receive() -> dict:
+    async def receive() -> Message:
         nonlocal body_read
         if not body_read:
             body_read = True
@@ -53,7 +53,7 @@ async def run_asgi(app: ASGIApp, req: ForwardedRequest,
         await disconnected.wait()  # the app waits here to learn of a disconnect: only a real one ends the wait
         return {"type": "http.disconnect"}
 
-    async def send(message: dict) -> None:
+    async def send(message: Message) -> None:
         messages.put_nowait(message)
 
     task = asyncio.ensure_future(app(_scope(req), receive, send))

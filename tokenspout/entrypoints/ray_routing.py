@@ -22,7 +22,7 @@ import hashlib
 import json
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 AFFINITY_CHARS = 256
 AFFINITY_TOKENS = 64
@@ -77,15 +77,18 @@ def affinity_key(body: bytes) -> str | None:
     return hashlib.blake2b(prefix.encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
 
 
-class AffinityRule:
+R = TypeVar("R", bound=Hashable)  # a replica's id (Ray Serve's ReplicaID; anything hashable in tests)
+
+
+class AffinityRule(Generic[R]):
     """The rule of the module docstring over replica ids and their ongoing-request counts."""
 
     def __init__(self, slack: int = AFFINITY_SLACK, max_entries: int = _AFFINITY_ENTRIES) -> None:
         self.slack = slack
         self.max_entries = max_entries
-        self._last: OrderedDict[str, Hashable] = OrderedDict()  # key -> replica that last took it
+        self._last: OrderedDict[str, R] = OrderedDict()  # key -> replica that last took it
 
-    def pick(self, key: str | None, loads: Mapping[Hashable, int], order: Sequence[Hashable] | None = None) -> Hashable:
+    def pick(self, key: str | None, loads: Mapping[R, int], order: Sequence[R] | None = None) -> R:
         """The replica for a request with `key`; `loads`: ongoing requests per candidate replica (non-empty);
         `order`: the candidates in tie-break order (default: the mapping's)."""
         candidates = list(order if order is not None else loads)
@@ -96,12 +99,12 @@ class AffinityRule:
         floor = loads[least]
         return least if loads[preferred] > floor + max(self.slack, floor // 8) else preferred
 
-    def ranked(self, key: str | None, loads: Mapping[Hashable, int]) -> list[Hashable]:
+    def ranked(self, key: str | None, loads: Mapping[R, int]) -> list[R]:
         """Every candidate, best first: the pick, then the others by load (the fallbacks if the pick is full)."""
         first = self.pick(key, loads)
         return [first, *sorted((r for r in loads if r != first), key=lambda r: loads[r])]
 
-    def record(self, key: str | None, replica: Hashable) -> None:
+    def record(self, key: str | None, replica: R) -> None:
         """The replica that took a request with `key` (call once it is sent there)."""
         if key is None:
             return
@@ -110,7 +113,7 @@ class AffinityRule:
         while len(self._last) > self.max_entries:
             self._last.popitem(last=False)
 
-    def forget(self, replica: Hashable) -> None:
+    def forget(self, replica: R) -> None:
         """A replica is gone (died, scaled down): its keys go to whoever is least loaded next."""
         for key in [k for k, r in self._last.items() if r == replica]:
             del self._last[key]

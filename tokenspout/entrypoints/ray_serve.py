@@ -26,11 +26,12 @@ import json
 import logging
 import os
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
-from ray.serve.handle import DeploymentHandle
+from ray.serve.deployment import Deployment
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -51,8 +52,9 @@ class PrefixAffinityRouter(RequestRouter):
     """ray_routing.AffinityRule on Ray Serve's per-replica ongoing-request counts (its queue-length cache, probed
     when stale).  Runs inside the ingress, in the handle to the replicas; state is per ingress replica."""
 
-    def initialize_state(self, slack: int = AFFINITY_SLACK) -> None:
-        self.rule = AffinityRule(slack=slack)
+    def initialize_state(self, **kwargs: Any) -> None:
+        """kwargs: RequestRouterConfig.request_router_kwargs (`slack`, the rule's)."""
+        self.rule: AffinityRule[ReplicaID] = AffinityRule(slack=kwargs.get("slack", AFFINITY_SLACK))
 
     @staticmethod
     def _key(pending_request: PendingRequest | None) -> str | None:
@@ -146,7 +148,8 @@ class TokenspoutIngress:
             headers=list(request.scope["headers"]), body=body,
             affinity_key=affinity_key(body) if request.method == "POST" and body else None,
             client=(client.host, client.port) if client else None)
-        stream = self.replicas.forward.remote(fwd)
+        # a handle with stream=True: the call is a generator of the replica's items
+        stream = cast(DeploymentResponseGenerator, self.replicas.forward.remote(fwd))
         try:
             status, app_headers = await stream.__anext__()
         except Exception as e:  # noqa: BLE001 - the replica died or refused: an OpenAI-shaped 500, never a hang
@@ -210,12 +213,14 @@ def build_application(args: argparse.Namespace) -> Any:
     kwargs["num_threads"] = kwargs["num_threads"] or 1  # a replica is 1 CPU, 1 engine thread unless told
     cpus = args.replica_cpus if args.replica_cpus is not None else kwargs["num_threads"]
     app_options = {**server_app_options(args), "metrics_prefix": args.metrics_prefix}
-    replica = TokenspoutReplica.options(
+    # serve.deployment turns each class into a Deployment (its stubs keep the class type: hence the casts), and
+    # RequestRouterConfig takes the router class itself (its field is typed as the import path / dict form).
+    router = RequestRouterConfig(request_router_class=PrefixAffinityRouter)  # type: ignore[arg-type]
+    replica = cast(Deployment, TokenspoutReplica).options(
         ray_actor_options={"num_cpus": cpus}, max_ongoing_requests=args.max_ongoing_requests,
-        request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter),
-        health_check_period_s=5, **scaling_options(args))
-    ingress = TokenspoutIngress.options(num_replicas=args.ingress_replicas,
-                                        max_ongoing_requests=args.max_ongoing_requests * 64)
+        request_router_config=router, health_check_period_s=5, **scaling_options(args))
+    ingress = cast(Deployment, TokenspoutIngress).options(num_replicas=args.ingress_replicas,
+                                                          max_ongoing_requests=args.max_ongoing_requests * 64)
     return ingress.bind(replica.bind(args.model, kwargs, app_options))
 
 
