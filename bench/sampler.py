@@ -35,13 +35,14 @@ from pathlib import Path
 
 import torch
 
-from tokenspout.sample.metadata import SamplingMetadata, SamplingState
+from tokenspout.sample.metadata import SamplingMetadata
 from tokenspout.sample.ops import noise
 from tokenspout.sample.ops.candidates import candidates, topk_values
 from tokenspout.sample.ops.draw import block_mass, draw_dense, draw_sparse
 from tokenspout.sample.ops.topk_topp import TierConfig, dense_probs, truncate
 from tokenspout.sample.sampler import Sampler, apply_logits_processors
 from tokenspout.sampling_params import SamplingParams
+from tokenspout.worker.sampling_state import SamplingState
 
 RESULTS = Path(__file__).parent / "results" / "sampler.json"
 RANDOM = {"temperature": 0.8, "top_p": 0.95, "top_k": 50}

@@ -79,7 +79,7 @@ def _released(core) -> None:
     """Every block back in the pool, and (after one more, empty step) every row and its sampling state."""
     core.step()
     assert core.kv.num_free_blocks == core.kv.num_blocks
-    assert not core.runner.row_of and all(s is None for s in core.runner.sampling._slots)
+    assert not core.runner.input_batch.row_of and all(s is None for s in core.runner.input_batch.sampling._slots)
 
 
 def test_same_outputs_as_sync_with_early_stops(loaded_model, tokenizer):

@@ -73,7 +73,7 @@ def test_abort_frees_both_sequences_and_preemption_keeps_pairs_exact(loaded_mode
     core.abort_requests(["g"])
     core.step()
     assert core.kv.num_free_blocks == core.kv.num_blocks and not core.has_unfinished_requests()
-    assert not core.runner.row_of  # both rows released
+    assert not core.runner.input_batch.row_of  # both rows released
     free = run_to_completion(make_core(loaded_model), [cond, cond], guided)
     tight = make_core(loaded_model, num_blocks=9)
     pressured = run_to_completion(tight, [cond, cond], guided)

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from tests.stats.chi2 import gof
-from tokenspout.sample.metadata import SamplingState
 from tokenspout.sample.ops.topk_topp import TierConfig
 from tokenspout.sample.sampler import Sampler
 from tokenspout.sampling_params import SamplingParams
+from tokenspout.worker.sampling_state import SamplingState
 
 V = 16
 N = 20_000

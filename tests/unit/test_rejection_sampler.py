@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from tokenspout.sample import rejection_sampler as rs
-from tokenspout.sample.metadata import build_metadata
 from tokenspout.sample.ops import noise
 from tokenspout.sample.rejection_sampler import (
     RESIDUAL_FLOOR,
@@ -23,6 +22,7 @@ from tokenspout.sample.rejection_sampler import (
 )
 from tokenspout.sample.sampler import Sampler, compute_processed_logits
 from tokenspout.sampling_params import SamplingParams
+from tokenspout.worker.sampling_state import build_metadata
 
 V = 10
 K = 3

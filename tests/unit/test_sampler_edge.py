@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import tokenspout.sample.sampler as sampler_mod
-from tokenspout.sample.metadata import SamplingState, build_metadata
 from tokenspout.sample.ops.topk_topp import TierConfig
 from tokenspout.sample.sampler import Sampler, compute_processed_logits
 from tokenspout.sampling_params import SamplingParams
+from tokenspout.worker.sampling_state import SamplingState, build_metadata
 
 NEG_INF = float("-inf")
 V = 512

@@ -23,10 +23,10 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from tokenspout.sample.metadata import build_metadata
 from tokenspout.sample.ops.topk_topp import TierConfig
 from tokenspout.sample.sampler import compute_processed_logits
 from tokenspout.sampling_params import SamplingParams
+from tokenspout.worker.sampling_state import build_metadata
 
 SMALL_TIERS = TierConfig(first_k=4, first_cap=8, later_k=(16,), block_size=8)
 

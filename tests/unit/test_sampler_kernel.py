@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from tokenspout.platform import cpu_flags
-from tokenspout.sample.metadata import build_metadata
 from tokenspout.sample.sampler import Sampler
 from tokenspout.sampling_params import SamplingParams
+from tokenspout.worker.sampling_state import build_metadata
 
 NEG_INF = float("-inf")
 V = 49152  # the default model's vocabulary: many blocks of 256, and a pooled candidate pass in torch

@@ -6,10 +6,10 @@ import random
 
 import torch
 
-from tokenspout.sample.metadata import SamplingState, build_metadata
 from tokenspout.sample.ops.topk_topp import TierConfig
 from tokenspout.sample.sampler import Sampler, compute_processed_logits
 from tokenspout.sampling_params import SamplingParams
+from tokenspout.worker.sampling_state import SamplingState, build_metadata
 
 V = 8192
 STEPS = 4

@@ -12,10 +12,10 @@ from collections import Counter
 import pytest
 import torch
 
-from tokenspout.sample.metadata import build_metadata
 from tokenspout.sample.ops.candidates import topk_values
 from tokenspout.sample.ops.topk_topp import TierConfig, materialize, truncate
 from tokenspout.sampling_params import SamplingParams
+from tokenspout.worker.sampling_state import build_metadata
 
 NEG_INF = float("-inf")
 

@@ -7,8 +7,8 @@ import dataclasses
 
 import torch
 
-from tokenspout.sample.metadata import SamplingState
 from tokenspout.sampling_params import SamplingParams
+from tokenspout.worker.sampling_state import SamplingState
 
 
 def _same(a, b) -> None:

@@ -3,7 +3,8 @@
 Order (DESIGN invariant 2): raw logprobs -> float32 -> allowed / bad-word / grammar masks -> min_tokens,
 logit_bias, penalties -> greedy argmax (an all-greedy batch stops here: no top-k, no sort, no noise) ->
 temperature -> min_p -> top-k / top-p on a candidate set (ops/topk_topp.py) -> two-level Gumbel-max
-draw from counter-based noise (ops/draw.py, ops/noise.py) -> torch.where(is_greedy, argmax, drawn).
+draw from counter-based noise (ops/draw.py, ops/noise.py) -> per row, the argmax on greedy rows and the draw on
+the others (one index_copy of the greedy rows' argmax into the draws).
 
 The sampler owns the logits it is given: float32 logits are modified in place (penalties, masks), which
 saves a [B, V] copy per step.  Callers that need them afterwards pass a clone.
@@ -104,16 +105,15 @@ class Sampler(torch.nn.Module):
 
     def _kernel_split(
         self, x: torch.Tensor, meta: SamplingMetadata
-    ) -> tuple[torch.Tensor | None, tuple[torch.Tensor, list[int], torch.Tensor] | None]:
+    ) -> tuple[torch.Tensor | None, tuple[list[int], list[int], list[int]] | None]:
         """(random rows the kernel draws, (the other truncated rows, their top_k, the other plain rows) for the
         torch path)."""
         if self._lib is None or x.device.type != "cpu" or not meta.kernel_rows:
             return None, None
         ok = set(meta.kernel_rows)
-        trunc = [(r, k) for r, k in zip(meta.truncated_list, meta.truncated_top_k) if r not in ok]
-        plain = [r for r in meta.plain_list if r not in ok]
-        return (long_tensor(meta.kernel_rows),
-                (long_tensor([r for r, _ in trunc]), [k for _, k in trunc], long_tensor(plain)))
+        trunc = [(r, k) for r, k in zip(meta.truncated_rows, meta.truncated_top_k) if r not in ok]
+        plain = [r for r in meta.plain_rows if r not in ok]
+        return long_tensor(meta.kernel_rows), ([r for r, _ in trunc], [k for _, k in trunc], plain)
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         meta = metadata
@@ -131,20 +131,22 @@ class Sampler(torch.nn.Module):
             sampled = x.argmax(-1)
         else:
             greedy = None
-            if meta.any_greedy:  # argmax of the greedy rows only; the others' entries are never read
-                greedy = torch.zeros(batch, dtype=torch.int64, device=x.device)
-                greedy.index_copy_(0, meta.greedy_rows, x.index_select(0, meta.greedy_rows).argmax(-1))
+            if meta.any_greedy:  # argmax of the greedy rows only, before anything below touches x
+                greedy_rows = long_tensor(meta.greedy_rows, x.device)
+                greedy = (greedy_rows, x.index_select(0, greedy_rows).argmax(-1))
             kernel_rows, others = self._kernel_split(x, meta)
             kept = truncate(x, meta, self.tiers, others)
             if kernel_rows is not None and kernel_rows.numel() == batch:  # every row (ascending): the identity
+                assert self._lib is not None  # _kernel_split gives rows only when the kernel loaded
                 sampled = rows_cpu.sample_rows(self._lib, x, kernel_rows, meta, self.tiers.block_size)
             else:
                 sampled = draw(kept, meta, vocab, self.tiers.block_size)
                 if kernel_rows is not None:
+                    assert self._lib is not None
                     drawn = rows_cpu.sample_rows(self._lib, x, kernel_rows, meta, self.tiers.block_size)
                     sampled.index_copy_(0, kernel_rows, drawn)
-            if greedy is not None:
-                sampled = torch.where(meta.is_greedy, greedy, sampled)
+            if greedy is not None:  # per row: the argmax on greedy rows, the draw on the others
+                sampled = sampled.index_copy(0, *greedy)
 
         lp_out = None
         if meta.max_num_logprobs >= 0:

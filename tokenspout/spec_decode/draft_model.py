@@ -115,7 +115,7 @@ class DraftProposer:
         self.runner = runner  # ModelRunner: persistent rows, block table, sampling state, flat-batch builder
         self.source = source
         self.k = num_speculative_tokens
-        self.vocab_size = runner.sampling.vocab_size
+        self.vocab_size = runner.input_batch.sampling.vocab_size
         self._computed: dict[str, int] = {}  # separate model: tokens with valid draft KV, per request
         # q of every drafted token, [max_num_seqs, k, V], by persistent row: written by propose(), read by the
         # verification of the next step with one index_select.  Allocated on the first sampled (non-greedy)
@@ -150,9 +150,9 @@ class DraftProposer:
         runner, bs = self.runner, self.runner.block_size
         rows, starts, want = [], [], []
         for req, d in zip(reqs, num_drafts):
-            row = runner.row_of[req.request_id]
+            row = runner.input_batch.row_of[req.request_id]
             blocks = kv.blocks_of(req.request_id)
-            runner.sync_blocks(row, blocks)
+            runner.input_batch.sync_blocks(row, blocks)
             n = req.num_tokens
             # The draft writes positions start .. n + d - 2; they must lie in the request's blocks.
             d = min(d, len(blocks) * bs - n + 1)
@@ -196,7 +196,7 @@ class DraftProposer:
     def _sample(self, rows: list[int], logits: torch.Tensor, j: int) -> torch.Tensor:
         """Draft token j of each row [R] (argmax on greedy rows, else a seeded draw from q); q kept for sampled
         rows.  The processing is the sampler's, at output position (tokens so far) + j."""
-        md = self.runner.sampling.metadata(rows)
+        md = self.runner.input_batch.sampling.metadata(rows)
         md.positions = md.positions + j
         processed = compute_processed_logits(logits, md)
         argmax = processed.argmax(-1)

@@ -24,11 +24,10 @@ from tokenspout.core.scheduler import ModelRunnerOutput, ScheduledRequest, Sched
 from tokenspout.engine.messages import PromptLogprobs, TokenLogprobs
 from tokenspout.models.attention import AttentionMetadata, PrefillChunk, causal_mask
 from tokenspout.models.loader import LoadedModel
-from tokenspout.sample.metadata import SamplingState
 from tokenspout.sample.sampler import Sampler, SamplerOutput
-from tokenspout.sampling_params import SamplingParams
 from tokenspout.tensors import long_tensor
 from tokenspout.worker import prompt_logprobs
+from tokenspout.worker.input_batch import InputBatch, RowAdd
 from tokenspout.worker.prompt_logprobs import PromptLogprobsPlan
 from tokenspout.worker.spec_verify import verify_drafts
 
@@ -60,17 +59,6 @@ def zeroed_kv_caches(num_layers: int, slots: int, num_kv_heads: int, head_dim: i
 
 
 @dataclass(slots=True)
-class _RowAdd:
-    """A request taking a row: its sampling state is set up by run(), in step order."""
-
-    row: int
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    seed: int
-
-
-@dataclass(slots=True)
 class FlatBatch:
     positions: torch.Tensor  # [T] position of every token
     slot_mapping: torch.Tensor  # [T] where each token's K/V is written
@@ -95,7 +83,7 @@ class PreparedStep:
     sample_idx: list[int] = field(default_factory=list)  # entries that sample a token
     spec_idx: list[int] = field(default_factory=list)  # entries that verify drafts
     released: list[tuple[str, int]] = field(default_factory=list)  # (request id, row) given back
-    added: list[_RowAdd] = field(default_factory=list)
+    added: list[RowAdd] = field(default_factory=list)  # requests taking a row this step
     prompt_lp: PromptLogprobsPlan | None = None  # prompt positions this step scores
 
 
@@ -116,16 +104,10 @@ class ModelRunner:
         self.group = a.num_heads // a.num_kv_heads
         self.max_num_seqs = sched.max_num_seqs
         max_blocks = -(-loaded.max_model_len // self.block_size)
-        # Persistent per-row state: block table rows are filled incrementally as requests gain blocks.
-        self.block_table = torch.zeros(sched.max_num_seqs, max_blocks, dtype=torch.int64)
-        self._block_table_np = self.block_table.numpy()  # the same memory
-        self._num_blocks_in_row = [0] * sched.max_num_seqs
-        self.row_of: dict[str, int] = {}
-        self._free_rows = list(range(sched.max_num_seqs - 1, -1, -1))
+        self.input_batch = InputBatch(sched.max_num_seqs, max_blocks, a.vocab_size, self.device)
         self._sample_pos: dict[str, int] = {}  # row of each sampling request in the last prepared step's output
         self._last_sampled: torch.Tensor | None = None  # the sampled ids of the last step run
         self.decoder = self._cpu_decoder(loaded)
-        self.sampling = SamplingState(sched.max_num_seqs, a.vocab_size, self.device)
         self.sampler = Sampler()
         self.structured = None  # StructuredOutputManager, set by the engine core on the first grammar request
         # Tests and debugging: called with (request ids, float32 logits) of every sampling step when set.
@@ -148,32 +130,6 @@ class ModelRunner:
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.decoder.logits(hidden) if self.decoder is not None else self.model.compute_logits(hidden)
 
-    # ---- persistent rows -----------------------------------------------------------------------------------
-    # Rows are handed out and taken back by prepare() (the scheduling thread); the sampling state of a row changes
-    # only in run() (the thread that steps the model), in step order.  So a row given back may go to another
-    # request in the same prepare() even while a step in flight still uses it: that step's inputs, block ids
-    # included, are copies, and its sampling state is replaced only when the next step runs.
-    def _release(self, request_id: str, step: PreparedStep) -> None:
-        row = self.row_of.pop(request_id, None)
-        if row is not None:
-            step.released.append((request_id, row))
-            self._num_blocks_in_row[row] = 0
-            self._free_rows.append(row)
-
-    def _ensure_row(self, req, step: PreparedStep) -> int:
-        row = self.row_of.get(req.request_id)
-        if row is None:
-            row = self._free_rows.pop()
-            self.row_of[req.request_id] = row
-            step.added.append(_RowAdd(row, req.params, req.prompt_token_ids, req.output_token_ids, req.seed))
-        return row
-
-    def sync_blocks(self, row: int, blocks: list[int]) -> None:
-        have = self._num_blocks_in_row[row]
-        if len(blocks) > have:
-            self._block_table_np[row, have : len(blocks)] = blocks[have:]
-            self._num_blocks_in_row[row] = len(blocks)
-
     # ---- one step ------------------------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> ModelRunnerOutput:
         """One step, synchronously: prepare() then run()."""
@@ -185,7 +141,7 @@ class ModelRunner:
         inputs and where the tokens sampled by the previous step go."""
         step = PreparedStep(sched.scheduled)
         for rid in sched.removed_request_ids:
-            self._release(rid, step)
+            self.input_batch.release(rid, step.released)
         if sched.is_empty:
             self._sample_pos = {}
             return step
@@ -200,8 +156,8 @@ class ModelRunner:
                 plp = plp or prompt_logprobs.PlanBuilder()
                 lo, hi = e.prompt_lp
                 plp.add(req.request_id, req.token_ids, lo, hi, len(tokens) + lo - e.start, req.params.prompt_logprobs)
-            row = self._ensure_row(req, step)
-            self.sync_blocks(row, kv.blocks_of(req.request_id))
+            row = self.input_batch.ensure_row(req, step.added)
+            self.input_batch.sync_blocks(row, kv.blocks_of(req.request_id))
             rows.append(row)
             starts.append(e.start)
             lens.append(e.num_new_tokens)
@@ -227,12 +183,10 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, step: PreparedStep) -> ModelRunnerOutput:
         """The model side of a prepared step: forward, logits of the sampling rows, sampler, one transfer."""
-        for rid, row in step.released:
-            if self.drafter is not None:
+        if self.drafter is not None:
+            for rid, _ in step.released:
                 self.drafter.forget(rid)
-            self.sampling.remove_request(row)
-        for a in step.added:
-            self.sampling.add_request(a.row, a.params, a.prompt_token_ids, a.output_token_ids, a.seed)
+        self.input_batch.apply(step.released, step.added)  # rows' sampling state changes here, in step order
         if step.flat is None:
             self._last_sampled = None
             return ModelRunnerOutput(sampled={})
@@ -263,7 +217,7 @@ class ModelRunner:
         req_ids = [entries[i].request.request_id for i in sample_idx]
         if self.logits_hook is not None:
             self.logits_hook(req_ids, logits)
-        md = self.sampling.metadata(sample_rows)
+        md = self.input_batch.sampling.metadata(sample_rows)
         grammars = [r if entries[i].request.params.structured_outputs is not None else None
                     for i, r in zip(sample_idx, req_ids)]
         if any(grammars):  # (the manager is never touched by a step without grammar requests)
@@ -272,7 +226,7 @@ class ModelRunner:
         self._last_sampled = out.sampled_token_ids
         result = self._to_python(out, req_ids, [entries[i].request.params.logprobs for i in sample_idx],
                                  (plan, scored) if plan is not None else None)
-        self.sampling.append_tokens(sample_rows, [result.sampled[r] for r in req_ids])
+        self.input_batch.sampling.append_tokens(sample_rows, [result.sampled[r] for r in req_ids])
         result.sampled.update(spec_result)
         return result
 
@@ -303,9 +257,9 @@ class ModelRunner:
         spec_rows = [rows[i] for i in spec_idx]
         # Draft-model drafts come with their probabilities q (n-gram drafts have none: q is a point mass).
         q = self.drafter.draft_probs(spec_rows, max(map(len, drafts))) if self.drafter is not None else None
-        emitted = verify_drafts(logits, spec_rows, drafts, self.sampling,
+        emitted = verify_drafts(logits, spec_rows, drafts, self.input_batch.sampling,
                                 self._draft_bitmask([entries[i].request for i in spec_idx], drafts), q)
-        self.sampling.append_tokens(spec_rows, emitted)
+        self.input_batch.sampling.append_tokens(spec_rows, emitted)
         return {entries[i].request.request_id: toks for i, toks in zip(spec_idx, emitted)}
 
     def _draft_bitmask(self, reqs, drafts: list[list[int]]) -> torch.Tensor | None:
@@ -337,7 +291,7 @@ class ModelRunner:
         positions = starts_t[tok_req] + (torch.arange(num_tokens) - qsl[:-1][tok_req])
         bs = self.block_size
         tok_rows = rows_t[tok_req]
-        slot_mapping = self.block_table[tok_rows, positions // bs] * bs + positions % bs
+        slot_mapping = self.input_batch.block_table[tok_rows, positions // bs] * bs + positions % bs
         nd = 0
         while nd < len(lens) and lens[nd] == 1:
             nd += 1
@@ -354,7 +308,7 @@ class ModelRunner:
             meta = self._attention_metadata(nd, rows_t, starts_t, lens_t, qsl, slot_mapping)
             return FlatBatch(positions, slot_mapping, qsl, meta)
         seq_lens = positions[:k] + 1
-        block_ids = self.block_table[tok_rows[:k], : -(-int(seq_lens.max()) // bs)] if k else None
+        block_ids = self.input_batch.block_table[tok_rows[:k], : -(-int(seq_lens.max()) // bs)] if k else None
         meta = None
         if k < num_tokens:
             meta = self._attention_metadata(0, rows_t[nd:], starts_t[nd:], lens_t[nd:], qsl[nd:] - k,
@@ -367,9 +321,9 @@ class ModelRunner:
         bs = self.block_size
         r = np.array(rows, dtype=np.int64)
         pos = np.array(starts, dtype=np.int64)
-        bt = self._block_table_np
+        bt = self.input_batch.block_table_np
         slots = bt[r, pos // bs] * bs + pos % bs
-        block_ids = bt[r, : int(pos.max()) // bs + 1]  # a copy (fancy indexing): see _release
+        block_ids = bt[r, : int(pos.max()) // bs + 1]  # a copy (fancy indexing): see input_batch.py, Threads
         qsl = np.arange(len(rows) + 1, dtype=np.int64)
         return FlatBatch(torch.from_numpy(pos), torch.from_numpy(slots), torch.from_numpy(qsl), None,
                          torch.from_numpy(block_ids), torch.from_numpy(pos + 1), len(rows))
@@ -394,14 +348,14 @@ class ModelRunner:
         if nd:
             seq_lens = starts_t[:nd] + 1
             nb = -(-int(seq_lens.max()) // bs)
-            dec_blocks = self.block_table[rows_t[:nd], :nb].reshape(-1)
+            dec_blocks = self.input_batch.block_table[rows_t[:nd], :nb].reshape(-1)
             if self.decoder is None:  # the C kernel needs no mask
                 pos = torch.arange(nb * bs)
                 dec_mask = (pos[None, :] < seq_lens[:, None])[:, None, None, :]
         prefills = []
         for i in range(nd, len(rows_t)):
             ctx = int(starts_t[i] + lens_t[i])
-            blocks = self.block_table[int(rows_t[i]), : -(-ctx // bs)].clone()  # a copy: see _release
+            blocks = self.input_batch.block_table[int(rows_t[i]), : -(-ctx // bs)].clone()  # a copy: see input_batch.py, Threads
             prefills.append(PrefillChunk(int(qsl[i]), int(qsl[i + 1]), blocks,
                                          ctx, causal_mask(int(lens_t[i]), ctx, self.group, self.device)))
         return AttentionMetadata(slot_mapping, bs, nd, dec_blocks, dec_mask, prefills,

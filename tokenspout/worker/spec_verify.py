@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 
 from tokenspout.core.request import Request
-from tokenspout.sample.metadata import SamplingState
 from tokenspout.sample.rejection_sampler import pack_drafts, pad_positions, probs_from_logits, rejection_sample
 from tokenspout.sample.sampler import compute_processed_logits
+from tokenspout.worker.sampling_state import SamplingState
 
 
 def spec_eligible(req: Request) -> bool:

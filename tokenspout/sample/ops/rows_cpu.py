@@ -16,6 +16,8 @@ import torch
 
 from tokenspout.sample.metadata import SamplingMetadata
 
+KERNEL_MAX_TOP_K = 1024  # largest top_k the kernel takes: its heap and sort grow with k
+
 
 def load() -> ctypes.CDLL | None:
     """The kernel library, or None (no AVX2 / compiler / TOKENSPOUT_KERNELS=0): then the torch path only."""

@@ -30,17 +30,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
+from tokenspout.sample.metadata import SamplingMetadata
 from tokenspout.sample.ops.candidates import candidates
 from tokenspout.sample.ops.draw import DEFAULT_BLOCK_SIZE, block_mass
 from tokenspout.sample.ops.knobs import RowKnobs
 from tokenspout.sample.ops.nucleus import wide_top_p
-
-if TYPE_CHECKING:
-    from tokenspout.sample.metadata import SamplingMetadata
+from tokenspout.tensors import long_tensor
 
 logger = logging.getLogger(__name__)
 NEG_INF = float("-inf")
@@ -237,16 +235,18 @@ def _tiers(
 
 
 def truncate(x: torch.Tensor, meta: SamplingMetadata, cfg: TierConfig,
-             only: tuple[torch.Tensor, list[int], torch.Tensor] | None = None) -> Kept:
+             only: tuple[list[int], list[int], list[int]] | None = None) -> Kept:
     """The kept distribution (after temperature, min_p, top-k, top-p) of every random row of x [B, V].
     `only`: (truncated rows, their top_k, plain rows) to do instead of all of meta's (subsets of them)."""
     vocab = x.shape[1]
     out = Kept()
-    rows, top_ks, plain = (meta.truncated_rows, meta.truncated_top_k, meta.plain_rows) if only is None else only
-    plain_rows = [plain]
+    truncated, top_ks, plain = only if only is not None else (meta.truncated_rows, meta.truncated_top_k,
+                                                               meta.plain_rows)
+    rows = long_tensor(truncated, x.device)
+    plain_rows = [long_tensor(plain, x.device)]
     if rows.numel():
         every = rows.numel() == x.shape[0]
-        kn = RowKnobs(meta.temperature, meta.top_k, meta.top_p, meta.min_p, meta.max_top_k > 0, meta.any_top_p,
+        kn = RowKnobs(meta.temperature, meta.top_k, meta.top_p, meta.min_p, meta.any_top_k, meta.any_top_p,
                       meta.any_min_p)
         if not every:
             kn = kn.select(rows)
