@@ -36,6 +36,7 @@ browser:
 
 test: $(STAMP) $(RAY_STAMP) browser
 	$(BIN)/python -m tokenspout.models.default_model
+	$(BIN)/mypy tokenspout --ignore-missing-imports
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)

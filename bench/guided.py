@@ -174,7 +174,7 @@ def main() -> None:
             valid += 1
         except ValueError:
             pass
-    mgr = llm.client.core.scheduler.structured
+    mgr = llm.client.core.structured.manager
     runs: dict[str, list[dict]] = {"plain": [], "grammar": []}
     timers: list[GrammarTimer] = []
     for r in range(args.reps):

@@ -248,7 +248,7 @@ def main() -> None:
                                                     ignore_eos=True) for s, n in zip(seeds, lengths[c])]
     names = [*CASES, *(f"plain@{c}" for c in matched)]
 
-    mgr = llm.client.core.scheduler.structured
+    mgr = llm.client.core.structured.manager
     runs: dict[str, list[dict]] = {n: [] for n in names}
     timers: dict[str, list[GrammarTimer]] = {c: [] for c in GRAMMAR_CASES}
     for r in range(args.rounds):

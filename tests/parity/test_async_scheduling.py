@@ -22,10 +22,10 @@ def _record(core) -> list[str]:
     events: list[str] = []
     prepare, update = core.runner.prepare, core.scheduler.update_from_output
 
-    def prep(sched, kv):
+    def prep(sched):
         if not sched.is_empty:
             events.append("prepare")
-        return prepare(sched, kv)
+        return prepare(sched)
 
     def upd(sched, result):
         if not sched.is_empty:
@@ -109,9 +109,9 @@ def test_no_step_is_scheduled_past_max_tokens(loaded_model, tokenizer):
     counted: list[int] = []
     prepare = core.runner.prepare
 
-    def prep(sched, kv):
+    def prep(sched):
         counted.extend(e.num_new_tokens for e in sched.scheduled)
-        return prepare(sched, kv)
+        return prepare(sched)
 
     core.runner.prepare = prep
     ids = _ids(tokenizer)[:1]

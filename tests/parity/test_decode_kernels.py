@@ -177,7 +177,7 @@ def test_decode_only_batch_metadata_matches_the_general_path(int4_model, prompt_
         core.step()
     r = core.runner
     sched = core.scheduler.schedule()
-    step = r.prepare(sched, core.kv)
+    step = r.prepare(sched)
     starts = [e.start for e in step.entries]
     assert len(step.rows) == 5 and len(set(starts)) == 5 and step.flat.meta is None
     fast = step.flat

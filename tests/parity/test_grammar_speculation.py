@@ -70,7 +70,7 @@ def test_greedy_grammar_output_is_unchanged_by_speculation(loaded_model, tokeniz
     assert st.spec_num_drafts > 0 and st.spec_num_accepted_tokens > 0  # the grammar rows did speculate
     assert spec == plain
     assert core.kv.num_free_blocks == core.kv.num_blocks
-    assert core.scheduler.structured.num_requests == 0
+    assert core.structured.get().num_requests == 0
     for i, p in enumerate(PEOPLE):
         assert json.loads(tokenizer.decode(spec[str(i)], skip_special_tokens=True)) == json.loads(p)
     for i in range(len(PEOPLE), len(prompts)):

@@ -44,7 +44,7 @@ def _one_by_one(core, prompts, params) -> tuple[dict[str, list[int]], dict[str, 
             for e in sched.scheduled:
                 if e.request.request_id == rid and e.request.num_output_tokens == 0:
                     computed[rid] += e.num_new_tokens
-            result = core.runner.execute(sched, core.kv)
+            result = core.runner.execute(sched)
             for o in core.scheduler.update_from_output(sched, result):
                 tokens[o.request_id] += o.new_token_ids
                 cached[o.request_id] = o.num_cached_tokens

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tokenspout.config import SchedulerConfig
 from tokenspout.core.kv_cache_manager import KVCacheManager
 from tokenspout.core.request import Request
-from tokenspout.core.scheduler import ModelRunnerOutput, Scheduler
+from tokenspout.core.scheduler import Scheduler
 from tokenspout.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, RequestTimestamps
 from tokenspout.engine.output_processor import OutputProcessor
 from tokenspout.entrypoints import cli
@@ -24,6 +24,7 @@ from tokenspout.entrypoints.openai.serving_common import PromptState
 from tokenspout.metrics import ServerMetrics, build_1_2_5_buckets
 from tokenspout.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenspout.sampling_params import RequestOutputKind, SamplingParams
+from tokenspout.step_io import ModelRunnerOutput
 
 DASHBOARD_SERIES = Path(__file__).parents[1] / "data" / "vllm_grafana_series.txt"
 

@@ -13,9 +13,10 @@ from tokenspout.core.block_hash import ROOT, extend_block_hashes, hash_block
 from tokenspout.core.block_pool import BlockPool
 from tokenspout.core.kv_cache_manager import BlockAsk, KVCacheManager
 from tokenspout.core.request import Request
-from tokenspout.core.scheduler import ModelRunnerOutput, Scheduler
+from tokenspout.core.scheduler import Scheduler
 from tokenspout.engine.messages import EngineCoreRequest
 from tokenspout.sampling_params import SamplingParams
+from tokenspout.step_io import ModelRunnerOutput
 
 BS = 4
 

@@ -7,7 +7,7 @@ from tokenspout.config import SpeculativeConfig
 from tokenspout.core.request import Request
 from tokenspout.engine.messages import EngineCoreRequest
 from tokenspout.sampling_params import SamplingParams
-from tokenspout.spec_decode.policy import INITIAL_BACKOFF, SpecPolicy
+from tokenspout.spec_decode.policy import INITIAL_BACKOFF, SpecPolicy, SpecState
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1000)
 SEEDED = SamplingParams(temperature=0.7, seed=3, max_tokens=1000)
@@ -34,7 +34,7 @@ def test_ngram_shadow_rounds_turn_drafting_back_on():
         req.token_ids += [7, 8, 9]  # three of four guessed right, then a miss
         req.token_ids.append(5)
     pol.shadow(req, [])
-    assert req.spec_ema > pol.need(req, False)
+    assert req.spec_state.ema > pol.need(req, False)
     assert pol.wants_drafts(req, False)
 
 
@@ -42,14 +42,14 @@ def test_shadow_round_waits_for_enough_tokens():
     pol = SpecPolicy(SpeculativeConfig(method="ngram"), 0.0, free_drafts=True)
     req = _req()
     pol.wants_drafts(req, False)
-    req.spec_ema = 1.0
+    req.spec_state = SpecState(ema=1.0)
     pol.shadow(req, [7, 8])
     req.token_ids.append(7)
     pol.shadow(req, [9])  # one of two checked, all matching so far: still pending
-    assert req.spec_ema == 1.0 and req.spec_shadow.draft == [7, 8]
+    assert req.spec_state.ema == 1.0 and req.spec_state.shadow.draft == [7, 8]
     req.token_ids.append(8)
     pol.shadow(req, [9])  # both matched: a round that would have emitted 3
-    assert req.spec_ema > 1.0 and req.spec_shadow.draft == [9]
+    assert req.spec_state.ema > 1.0 and req.spec_state.shadow.draft == [9]
 
 
 def test_draft_model_backs_off_and_probes():
@@ -59,13 +59,13 @@ def test_draft_model_backs_off_and_probes():
     pol.record(req, 1)
     pol.record(req, 1)
     assert not pol.wants_drafts(req, False)  # paused
-    assert req.spec_pause_until == INITIAL_BACKOFF
+    assert req.spec_state.pause_until == INITIAL_BACKOFF
     req.token_ids += [0] * INITIAL_BACKOFF
     assert pol.wants_drafts(req, False)  # the probe: one draft
     assert pol.num_drafts(req, 4) == 1
     pol.record(req, 1)
     assert not pol.wants_drafts(req, False)
-    assert req.spec_backoff == 2 * INITIAL_BACKOFF  # failed again: twice the pause
+    assert req.spec_state.backoff == 2 * INITIAL_BACKOFF  # failed again: twice the pause
     req.token_ids += [0] * 2 * INITIAL_BACKOFF
     assert pol.wants_drafts(req, False)
     pol.record(req, 2)  # the probe's draft was accepted: draft fully again
@@ -86,17 +86,17 @@ def test_fit_step_keeps_batched_steps_small_unless_drafts_pay():
     pol = SpecPolicy(SpeculativeConfig(method="ngram"), 0.0, free_drafts=True, small_step_tokens=8)
     reqs = [_req(str(i)) for i in range(4)]
     for r, ema in zip(reqs, (2.0, 3.0, 2.5, 1.5)):
-        r.spec_ema = ema
+        r.spec_state = SpecState(ema=ema)
     # 4 rows + 16 drafts would leave the small-step path for rounds expected to emit ~9 tokens: cut to 4 drafts,
     # the best request first.
     assert pol.fit_step([(r, 4) for r in reqs], 4) == [0, 4, 0, 0]
     assert pol.fit_step([(r, 1) for r in reqs], 4) == [1, 1, 1, 1]  # fits: untouched
     for r in reqs:
-        r.spec_ema = 4.5  # rounds expected to emit 18 tokens >= 3 x 4: the large step pays
+        r.spec_state = SpecState(ema=4.5)  # rounds expected to emit 18 tokens >= 3 x 4: the large step pays
     assert pol.fit_step([(r, 4) for r in reqs], 4) == [4, 4, 4, 4]
     seeded = _req("s", SEEDED)
-    seeded.spec_ema = 2.0
-    reqs[0].spec_ema = 2.0
+    seeded.spec_state = SpecState(ema=2.0)
+    reqs[0].spec_state = SpecState(ema=2.0)
     assert pol.fit_step([(seeded, 4), (reqs[0], 4)], 8) == [4, 0]  # seeded sampled rows keep theirs
 
 

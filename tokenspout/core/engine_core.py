@@ -7,20 +7,20 @@ import logging
 import secrets
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 
+from tokenspout import guidance
 from tokenspout.config import EngineConfig
 from tokenspout.core.kv_cache_manager import KVCacheManager
 from tokenspout.core.request import Request
 from tokenspout.core.scheduler import Scheduler, SchedulerOutput
 from tokenspout.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from tokenspout.models.loader import LoadedModel, load_model
-from tokenspout.spec_decode.draft_model import DraftProposer, draft_block_bytes, forward_params, load_draft_model
-from tokenspout.spec_decode.ngram_proposer import NgramProposer
-from tokenspout.spec_decode.policy import SpecPolicy, draft_cost
+from tokenspout.spec_decode.speculator import Speculator, extra_kv_block_bytes, load_draft
+from tokenspout.structured_output.lazy import LazyStructuredOutputs
 from tokenspout.worker.model_runner import ModelRunner
-from tokenspout.worker.spec_verify import spec_eligible
 
 logger = logging.getLogger(__name__)
 
@@ -34,27 +34,20 @@ class EngineCore:
         self.loaded = loaded or load_model(config.model)
         self.max_model_len = self.loaded.max_model_len
         spec = config.speculative
-        draft = (load_draft_model(spec, self.loaded, config.model.quantization)
-                 if spec.method == "draft" and spec.draft_model else None)
-        extra = draft_block_bytes(draft, config.cache.block_size) if draft is not None else 0
-        self.runner = ModelRunner(self.loaded, config.cache, config.scheduler, extra_block_bytes=extra)
+        self._tokenizer = None  # the HF tokenizer, for grammars: loaded by warm_up() or the first grammar request
+        # The grammar manager is made on the first grammar request; its tokenizer is loaded by warm_up().
+        self.structured = LazyStructuredOutputs(self._load_tokenizer, self.loaded.arch.vocab_size,
+                                                config.scheduler.max_num_seqs)
+        draft = load_draft(spec, self.loaded, config.model.quantization)
+        self.runner = ModelRunner(self.loaded, config.cache, config.scheduler,
+                                  extra_block_bytes=extra_kv_block_bytes(draft, config.cache.block_size),
+                                  structured=self.structured)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  enable_prefix_caching=config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        self.proposer = (NgramProposer(spec.num_speculative_tokens, spec.ngram_min, spec.ngram_max)
-                         if spec.method == "ngram" else None)
-        self.drafter = None
-        cost = 0.0
-        if spec.method == "draft":
-            self.drafter = DraftProposer.build(self.runner, spec, draft)
-            self.runner.drafter = self.drafter
-            self.scheduler.num_lookahead_tokens = spec.num_speculative_tokens
-            src = self.drafter.source
-            cost = draft_cost(forward_params(src.model, src.num_layers), forward_params(self.loaded.model, None))
-        small = self.runner.decoder.max_tokens if self.runner.decoder is not None else 0
-        self.policy = SpecPolicy(spec, cost, free_drafts=self.proposer is not None, small_step_tokens=small)
-        self.scheduler.on_spec_round = self.policy.record
-        self._tokenizer = None  # the HF tokenizer, for grammars: loaded by warm_up() or the first grammar request
+        self.speculator = (Speculator(spec, self.runner, self.loaded, draft, self.structured)
+                           if spec.method is not None else None)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, self.structured,
+                                   self.speculator.num_lookahead_tokens if self.speculator is not None else 0)
         # Async scheduling: one thread steps the model (the kernels release the GIL) while this one schedules;
         # speculative decoding drafts from the tokens of the step before, so it always steps synchronously.
         self._stepper: ThreadPoolExecutor | None = None
@@ -68,11 +61,16 @@ class EngineCore:
         """Loads what a first grammar request would otherwise wait for, while the engine is idle (EngineCoreProc
         calls it once, when idle after READY): the tokenizer and with it transformers (~1 s of imports that the
         start-up no longer pays) and the grammar manager's module.  Building the grammar backend stays lazy."""
+        self._load_tokenizer()
+
+    def _load_tokenizer(self) -> Any:
+        """The HF tokenizer, for grammars (loaded once)."""
         if self._tokenizer is None:
             from tokenspout.engine.tokenizer import load_tokenizer
             from tokenspout.structured_output import manager  # noqa: F401 - imported for its cost, now
 
             self._tokenizer = load_tokenizer(self.loaded.path)
+        return self._tokenizer
 
     def add_request(self, req: EngineCoreRequest) -> None:
         if req.request_id in self.scheduler.requests:
@@ -81,16 +79,10 @@ class EngineCore:
         if seed is None:
             seed = secrets.randbits(63)  # unseeded: a fresh random stream per request
         if req.sampling_params.structured_outputs is not None:
-            self._structured().submit(req.request_id, req.sampling_params.structured_outputs)
+            self.structured.get().submit(req.request_id, req.sampling_params.structured_outputs)
         request = Request(req, seed, self.max_model_len)
         if req.sampling_params.uses_guidance:
-            neg = req.sampling_params.negative_prompt_token_ids
-            if not neg:
-                raise ValueError("guidance_scale needs negative_prompt_token_ids (the frontend fills them)")
-            companion = Request(EngineCoreRequest(f"{req.request_id}#cfg", list(neg), req.sampling_params,
-                                                  req.arrival_time), seed, self.max_model_len)
-            companion.is_companion = True
-            request.companion = companion
+            guidance.make_companion(request, req, seed, self.max_model_len)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -103,13 +95,15 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         if self._stepper is None:
             sched = self.scheduler.schedule()
-            result = self.runner.execute(sched, self.kv)  # also releases rows of removed requests when empty
+            result = self.runner.execute(sched)  # also releases rows of removed requests when empty
             outputs = self.scheduler.update_from_output(sched, result)
-            if self.proposer is not None or self.drafter is not None:
-                self._propose()
+            if self.speculator is not None:
+                self.speculator.propose_draft_token_ids(sched, result, self.scheduler.running,
+                                                        bool(self.scheduler.waiting), self.kv.blocks_of)
+                self.scheduler.update_draft_token_ids(self.speculator.take_draft_token_ids())
         else:
             outputs = self._step_async()
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.scheduler.stats(),
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.stats(),
                                  timestamp=time.monotonic(),
                                  request_timestamps=self.scheduler.take_request_timestamps())
 
@@ -128,91 +122,21 @@ class EngineCore:
         return self.scheduler.update_from_output(sched, future.result())
 
     def _submit(self, sched: SchedulerOutput) -> tuple[SchedulerOutput, Future]:
-        step = self.runner.prepare(sched, self.kv)
+        assert self._stepper is not None  # async scheduling
+        step = self.runner.prepare(sched)
         return sched, self._stepper.submit(self.runner.run, step)
 
     def _can_schedule_ahead(self) -> bool:
         s = self.scheduler
-        if not s.has_unfinished_requests() or (s.structured is not None and s.structured.num_requests):
+        if not s.has_unfinished_requests() or self.structured.active() is not None:
             return False
-        return not any(r.companion is not None for r in s.running) and not any(
-            r.companion is not None for r in s.waiting)
-
-    def _structured(self):
-        """The grammar manager, created on the first structured request (engines without one pay nothing)."""
-        if self.scheduler.structured is None:
-            from tokenspout.structured_output.manager import StructuredOutputManager
-
-            self.warm_up()
-            mgr = StructuredOutputManager(self._tokenizer, self.loaded.arch.vocab_size,
-                                          max_num_rows=self.config.scheduler.max_num_seqs)
-            self.scheduler.structured = mgr
-            self.runner.structured = mgr
-        return self.scheduler.structured
-
-    def _propose(self) -> None:
-        """Drafts for the next step of every decoding request that speculation may serve and that the policy
-        lets draft: n-gram lookups per request, or one batched draft-model run for all of them."""
-        running = self.scheduler.running
-        batched = len(running) > 1
-        wanting: list[tuple[Request, list[int] | None, int]] = []  # (request, n-gram drafts, room)
-        rates: dict[int, float] = {}  # tokens per step expected of the requests that may draft (see below)
-        for req in running:
-            req.spec_token_ids = []
-            if req.num_computed_tokens != req.num_tokens - 1 or not spec_eligible(req):
-                continue
-            room = min(self.config.speculative.num_speculative_tokens, req.max_len - req.num_tokens - 1)
-            if room <= 0:
-                continue
-            if self.proposer is None and req.params.structured_outputs is not None:
-                # A draft model's q knows no grammar: cutting its drafts at the first token the grammar refuses
-                # (as n-gram drafts are cut below) would bias the rejection sampler, so grammar requests take
-                # n-gram drafts only.
-                continue
-            wants = self.policy.wants_drafts(req, batched)
-            if wants:
-                rates[id(req)] = max(1.0, req.spec_ema)
-            if self.proposer is not None:
-                drafts = self.proposer.propose(req.token_ids)[:room]
-                if drafts and req.params.structured_outputs is not None:
-                    # A draft the grammar refuses would be rejected anyway, and so would all after it; the
-                    # verify step masks each drafted position by the grammar advanced over the drafts before it.
-                    # (Exact for n-gram drafts: q is a point mass, so any way of choosing them is.)
-                    drafts = drafts[: self.scheduler.structured.validate_tokens(req.request_id, drafts)]
-                if wants and drafts:
-                    wanting.append((req, drafts, room))
-                elif not wants:
-                    self.policy.shadow(req, drafts)  # free evidence for when drafting would pay again
-            elif wants:
-                wanting.append((req, None, room))
-        if batched and not self.scheduler.waiting:
-            keep = self.policy.on_critical_path([r for r, _, _ in wanting], running, rates)
-            for (req, drafts, _), k in zip(wanting, keep):
-                if not k and drafts is not None:
-                    self.policy.shadow(req, drafts)  # not drafting this step: keep the evidence coming
-            wanting = [w for w, k in zip(wanting, keep) if k]
-        cands = [(req, drafts, len(drafts) if drafts is not None else self.policy.num_drafts(req, room))
-                 for req, drafts, room in wanting]
-        for req, drafts, _ in cands:
-            if drafts is not None:
-                req.spec_shadow = None  # a real round replaces the pending shadow one
-        counts = self.policy.fit_step([(r, n) for r, _, n in cands], len(running))
-        drafting, num_drafts = [], []
-        for (req, drafts, _), n in zip(cands, counts):
-            if drafts is not None:
-                req.spec_token_ids = drafts[:n]
-            elif n:
-                drafting.append(req)
-                num_drafts.append(n)
-        if drafting:  # one batched draft-model run for every request that drafts
-            for req, drafts in zip(drafting, self.drafter.propose(drafting, num_drafts, self.kv)):
-                req.spec_token_ids = drafts
+        return not guidance.needs_sync_step(s.running) and not guidance.needs_sync_step(s.waiting)
 
     def stats(self) -> SchedulerStats:
-        return self.scheduler.stats()
+        stats = self.scheduler.stats()
+        return self.speculator.add_stats(stats) if self.speculator is not None else stats
 
     def shutdown(self) -> None:
         if self._stepper is not None:
             self._stepper.shutdown(wait=True)
-        if self.scheduler.structured is not None:
-            self.scheduler.structured.shutdown()
+        self.structured.shutdown()

@@ -18,6 +18,7 @@ import signal
 import threading
 import time
 import traceback
+from typing import Any
 
 import msgspec
 import zmq
@@ -41,7 +42,7 @@ class EngineReady(msgspec.Struct):
     model_path: str
 
 
-_decoders = {
+_decoders: dict[bytes, msgspec.msgpack.Decoder[Any]] = {
     ADD: msgspec.msgpack.Decoder(EngineCoreRequest),
     ABORT: msgspec.msgpack.Decoder(EngineCoreAbort),
     UTILITY: msgspec.msgpack.Decoder(EngineCoreUtility),
@@ -194,8 +195,8 @@ class EngineCoreProc:
                     self.stopping.set()
                     self.inputs.put((UTILITY, EngineCoreUtility("shutdown")))
                 continue
-            kind, payload = self.in_sock.recv_multipart(copy=False)
-            kind = kind.bytes
+            kind_frame, payload = self.in_sock.recv_multipart(copy=False)
+            kind = kind_frame.bytes
             self.inputs.put((kind, _decoders[kind].decode(payload.buffer)))
 
     def _output_loop(self) -> None:

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from tokenspout.engine.messages import EngineCoreRequest
 from tokenspout.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenspout.spec_decode.policy import SpecState
 
 
 class RequestStatus(enum.Enum):
@@ -38,16 +42,12 @@ class Request:
         "num_preemptions",
         "num_prompt_tokens",
         "params",
-        "queued_ts",
         "prompt_lp_next",
+        "queued_ts",
         "request_id",
         "scheduled_ts",
         "seed",
-        "spec_backoff",
-        "spec_ema",
-        "spec_pause_until",
-        "spec_probe",
-        "spec_shadow",
+        "spec_state",
         "spec_token_ids",
         "status",
         "stop_ids",
@@ -87,20 +87,14 @@ class Request:
         # 0 .. num_prompt_tokens - 2 score the next prompt token; the last one samples).  Kept across preemption,
         # so a recomputed prefill does not send its prompt logprobs twice.
         self.prompt_lp_next = 0 if self.params.prompt_logprobs is not None else self.num_prompt_tokens
-        # Speculative decoding: drafts proposed for the next step, and this request's acceptance so far.
-        # Classifier-free guidance: the unconditional companion sequence (its own tokens and KV blocks), scheduled
-        # together with this request; it never samples and takes this request's tokens.
+        # Classifier-free guidance (tokenspout/guidance.py): the unconditional companion sequence (its own tokens
+        # and KV blocks), scheduled together with this request; it never samples and takes this request's tokens.
         self.companion: Request | None = None
         self.is_companion = False
-        # Whether it drafts is up to spec_decode/policy.py: the average tokens its rounds emit (None: not decided
-        # yet), the pause of a draft model (no drafts until the output holds spec_pause_until tokens; the round
-        # after a pause is a probe), and the pending n-gram shadow round.
+        # Speculative decoding: the drafts proposed for the next step (Scheduler.update_draft_token_ids), and the
+        # speculation history, owned by spec_decode/policy.py (None until its first decision).
         self.spec_token_ids: list[int] = []
-        self.spec_ema: float | None = None
-        self.spec_pause_until = 0
-        self.spec_backoff = 0
-        self.spec_probe = False
-        self.spec_shadow = None
+        self.spec_state: SpecState | None = None
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -15,64 +15,25 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
+from tokenspout import guidance
 from tokenspout.config import SchedulerConfig
 from tokenspout.core.kv_cache_manager import BlockAsk, KVCacheManager
 from tokenspout.core.request import Request, RequestStatus
-from tokenspout.engine.messages import (
-    EngineCoreOutput,
-    PromptLogprobs,
-    RequestTimestamps,
-    SchedulerStats,
-    TokenLogprobs,
-)
+from tokenspout.engine.messages import EngineCoreOutput, PromptLogprobs, RequestTimestamps, SchedulerStats
+from tokenspout.step_io import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenspout.structured_output.lazy import LazyStructuredOutputs
+
+if TYPE_CHECKING:
+    from tokenspout.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
-class ScheduledRequest:
-    """One sequence's share of a step.  What the model runner reads is copied here when the step is scheduled
-    (with async scheduling the scheduler goes on changing the Request while the step runs)."""
-
-    request: Request
-    num_new_tokens: int  # tokens whose KV this step computes, from position `start`
-    samples: bool  # True when this step reaches the end of the known tokens, so a token is sampled
-    spec_token_ids: list[int]  # drafts verified this step (after the known tokens)
-    start: int  # position of the first new token
-    # The new tokens the scheduler knows (num_new_tokens - len(spec_token_ids) of them, or one fewer when
-    # `placeholder`: then the last input is the token the step in flight samples for this request, which the
-    # model runner takes from that step's output without a trip through Python).
-    token_ids: list[int]
-    placeholder: bool
-    prompt_lp: tuple[int, int] | None = None  # prompt positions [lo, hi) whose logits this step scores
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    # Requests that left the running set since the last step (finished, aborted or preempted): the model runner
-    # releases their rows.
-    removed_request_ids: list[str] = field(default_factory=list)
-    total_num_tokens: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass(slots=True)
-class ModelRunnerOutput:
-    """Per scheduled-and-sampling request: the tokens it emitted this step and their logprobs (if asked)."""
-
-    sampled: dict[str, list[int]]
-    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
-    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # the prompt tokens scored this step
-
-
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 structured: LazyStructuredOutputs | None = None, num_lookahead_tokens: int = 0):
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
@@ -83,17 +44,12 @@ class Scheduler:
         self._early_outputs: list[EngineCoreOutput] = []  # requests ended by the scheduler itself
         self._first_outputs: list[RequestTimestamps] = []  # requests that got their first token (metrics)
         self.num_preemptions = 0
-        # Set by the engine core when structured output is in use: a waiting request whose grammar is still
-        # compiling is skipped (others go ahead), and grammars are advanced / ended with the tokens.
-        self.structured = None
-        self.spec_num_drafts = 0  # verification rounds
-        self.spec_num_draft_tokens = 0
-        self.spec_num_accepted_tokens = 0
-        self.spec_num_emitted_tokens = 0  # tokens emitted by verification rounds (accepted + 1 each)
+        # The grammar manager's handle (None: an engine without grammars): a waiting request whose grammar is
+        # still compiling is skipped (others go ahead), and grammars are advanced / ended with the tokens.
+        self.structured = structured
         # Draft-model speculation: KV slots past a sampling request's new tokens for the draft to write into
         # after the step (vLLM's num_lookahead_tokens); best effort, never a reason to preempt.
-        self.num_lookahead_tokens = 0
-        self.on_spec_round = None  # called with (request, tokens emitted) after each verification round
+        self.num_lookahead_tokens = num_lookahead_tokens
 
     # ---- requests in and out -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -115,8 +71,7 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if req.companion is not None:
-            self._release_companion(req.companion, req in self.running)
-            req.companion.status = status
+            guidance.release_companion(req.companion, status, self.kv.free, req in self.running, self._removed)
         req.status = status
         if req in self.running:
             self.running.remove(req)
@@ -128,19 +83,13 @@ class Scheduler:
                 pass
         self.kv.free(req.request_id)
         self.requests.pop(req.request_id, None)
-        if self.structured is not None and req.params.structured_outputs is not None:
-            self.structured.remove(req.request_id)
-
-    def _release_companion(self, comp: Request, had_row: bool) -> None:
-        self.kv.free(comp.request_id)
-        comp.num_computed_tokens = comp.num_inflight_tokens = comp.num_placeholders = 0
-        if had_row:
-            self._removed.append(comp.request_id)
+        grammars = self._grammars()
+        if grammars is not None and req.params.structured_outputs is not None:
+            grammars.remove(req.request_id)
 
     def _preempt(self, req: Request) -> None:
         if req.companion is not None:
-            self._release_companion(req.companion, True)
-            req.companion.status = RequestStatus.PREEMPTED
+            guidance.release_companion(req.companion, RequestStatus.PREEMPTED, self.kv.free, True, self._removed)
         self.running.remove(req)
         self.kv.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
@@ -197,7 +146,7 @@ class Scheduler:
             skipped: list[Request] = []
             while self.waiting and budget > 0:
                 req = self.waiting[0]
-                if self.num_seqs + (2 if req.companion else 1) > self.config.max_num_seqs:
+                if self.num_seqs + guidance.num_rows((req,)) > self.config.max_num_seqs:
                     break
                 if req.params.structured_outputs is not None:
                     ready = self._grammar_ready(req)
@@ -222,9 +171,8 @@ class Scheduler:
                 self.waiting.popleft()
                 if not req.scheduled_ts:
                     req.scheduled_ts = time.monotonic()
-                req.status = RequestStatus.RUNNING
-                if req.companion is not None:
-                    req.companion.status = RequestStatus.RUNNING
+                for seq in guidance.sequences(req):
+                    seq.status = RequestStatus.RUNNING
                 self.running.append(req)
                 scheduled += self._entries(req, num_new, comp_new)
                 budget -= num_new + comp_new
@@ -237,24 +185,17 @@ class Scheduler:
 
     @property
     def num_seqs(self) -> int:
-        """Sequences holding rows: a guided request and its companion count as two."""
-        return len(self.running) + sum(1 for r in self.running if r.companion is not None)
+        """Sequences holding rows (a guided request and its companion count as two)."""
+        return guidance.num_rows(self.running)
 
     def _plan(self, req: Request, budget: int) -> tuple[int, int]:
-        """Tokens to compute this step for the request and for its CFG companion (0 without one).  A pair only
-        samples when both reach the end of their known tokens in the same step, so while they cannot both finish,
-        each keeps its last token for that step."""
+        """Tokens to compute this step for the request and for its CFG companion (0 without one)."""
         if req.num_placeholders and req.num_tokens_with_placeholders >= req.max_len:
             return 0, 0  # the token in flight ends it ("length"): nothing more to compute
         rem = req.num_tokens_with_placeholders - req.num_scheduled_tokens
-        comp = req.companion
-        if comp is None:
+        if req.companion is None:
             return min(rem, budget), 0
-        rem_c = comp.num_tokens_with_placeholders - comp.num_scheduled_tokens
-        if rem + rem_c <= budget:
-            return rem, rem_c
-        m = min(max(rem - 1, 0), budget)
-        return m, min(max(rem_c - 1, 0), budget - m)
+        return guidance.plan_pair(req, req.companion, rem, budget)
 
     def _lookahead(self, req: Request, num_known_new: int) -> int:
         """Lookahead slots for a request whose step reaches its last known token (so it samples)."""
@@ -271,13 +212,9 @@ class Scheduler:
         hits = hits or [[], []]
         total = req.num_scheduled_tokens + num_new
         lookahead = max(0, min(lookahead, req.max_len - total))  # never past the request's length limit
-        comp = req.companion
 
         def asks(extra: int) -> list[BlockAsk]:
-            out = [BlockAsk(req.request_id, total + extra, hits[0])]
-            if comp is not None:
-                out.append(BlockAsk(comp.request_id, comp.num_scheduled_tokens + comp_new, hits[1]))
-            return out
+            return guidance.pair_block_asks([BlockAsk(req.request_id, total + extra, hits[0])], req, comp_new, hits[1])
 
         return bool(lookahead and self.kv.allocate_all(asks(lookahead))) or self.kv.allocate_all(asks(0))
 
@@ -286,7 +223,7 @@ class Scheduler:
         companion's cached prefix blocks; their computed counts start past them (undone by _forget_hits if the
         request cannot join this step)."""
         hits: list[list[int]] = [[], []]
-        for i, seq in enumerate((req,) if req.companion is None else (req, req.companion)):
+        for i, seq in enumerate(guidance.sequences(req)):
             if seq.num_computed_tokens:
                 raise RuntimeError(f"waiting sequence {seq.request_id} has computed tokens without blocks")
             # Cached positions are not computed, so they could not be scored: a request that still wants prompt
@@ -297,12 +234,11 @@ class Scheduler:
 
     @staticmethod
     def _forget_hits(req: Request) -> None:
-        req.num_computed_tokens = 0
-        if req.companion is not None:
-            req.companion.num_computed_tokens = 0
+        for seq in guidance.sequences(req):
+            seq.num_computed_tokens = 0
 
     def _record_hits(self, req: Request) -> None:
-        for seq in (req,) if req.companion is None else (req, req.companion):
+        for seq in guidance.sequences(req):
             self.kv.record_lookup(seq.num_tokens, seq.num_computed_tokens)
             if seq.num_preemptions == 0:
                 seq.num_cached_tokens = seq.num_computed_tokens
@@ -310,18 +246,19 @@ class Scheduler:
     def _entries(self, req: Request, num_new: int, comp_new: int,
                  drafts: list[int] | None = None) -> list[ScheduledRequest]:
         drafts = drafts or []
-        comp = req.companion
         reaches_end = req.num_scheduled_tokens + num_new - len(drafts) == req.num_tokens_with_placeholders
-        if comp is not None:
-            # a guided pair samples only when both reach the end of their tokens in this step
-            reaches_end = reaches_end and comp.num_scheduled_tokens + comp_new == comp.num_tokens_with_placeholders
-        entries = [self._entry(req, num_new, reaches_end, drafts)] if num_new else []
-        if comp is not None and comp_new:
-            entries.append(self._entry(comp, comp_new, False, []))
+        samples = guidance.pair_samples(req, comp_new, reaches_end)
+        entries = [self._entry(req, num_new, samples, drafts)] if num_new else []
+        if req.companion is not None and comp_new:
+            entries.append(self._entry(req.companion, comp_new, False, []))
         return entries
 
+    def _grammars(self) -> StructuredOutputManager | None:
+        """The grammar manager, once the engine's first grammar request made it."""
+        return self.structured.manager if self.structured is not None else None
+
     def _grammar_ready(self, req: Request) -> bool:
-        so = self.structured
+        so = self._grammars()
         if so is None or not so.is_ready(req.request_id):
             return False
         err = so.error(req.request_id)
@@ -335,8 +272,7 @@ class Scheduler:
     def _alone_too_big(self, req: Request) -> bool:
         return self.kv.blocks_needed(req.request_id, req.num_tokens) > self.kv.num_blocks
 
-    @staticmethod
-    def _entry(req: Request, num_new: int, samples: bool, drafts: list[int]) -> ScheduledRequest:
+    def _entry(self, req: Request, num_new: int, samples: bool, drafts: list[int]) -> ScheduledRequest:
         """The step's entry for req, with its input tokens copied; counts the step as in flight."""
         start = req.num_scheduled_tokens
         end = start + num_new - len(drafts)
@@ -350,13 +286,14 @@ class Scheduler:
         if req.wants_prompt_logprobs:
             lo, hi = max(start, req.prompt_lp_next), min(end, req.num_prompt_tokens - 1)
             prompt_lp = (lo, hi) if lo < hi else None
-        return ScheduledRequest(req, num_new, samples, drafts, start, tokens, placeholder, prompt_lp)
+        return ScheduledRequest(req, num_new, samples, drafts, start, tokens, placeholder,
+                                self.kv.blocks_of(req.request_id), prompt_lp)
 
     # ---- after the model ran -------------------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs, self._early_outputs = self._early_outputs, []
         for entry in sched.scheduled:
-            req = entry.request
+            req = cast(Request, entry.request)  # the runner sees it as a StepSequence; it is our Request
             if req.status is not RequestStatus.RUNNING:
                 continue  # aborted, finished or preempted while the step ran: its results are dropped
             req.num_computed_tokens += entry.num_new_tokens
@@ -380,11 +317,9 @@ class Scheduler:
                                                 num_cached_tokens=req.num_cached_tokens, prompt_logprobs=plp))
                 self._finish(req, RequestStatus.FINISHED_LENGTH)
                 continue
-            if entry.spec_token_ids:
-                self._record_spec(req, len(entry.spec_token_ids), len(new_ids) - 1)
             accepted: list[int] = []
             status = None
-            grammar = self.structured is not None and req.params.structured_outputs is not None
+            grammar = req.params.structured_outputs is not None and self._grammars() is not None
             for tok in new_ids:
                 req.token_ids.append(tok)
                 accepted.append(tok)
@@ -400,8 +335,8 @@ class Scheduler:
             # Now num_computed_tokens counts final tokens only (accepted drafts included, rejected ones not), and
             # a finishing request's blocks are recorded before they are freed (beam steps reuse them).
             self.kv.cache_full_blocks(req)
-            if req.companion is not None and status is None:
-                req.companion.token_ids.extend(accepted)  # both sequences advance with the pair's token
+            if status is None:
+                guidance.advance_companion(req, accepted)
             lps = result.logprobs.get(req.request_id)
             out = EngineCoreOutput(req.request_id, accepted,
                                    new_logprobs=lps[: len(accepted)] if lps else None,
@@ -435,8 +370,9 @@ class Scheduler:
         req.prompt_lp_next = entry.prompt_lp[1]
         return plp
 
-    def _advance_grammar(self, req: Request, tok: int, status: RequestStatus | None):
-        so = self.structured
+    def _advance_grammar(self, req: Request, tok: int, status: RequestStatus | None) -> RequestStatus | None:
+        so = self._grammars()
+        assert so is not None  # the request has a grammar
         if not so.accept(req.request_id, (tok,)):
             logger.error("request %s: sampled a token its grammar refuses (engine bug)", req.request_id)
             return status or RequestStatus.FINISHED_ABORTED
@@ -444,13 +380,11 @@ class Scheduler:
             return RequestStatus.FINISHED_STOPPED  # the grammar is complete: nothing else may follow
         return status
 
-    def _record_spec(self, req: Request, drafted: int, accepted: int) -> None:
-        if self.on_spec_round is not None:
-            self.on_spec_round(req, accepted + 1)
-        self.spec_num_drafts += 1
-        self.spec_num_draft_tokens += drafted
-        self.spec_num_accepted_tokens += accepted
-        self.spec_num_emitted_tokens += accepted + 1
+    def update_draft_token_ids(self, drafts: dict[str, list[int]]) -> None:
+        """The drafts each running request verifies in its next step (spec_decode/speculator.py); none for the
+        requests not named."""
+        for req in self.running:
+            req.spec_token_ids = drafts.get(req.request_id, [])
 
     def _check_stop(self, req: Request, tok: int) -> RequestStatus | None:
         if tok in req.stop_ids and req.num_output_tokens > req.params.min_tokens - 1:
@@ -465,9 +399,5 @@ class Scheduler:
         return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
                               kv_cache_usage=self.kv.usage, num_preemptions=self.num_preemptions,
                               num_free_blocks=self.kv.num_free_blocks, num_total_blocks=self.kv.num_blocks,
-                              spec_num_drafts=self.spec_num_drafts,
-                              spec_num_draft_tokens=self.spec_num_draft_tokens,
-                              spec_num_accepted_tokens=self.spec_num_accepted_tokens,
-                              spec_num_emitted_tokens=self.spec_num_emitted_tokens,
                               prefix_cache_queries=self.kv.stats.queries,
                               prefix_cache_hits=self.kv.stats.hits)

@@ -25,12 +25,13 @@ uses at the same positions, so seeded requests stay reproducible.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenspout.config import SpeculativeConfig
-from tokenspout.core.kv_cache_manager import KVCacheManager
 from tokenspout.core.request import Request
 from tokenspout.models.llama import LlamaForCausalLM
 from tokenspout.models.loader import LoadedModel, load_model
@@ -38,7 +39,10 @@ from tokenspout.sample.ops.draw import DEFAULT_BLOCK_SIZE, block_mass, draw_dens
 from tokenspout.sample.ops.noise import row_keys
 from tokenspout.sample.rejection_sampler import draft_seeds, probs_from_logits
 from tokenspout.sample.sampler import compute_processed_logits
-from tokenspout.worker.model_runner import kv_block_bytes, zeroed_kv_caches
+from tokenspout.worker.model_runner import ModelRunner, kv_block_bytes, zeroed_kv_caches
+
+if TYPE_CHECKING:
+    from tokenspout.kernels.decoder import CpuDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +55,7 @@ class DraftSource:
     kv_caches: list[torch.Tensor]
     num_layers: int | None
     shares_target_cache: bool  # self-draft: the caches are the target's (always caught up)
-    decoder: object | None = None  # C decode kernels over the same layers and caches (kernels/decoder.py)
+    decoder: CpuDecoder | None = None  # C decode kernels over the same layers and caches
 
 
 def load_draft_model(spec: SpeculativeConfig, target: LoadedModel, quantization: str | None) -> LoadedModel:
@@ -95,7 +99,8 @@ def draft_block_bytes(draft: LoadedModel, block_size: int) -> int:
     return kv_block_bytes(draft, block_size, draft.dtype)
 
 
-def _decoder(loaded: LoadedModel, caches: list[torch.Tensor], block_size: int, num_layers: int | None):
+def _decoder(loaded: LoadedModel, caches: list[torch.Tensor], block_size: int,
+             num_layers: int | None) -> CpuDecoder | None:
     """The C decode kernels for the draft's small decode-only forwards (most of its forwards), when available."""
     from tokenspout.kernels import cpu, decoder
 
@@ -111,27 +116,23 @@ def forward_params(model: LlamaForCausalLM, num_layers: int | None) -> int:
 
 
 class DraftProposer:
-    def __init__(self, runner, source: DraftSource, num_speculative_tokens: int):
+    def __init__(self, runner: ModelRunner, source: DraftSource, num_speculative_tokens: int):
         self.runner = runner  # ModelRunner: persistent rows, block table, sampling state, flat-batch builder
         self.source = source
         self.k = num_speculative_tokens
         self.vocab_size = runner.input_batch.sampling.vocab_size
         self._computed: dict[str, int] = {}  # separate model: tokens with valid draft KV, per request
-        # q of every drafted token, [max_num_seqs, k, V], by persistent row: written by propose(), read by the
-        # verification of the next step with one index_select.  Allocated on the first sampled (non-greedy)
-        # draft: an all-greedy workload never needs q.
-        self._q: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, runner, spec: SpeculativeConfig, draft: LoadedModel | None) -> DraftProposer:
+    def build(cls, runner: ModelRunner, spec: SpeculativeConfig, draft: LoadedModel | None) -> DraftProposer:
         if draft is None:  # self-draft from the target's first layers
-            n = runner.loaded.arch.num_layers
-            if not 1 <= spec.draft_layers < n:
+            n, layers = runner.loaded.arch.num_layers, spec.draft_layers
+            if layers is None or not 1 <= layers < n:
                 raise ValueError(f"draft_layers must be in [1, {n - 1}] for a target with {n} layers, "
-                                 f"got {spec.draft_layers}")
-            caches = runner.kv_caches[: spec.draft_layers]
-            source = DraftSource(runner.model, caches, spec.draft_layers, True,
-                                 _decoder(runner.loaded, caches, runner.block_size, spec.draft_layers))
+                                 f"got {layers}")
+            caches = runner.kv_caches[:layers]
+            source = DraftSource(runner.model, caches, layers, True,
+                                 _decoder(runner.loaded, caches, runner.block_size, layers))
         else:
             a = draft.arch
             slots = runner.num_blocks * runner.block_size
@@ -144,14 +145,15 @@ class DraftProposer:
         self._computed.pop(request_id, None)
 
     @torch.inference_mode()
-    def propose(self, reqs: list[Request], num_drafts: list[int], kv: KVCacheManager) -> list[list[int]]:
+    def propose(self, reqs: list[Request], num_drafts: list[int],
+                blocks_of: Callable[[str], list[int]]) -> list[list[int]]:
         """Up to num_drafts[i] draft tokens for each decoding request (its KV computed up to its last token).
         Fewer where its blocks do not cover the lookahead positions (the scheduler could not allocate them)."""
         runner, bs = self.runner, self.runner.block_size
         rows, starts, want = [], [], []
         for req, d in zip(reqs, num_drafts):
             row = runner.input_batch.row_of[req.request_id]
-            blocks = kv.blocks_of(req.request_id)
+            blocks = blocks_of(req.request_id)
             runner.input_batch.sync_blocks(row, blocks)
             n = req.num_tokens
             # The draft writes positions start .. n + d - 2; they must lie in the request's blocks.
@@ -205,14 +207,5 @@ class DraftProposer:
         q = probs_from_logits(processed)
         keys = row_keys(draft_seeds(md.seeds), md.positions)
         drawn = draw_dense(processed, block_mass(q, DEFAULT_BLOCK_SIZE), keys, DEFAULT_BLOCK_SIZE)
-        if self._q is None:
-            self._q = torch.zeros(self.runner.max_num_seqs, self.k, self.vocab_size, dtype=torch.float32)
-        self._q[torch.tensor(rows, dtype=torch.int64), j] = q
+        self.runner.draft_probs.write(rows, j, q, self.k)  # read by the verification of the next step
         return torch.where(md.is_greedy, argmax, drawn)
-
-    def draft_probs(self, rows: list[int], width: int) -> torch.Tensor | None:
-        """q of the drafts pending at these rows, [R, width, V] (None if no sampled row ever drafted: then
-        every row is greedy and q is never read)."""
-        if self._q is None:
-            return None
-        return self._q.index_select(0, torch.tensor(rows, dtype=torch.int64))[:, :width]

@@ -48,6 +48,17 @@ class ShadowRound:
     draft: list[int]
 
 
+@dataclass(slots=True)
+class SpecState:
+    """A request's speculation history, owned by the policy (Request.spec_state, made by SpecPolicy.start)."""
+
+    ema: float = 0.0  # the average tokens its rounds emit (set by SpecPolicy.start, its first decision)
+    pause_until: int = 0  # draft model: no drafts until the output holds this many tokens
+    backoff: int = 0  # the length of the last pause
+    probe: bool = False  # the round after a pause is a probe
+    shadow: ShadowRound | None = None  # the pending n-gram shadow round
+
+
 class SpecPolicy:
     def __init__(self, spec: SpeculativeConfig, draft_cost: float, free_drafts: bool, small_step_tokens: int = 0):
         self.k = spec.num_speculative_tokens
@@ -73,12 +84,12 @@ class SpecPolicy:
         small = self.small_step_tokens
         if not small or not self.spec.adaptive or num_rows + sum(counts) <= small:
             return counts
-        expected = num_rows - len(cands) + sum(min(r.spec_ema, n + 1) for r, n in cands)
+        expected = num_rows - len(cands) + sum(min(self.state(r).ema, n + 1) for r, n in cands)
         if expected >= self.spec.large_step_cost * num_rows:
             return counts
         fixed = [i for i, (r, _) in enumerate(cands) if _independent(r)]
         room = small - num_rows - sum(counts[i] for i in fixed)
-        for i in sorted(set(range(len(cands))) - set(fixed), key=lambda i: -cands[i][0].spec_ema):
+        for i in sorted(set(range(len(cands))) - set(fixed), key=lambda i: -self.state(cands[i][0]).ema):
             counts[i] = max(0, min(counts[i], room))
             room -= counts[i]
         return counts
@@ -119,47 +130,50 @@ class SpecPolicy:
         drafts: there is no free evidence), unless the proposer has not been paying lately (then it starts
         paused; seeded sampled requests ignore other requests)."""
         need = self.need(req, batched)
-        req.spec_ema = need - 0.5 if self.free_drafts else need + 0.5
+        req.spec_state = SpecState(ema=need - 0.5 if self.free_drafts else need + 0.5)
         if not self.free_drafts and not _independent(req) and self.global_ema < need:
             self._pause(req, 2 * INITIAL_BACKOFF)
 
     def wants_drafts(self, req: Request, batched: bool) -> bool:
         """Whether the request drafts this step (call for decoding, speculation-eligible requests)."""
-        if req.spec_ema is None:
+        if req.spec_state is None:
             self.start(req, batched)
+        st = self.state(req)
         if not self.spec.adaptive:
             return True
         if self.hopeless:
             return False
         if self.free_drafts:
-            return req.spec_ema >= self.need(req, batched)
-        if req.num_output_tokens < req.spec_pause_until:
+            return st.ema >= self.need(req, batched)
+        if req.num_output_tokens < st.pause_until:
             return False
-        if req.spec_probe:
+        if st.probe:
             return True
-        if req.spec_ema < self.need(req, batched):
-            self._pause(req, min(2 * req.spec_backoff or INITIAL_BACKOFF, MAX_BACKOFF))
+        if st.ema < self.need(req, batched):
+            self._pause(req, min(2 * st.backoff or INITIAL_BACKOFF, MAX_BACKOFF))
             return False
         return True
 
     def num_drafts(self, req: Request, room: int) -> int:
         """Drafts for a request that wants them: one on a probe (cheap evidence), else all the room."""
-        return min(room, 1) if req.spec_probe and self.spec.adaptive else room
+        return min(room, 1) if self.state(req).probe and self.spec.adaptive else room
 
     def record(self, req: Request, emitted: int) -> None:
         """A real verification round of the request emitted `emitted` tokens (accepted + 1)."""
-        if req.spec_probe:  # the probe's verdict alone: its one draft accepted or not
-            req.spec_ema = float(self.k + 1) if emitted > 1 else 1.0
-            req.spec_probe = False
+        st = self.state(req)
+        if st.probe:  # the probe's verdict alone: its one draft accepted or not
+            st.ema = float(self.k + 1) if emitted > 1 else 1.0
+            st.probe = False
         else:
-            req.spec_ema += EMA_WEIGHT * (emitted - req.spec_ema)
+            st.ema += EMA_WEIGHT * (emitted - st.ema)
         self.global_ema += 0.1 * (emitted - self.global_ema)
 
     # ---- n-gram shadow rounds ---------------------------------------------------------------------------
     def shadow(self, req: Request, draft: list[int]) -> None:
         """Settles the request's pending shadow round against the tokens emitted since, and starts a new one
         with `draft` when none is pending (one at a time: rounds do not overlap, like real ones)."""
-        sh = req.spec_shadow
+        st = self.state(req)
+        sh = st.shadow
         if sh is not None:
             got = req.token_ids[sh.start : sh.start + len(sh.draft)]
             n = 0
@@ -167,15 +181,22 @@ class SpecPolicy:
                 n += 1
             if n == len(got) and len(got) < len(sh.draft):
                 return  # still matching: wait for more tokens
-            req.spec_ema += EMA_WEIGHT * (n + 1 - req.spec_ema)
-            req.spec_shadow = sh = None
+            st.ema += EMA_WEIGHT * (n + 1 - st.ema)
+            st.shadow = sh = None
         if draft:
-            req.spec_shadow = ShadowRound(req.num_tokens, draft)
+            st.shadow = ShadowRound(req.num_tokens, draft)
 
     def _pause(self, req: Request, backoff: int) -> None:
-        req.spec_backoff = backoff
-        req.spec_pause_until = req.num_output_tokens + backoff
-        req.spec_probe = True
+        st = self.state(req)
+        st.backoff = backoff
+        st.pause_until = req.num_output_tokens + backoff
+        st.probe = True
+
+    def state(self, req: Request) -> SpecState:
+        """The request's speculation state (its first decision, wants_drafts, makes it)."""
+        if req.spec_state is None:
+            raise RuntimeError(f"{req.request_id}: no speculation decision yet")
+        return req.spec_state
 
 
 def _independent(req: Request) -> bool:

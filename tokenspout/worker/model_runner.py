@@ -18,18 +18,19 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tokenspout import guidance
 from tokenspout.config import CacheConfig, SchedulerConfig
-from tokenspout.core.kv_cache_manager import KVCacheManager
-from tokenspout.core.scheduler import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenspout.engine.messages import PromptLogprobs, TokenLogprobs
 from tokenspout.models.attention import AttentionMetadata, PrefillChunk, causal_mask
 from tokenspout.models.loader import LoadedModel
 from tokenspout.sample.sampler import Sampler, SamplerOutput
+from tokenspout.step_io import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenspout.structured_output.lazy import LazyStructuredOutputs
 from tokenspout.tensors import long_tensor
 from tokenspout.worker import prompt_logprobs
 from tokenspout.worker.input_batch import InputBatch, RowAdd
 from tokenspout.worker.prompt_logprobs import PromptLogprobsPlan
-from tokenspout.worker.spec_verify import verify_drafts
+from tokenspout.worker.spec_verify import DraftProbs, verify_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +90,7 @@ class PreparedStep:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, cache: CacheConfig, sched: SchedulerConfig,
-                 extra_block_bytes: int = 0):
+                 extra_block_bytes: int = 0, structured: LazyStructuredOutputs | None = None):
         self.loaded = loaded
         self.model = loaded.model
         a = loaded.arch
@@ -109,10 +110,11 @@ class ModelRunner:
         self._last_sampled: torch.Tensor | None = None  # the sampled ids of the last step run
         self.decoder = self._cpu_decoder(loaded)
         self.sampler = Sampler()
-        self.structured = None  # StructuredOutputManager, set by the engine core on the first grammar request
+        self.structured = structured  # the grammar manager's handle (None: an engine without grammars)
         # Tests and debugging: called with (request ids, float32 logits) of every sampling step when set.
         self.logits_hook = None
-        self.drafter = None  # DraftProposer (speculative method "draft"), set by the engine core
+        # q of the drafts a draft model proposed, by row (written by spec_decode/draft_model.py)
+        self.draft_probs = DraftProbs(sched.max_num_seqs, a.vocab_size)
         logger.info("KV cache: %d blocks of %d tokens (%.2f GiB, %s)", self.num_blocks, self.block_size,
                     self.num_blocks * block_bytes / (1 << 30), str(self.kv_dtype).removeprefix("torch."))
 
@@ -131,11 +133,11 @@ class ModelRunner:
         return self.decoder.logits(hidden) if self.decoder is not None else self.model.compute_logits(hidden)
 
     # ---- one step ------------------------------------------------------------------------------------------
-    def execute(self, sched: SchedulerOutput, kv: KVCacheManager) -> ModelRunnerOutput:
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """One step, synchronously: prepare() then run()."""
-        return self.run(self.prepare(sched, kv))
+        return self.run(self.prepare(sched))
 
-    def prepare(self, sched: SchedulerOutput, kv: KVCacheManager) -> PreparedStep:
+    def prepare(self, sched: SchedulerOutput) -> PreparedStep:
         """The host side of a step, from the scheduler's output alone (with async scheduling it runs while the
         previous step computes, so it reads nothing that step changes): rows, block table rows, the flat
         inputs and where the tokens sampled by the previous step go."""
@@ -147,17 +149,23 @@ class ModelRunner:
             return step
         # Decodes (query length 1) first: they share one batched attention call.
         entries = step.entries = sorted(sched.scheduled, key=lambda e: e.num_new_tokens != 1)
-        rows, starts, lens, tokens = step.rows, [], [], []
-        dst, src = [], []
+        rows = step.rows
+        starts: list[int] = []
+        lens: list[int] = []
+        tokens: list[int] = []
+        dst: list[int] = []
+        src: list[int] = []
         plp = None
         for e in entries:
             req = e.request
             if e.prompt_lp is not None:
                 plp = plp or prompt_logprobs.PlanBuilder()
                 lo, hi = e.prompt_lp
-                plp.add(req.request_id, req.token_ids, lo, hi, len(tokens) + lo - e.start, req.params.prompt_logprobs)
+                top_n = req.params.prompt_logprobs
+                assert top_n is not None  # the scheduler plans prompt logprobs only for requests asking
+                plp.add(req.request_id, req.token_ids, lo, hi, len(tokens) + lo - e.start, top_n)
             row = self.input_batch.ensure_row(req, step.added)
-            self.input_batch.sync_blocks(row, kv.blocks_of(req.request_id))
+            self.input_batch.sync_blocks(row, e.block_ids)
             rows.append(row)
             starts.append(e.start)
             lens.append(e.num_new_tokens)
@@ -183,36 +191,34 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, step: PreparedStep) -> ModelRunnerOutput:
         """The model side of a prepared step: forward, logits of the sampling rows, sampler, one transfer."""
-        if self.drafter is not None:
-            for rid, _ in step.released:
-                self.drafter.forget(rid)
         self.input_batch.apply(step.released, step.added)  # rows' sampling state changes here, in step order
         if step.flat is None:
             self._last_sampled = None
             return ModelRunnerOutput(sampled={})
         entries, rows, input_ids = step.entries, step.rows, step.input_ids
+        assert input_ids is not None  # built with step.flat
         if step.placeholders is not None:
             # The tokens the previous step sampled, straight from its output tensor.
             dst, src = step.placeholders
+            assert self._last_sampled is not None  # a placeholder follows a step that sampled
             input_ids[dst] = self._last_sampled[src]
         qsl = step.flat.query_start_loc
         hidden = self.forward(self.model, self.decoder, self.kv_caches, input_ids, step.flat)
         plan = step.prompt_lp
-        scored = prompt_logprobs.score(plan, hidden, self._logits) if plan is not None else None
+        scored = (plan, prompt_logprobs.score(plan, hidden, self._logits)) if plan is not None else None
 
         sample_idx = step.sample_idx
         spec_result = self._verify(entries, step.spec_idx, rows, qsl, hidden) if step.spec_idx else {}
         if not sample_idx:
             self._last_sampled = None
             result = ModelRunnerOutput(sampled=spec_result)
-            if plan is not None:  # prefill chunks only: their scores are the step's one transfer
-                result.prompt_logprobs = prompt_logprobs.unpack(plan, scored.reshape(-1).tolist())
+            if scored is not None:  # prefill chunks only: their scores are the step's one transfer
+                result.prompt_logprobs = prompt_logprobs.unpack(scored[0], scored[1].reshape(-1).tolist())
             return result
         sel = long_tensor(sample_idx)
         logits_indices = qsl[1:][sel] - 1
         logits = self._logits(hidden[logits_indices])
-        if any(entries[i].request.companion is not None for i in sample_idx):
-            self._apply_guidance(logits, entries, sample_idx, qsl, hidden)
+        guidance.combine(logits, entries, sample_idx, qsl, hidden, self._logits)
         sample_rows = [rows[i] for i in sample_idx]
         req_ids = [entries[i].request.request_id for i in sample_idx]
         if self.logits_hook is not None:
@@ -221,31 +227,14 @@ class ModelRunner:
         grammars = [r if entries[i].request.params.structured_outputs is not None else None
                     for i, r in zip(sample_idx, req_ids)]
         if any(grammars):  # (the manager is never touched by a step without grammar requests)
-            md.grammar_bitmask = self.structured.grammar_bitmask(grammars)
+            assert self.structured is not None and self.structured.manager is not None
+            md.grammar_bitmask = self.structured.manager.grammar_bitmask(grammars)
         out = self.sampler(logits, md)
         self._last_sampled = out.sampled_token_ids
-        result = self._to_python(out, req_ids, [entries[i].request.params.logprobs for i in sample_idx],
-                                 (plan, scored) if plan is not None else None)
+        result = self._to_python(out, req_ids, [entries[i].request.params.logprobs for i in sample_idx], scored)
         self.input_batch.sampling.append_tokens(sample_rows, [result.sampled[r] for r in req_ids])
         result.sampled.update(spec_result)
         return result
-
-    def _apply_guidance(self, logits, entries, sample_idx: list[int], qsl: torch.Tensor,
-                        hidden: torch.Tensor) -> None:
-        """Classifier-free guidance, in place: cond rows become uncond + s * (cond - uncond), one fused lerp over
-        every guided row; the companions' logits come from their own last positions in this step."""
-        pos = {e.request.request_id: j for j, e in enumerate(entries)}
-        rows, comp_pos, scales = [], [], []
-        for r, i in enumerate(sample_idx):
-            comp = entries[i].request.companion
-            if comp is not None:
-                rows.append(r)
-                comp_pos.append(int(qsl[pos[comp.request_id] + 1]) - 1)
-                scales.append(entries[i].request.params.guidance_scale)
-        uncond = self._logits(hidden[torch.tensor(comp_pos, dtype=torch.int64)])
-        rows_t = torch.tensor(rows, dtype=torch.int64)
-        scale = torch.tensor(scales, dtype=logits.dtype)[:, None]
-        logits[rows_t] = torch.lerp(uncond, logits[rows_t], scale)
 
     def _verify(self, entries, spec_idx: list[int], rows: list[int], qsl: torch.Tensor,
                 hidden: torch.Tensor) -> dict[str, list[int]]:
@@ -256,7 +245,7 @@ class ModelRunner:
         logits = self._logits(hidden[idx])
         spec_rows = [rows[i] for i in spec_idx]
         # Draft-model drafts come with their probabilities q (n-gram drafts have none: q is a point mass).
-        q = self.drafter.draft_probs(spec_rows, max(map(len, drafts))) if self.drafter is not None else None
+        q = self.draft_probs.read(spec_rows, max(map(len, drafts)))
         emitted = verify_drafts(logits, spec_rows, drafts, self.input_batch.sampling,
                                 self._draft_bitmask([entries[i].request for i in spec_idx], drafts), q)
         self.input_batch.sampling.append_tokens(spec_rows, emitted)
@@ -265,8 +254,8 @@ class ModelRunner:
     def _draft_bitmask(self, reqs, drafts: list[list[int]]) -> torch.Tensor | None:
         """Grammar masks of every verified position (a request's k-th row: its grammar after its first k drafts),
         or None when no speculating request has a grammar."""
-        so = self.structured
-        if so is None or not so.num_requests or all(r.params.structured_outputs is None for r in reqs):
+        so = self.structured.active() if self.structured is not None else None
+        if so is None or all(r.params.structured_outputs is None for r in reqs):
             return None
         ids = [r.request_id if r.params.structured_outputs is not None else None
                for r, d in zip(reqs, drafts) for _ in range(len(d) + 1)]
@@ -305,11 +294,11 @@ class ModelRunner:
             # the chunks through the torch model.  Requests are independent, so the two forwards are exact.
             k = nd
         else:
-            meta = self._attention_metadata(nd, rows_t, starts_t, lens_t, qsl, slot_mapping)
-            return FlatBatch(positions, slot_mapping, qsl, meta)
+            return FlatBatch(positions, slot_mapping, qsl,
+                             self._attention_metadata(nd, rows_t, starts_t, lens_t, qsl, slot_mapping))
         seq_lens = positions[:k] + 1
         block_ids = self.input_batch.block_table[tok_rows[:k], : -(-int(seq_lens.max()) // bs)] if k else None
-        meta = None
+        meta: AttentionMetadata | None = None
         if k < num_tokens:
             meta = self._attention_metadata(0, rows_t[nd:], starts_t[nd:], lens_t[nd:], qsl[nd:] - k,
                                             slot_mapping[k:])
@@ -384,10 +373,10 @@ class ModelRunner:
         if prompt_lp is None:
             packed = packed_t.tolist()
         else:  # the prompt scores ride along in the same transfer
-            w = packed_t.shape[1]
+            width = packed_t.shape[1]
             flat = torch.cat([packed_t.reshape(-1), prompt_lp[1].reshape(-1)]).tolist()
-            packed = [flat[i * w : (i + 1) * w] for i in range(len(req_ids))]
-            plp = prompt_logprobs.unpack(prompt_lp[0], flat[len(req_ids) * w :])
+            packed = [flat[i * width : (i + 1) * width] for i in range(len(req_ids))]
+            plp = prompt_logprobs.unpack(prompt_lp[0], flat[len(req_ids) * width :])
         n = lp.token_ids.shape[1]
         sampled, logprobs = {}, {}
         for r, w, row in zip(req_ids, want, packed):

@@ -5,7 +5,8 @@ all d + 1 positions go through the same processing as ordinary sampling (masks, 
 top-k, top-p), position by position with the output position advanced by one each (so seeded noise stays a pure
 function of seed and position), and then through the exact rejection sampler.  Requests whose processing depends
 on the tokens generated so far (penalties, bad words, min_tokens not reached), and requests asking for logprobs
-or guidance, are never given drafts (see `spec_eligible`), which keeps this per-position processing exact.
+or guidance, are never given drafts (spec_decode/speculator.py `eligible`), which keeps this per-position
+processing exact.
 
 Grammars do depend on the tokens so far, and are handled exactly: a grammar request's drafts are cut to the prefix
 its grammar accepts (engine core), and the k-th verified position of a request is masked by its grammar advanced
@@ -17,17 +18,34 @@ from __future__ import annotations
 
 import torch
 
-from tokenspout.core.request import Request
 from tokenspout.sample.rejection_sampler import pack_drafts, pad_positions, probs_from_logits, rejection_sample
 from tokenspout.sample.sampler import compute_processed_logits
 from tokenspout.worker.sampling_state import SamplingState
 
 
-def spec_eligible(req: Request) -> bool:
-    p = req.params
-    return (p.logprobs is None and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-            and p.repetition_penalty == 1.0 and not p.bad_words_token_ids
-            and req.companion is None and req.num_output_tokens >= p.min_tokens)
+class DraftProbs:
+    """q of the drafts pending at each persistent row, [max_rows, k, V]: written by the draft model when it
+    samples a draft (spec_decode/draft_model.py), read by the verification of the next step with one
+    index_select.  Allocated on the first sampled (non-greedy) draft: an all-greedy workload, or n-gram drafts
+    (q is a point mass), never need it."""
+
+    def __init__(self, max_rows: int, vocab_size: int) -> None:
+        self.max_rows = max_rows
+        self.vocab_size = vocab_size
+        self._q: torch.Tensor | None = None
+
+    def write(self, rows: list[int], j: int, q: torch.Tensor, k: int) -> None:
+        """q [R, V] of draft j (of at most k) at these rows."""
+        if self._q is None:
+            self._q = torch.zeros(self.max_rows, k, self.vocab_size, dtype=torch.float32)
+        self._q[torch.tensor(rows, dtype=torch.int64), j] = q
+
+    def read(self, rows: list[int], width: int) -> torch.Tensor | None:
+        """q of the drafts pending at these rows, [R, width, V] (None if no sampled row ever drafted: then
+        every row is greedy and q is never read)."""
+        if self._q is None:
+            return None
+        return self._q.index_select(0, torch.tensor(rows, dtype=torch.int64))[:, :width]
 
 
 def verify_drafts(logits: torch.Tensor, rows: list[int], drafts: list[list[int]],
