@@ -10,7 +10,7 @@ from tokenspout.engine.messages import EngineCoreRequest
 from tokenspout.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from tokenspout.spec_decode.policy import SpecState
+    from tokenspout.spec_decode.speculator import SpecState
 
 
 class RequestStatus(enum.Enum):

@@ -24,10 +24,12 @@ from tokenspout.spec_decode.draft_model import (
     load_draft_model,
 )
 from tokenspout.spec_decode.ngram_proposer import NgramProposer
-from tokenspout.spec_decode.policy import SpecPolicy, draft_cost
+from tokenspout.spec_decode.policy import SpecPolicy, SpecState, draft_cost
 from tokenspout.step_io import ModelRunnerOutput, SchedulerOutput
 from tokenspout.structured_output.lazy import LazyStructuredOutputs
 from tokenspout.worker.model_runner import ModelRunner
+
+__all__ = ["Speculator", "SpecState", "eligible", "extra_kv_block_bytes", "load_draft"]  # what core/ may use
 
 BlocksOf = Callable[[str], list[int]]  # request id -> its KV block ids (the KV cache manager's)
 _Candidate = tuple[Request, list[int] | None, int]  # (request, n-gram drafts or None for the draft model, count)
