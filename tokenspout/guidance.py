@@ -1,8 +1,11 @@
 """Classifier-free guidance (CFG), in one place: logits = uncond + s * (cond - uncond).
 
 A guided request (`guidance_scale != 1`) runs with an unconditional *companion*: a second sequence over the
-negative prompt (the frontend fills `negative_prompt_token_ids`: by default the chat template around an empty user
-message for chat, BOS for completions), with its own tokens and KV blocks.  The pair lives and dies together:
+negative prompt, with its own tokens and KV blocks.  The pair lives and dies together:
+
+* The negative prompt (frontend): the user's `negative_prompt`, else by default the chat template around an empty
+  user message for chat (`chat_negative_prompt`), BOS for completions; the Processor tokenizes it into
+  `negative_prompt_token_ids` (`negative_prompt_ids`).
 
 * Creation (`make_companion`, from EngineCore.add_request): the companion shares the request's params and seed,
   is marked `is_companion` and never samples: it takes the tokens its request samples (`advance_companion`).
@@ -14,7 +17,8 @@ message for chat, BOS for completions), with its own tokens and KV blocks.  The 
 * The logit combination (`combine`, from the model runner): the companion's last position in the same step gives
   uncond; one fused lerp over every guided row.
 
-This module imports nothing of core/ or worker/ at run time (both use it); types only for annotations.
+This module imports nothing of core/ or worker/ at run time (both use it; types only for annotations), nor torch
+until a step combines logits (the frontend uses it too, and never loads torch).
 """
 
 from __future__ import annotations
@@ -22,14 +26,37 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
-import torch
-
 from tokenspout.engine.messages import EngineCoreRequest
 
 if TYPE_CHECKING:
+    import torch
+
     from tokenspout.core.kv_cache_manager import BlockAsk
     from tokenspout.core.request import Request, RequestStatus
     from tokenspout.step_io import ScheduledRequest
+
+
+# ---- the negative prompt (frontend) ------------------------------------------------------------------------------
+def chat_negative_prompt(apply_chat_template: Callable[[list[dict[str, str]]], str]) -> str:
+    """The default unconditional prompt of a chat request: the template around an empty user message."""
+    return apply_chat_template([{"role": "user", "content": ""}])
+
+
+def negative_prompt_ids(negative_prompt: str | None, encode: Callable[[str], list[int]] | None,
+                        bos_token_id: int | None, eos_token_id: int | None, max_model_len: int) -> list[int]:
+    """The companion's prompt: `negative_prompt` tokenized (`encode`; None without a tokenizer), else BOS (EOS if
+    the model has no BOS)."""
+    if negative_prompt is not None:
+        if not negative_prompt or encode is None:
+            raise ValueError("negative_prompt must be a non-empty string")
+        ids = encode(negative_prompt)
+        if len(ids) >= max_model_len:
+            raise ValueError(f"negative_prompt has {len(ids)} tokens; the model's limit is {max_model_len}")
+        return ids
+    first = bos_token_id if bos_token_id is not None else eos_token_id
+    if first is None:
+        raise ValueError("guidance_scale needs a negative_prompt for a model without BOS/EOS tokens")
+    return [first]
 
 
 # ---- creation ----------------------------------------------------------------------------------------------------
@@ -126,6 +153,8 @@ def combine(logits: torch.Tensor, entries: Sequence[ScheduledRequest], sample_id
             scales.append(entries[i].request.params.guidance_scale)
     if not rows:
         return
+    import torch  # here: the frontend imports this module (the negative prompt) and never needs torch
+
     uncond = project(hidden[torch.tensor(comp_pos, dtype=torch.int64)])
     rows_t = torch.tensor(rows, dtype=torch.int64)
     scale = torch.tensor(scales, dtype=logits.dtype)[:, None]

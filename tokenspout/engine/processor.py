@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from tokenspout import guidance
 from tokenspout.engine.messages import EngineCoreRequest
 from tokenspout.engine.parallel_sampling import ParentRequest
 from tokenspout.sampling_params import SamplingParams
@@ -225,22 +226,14 @@ class Processor:
         )
 
     def _negative_prompt_ids(self, params: SamplingParams) -> list[int] | None:
-        """CFG's unconditional prompt: the negative prompt if given, else BOS (EOS if the model has no BOS)."""
+        """CFG's unconditional prompt as token ids (tokenspout/guidance.py has the rule)."""
         if not params.uses_guidance:
             return None
-        if params.negative_prompt is not None:
-            if not params.negative_prompt or self.tokenizer is None:
-                raise ValueError("negative_prompt must be a non-empty string")
-            ids = list(self.tokenizer.encode(params.negative_prompt,
-                                             add_special_tokens=default_add_special_tokens(params.negative_prompt)))
-            if len(ids) >= self.max_model_len:
-                raise ValueError(f"negative_prompt has {len(ids)} tokens; the model's limit is {self.max_model_len}")
-            return ids
-        bos = getattr(self.tokenizer, "bos_token_id", None)
-        first = bos if bos is not None else self.eos_token_id
-        if first is None:
-            raise ValueError("guidance_scale needs a negative_prompt for a model without BOS/EOS tokens")
-        return [first]
+        tok = self.tokenizer
+        encode = None if tok is None else (
+            lambda text: list(tok.encode(text, add_special_tokens=default_add_special_tokens(text))))
+        return guidance.negative_prompt_ids(params.negative_prompt, encode, getattr(tok, "bos_token_id", None),
+                                            self.eos_token_id, self.max_model_len)
 
     def _bad_words_token_ids(self, bad_words: Sequence[str] | None) -> list[list[int]] | None:
         if not bad_words:

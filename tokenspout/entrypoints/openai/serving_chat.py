@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
+from tokenspout import guidance
 from tokenspout.engine.chat_output import ChatOutputParser
 from tokenspout.engine.chat_tools import (
     ChatPlan,
@@ -127,8 +128,7 @@ class OpenAIServingChat:
         except ValueError as e:
             raise value_error_to_serving_error(e, _TOOL_FIELDS) from None
         if params.uses_guidance and params.negative_prompt is None:
-            # CFG's default unconditional prompt for chat: the template around an empty user message.
-            params.negative_prompt = self.engine.apply_chat_template([{"role": "user", "content": ""}])
+            params.negative_prompt = guidance.chat_negative_prompt(self.engine.apply_chat_template)
         return ChatJob(req, *request_ids("chatcmpl", req.request_id), prompt, params, int(time.time()),
                        self._echo(req, messages), plan if plan.active else None)
 
