@@ -95,12 +95,13 @@ def plan_pair(req: Request, comp: Request, rem: int, budget: int) -> tuple[int, 
 
 def pair_block_asks(asks: list[BlockAsk], req: Request, comp_new: int, hits: list[int]) -> list[BlockAsk]:
     """The block asks of a request (`asks`) plus its companion's, so both are allocated or neither is."""
-    # imported here: worker/ imports this module (the logit combination) and must not import core/
-    from tokenspout.core.kv_cache_manager import BlockAsk
-
     comp = req.companion
     if comp is None:
         return asks
+    # imported here (only for a guided pair: every allocation comes through this function): worker/ imports this
+    # module for the logit combination and must not import core/
+    from tokenspout.core.kv_cache_manager import BlockAsk
+
     return [*asks, BlockAsk(comp.request_id, comp.num_scheduled_tokens + comp_new, hits)]
 
 
