@@ -3,11 +3,16 @@
     python -m bench.linear             # M = 1, 4, 8, 16, 32, 64, 128; int4 layers + int8 LM head (~1 min)
     python -m bench.linear --threads 1
 
+Every ISA level the CPU has gets its own `kernels` column (kernels_avx2, kernels_avx512: the same library built per
+level, as TOKENSPOUT_ISA forces it).
+
 One "pass" = the default model's linear shapes of one decoder layer (qkv 960x576, o 576x576, gate_up 3072x576,
 down 576x1536, int4 = Q4_1) plus 1/30 of its LM head (49,152x576, int8 = Q8_0), so a pass is 1/30 of a decode
 step's linear work.  Columns, measured in alternating rounds (median ms per pass):
-* `kernels`: tokenspout's library as shipped (row path below TILE_MIN = 16 rows, tiled path from there);
-* `row`: the same library built with the tiled path off (-DTILE_MIN=1000000), to show what the tiled path buys;
+* `kernels_<isa>`: tokenspout's library as shipped, built for that ISA level (row path below TILE_MIN = 16 rows,
+  tiled path from there);
+* `row`: the best level's library built with the tiled path off (-DTILE_MIN=1000000), to show what the tiled path
+  buys;
 * `torch`: F.linear on the dequantized float32 weights (what the torch model computes; MKL sgemm).
 Rounds rotate the order of the three (see `rotated`).  Below 16 rows `kernels` and `row` run the same code: their
 ratio there (0.90-0.97x measured: the two builds differ only in code layout) is this benchmark's noise floor.
@@ -39,9 +44,9 @@ LM_HEAD = (49152 // 30, 576)  # a 30th of the LM head per pass: one decode step 
 COPIES = 24  # ~65 MB of weights, twice this VM's 32 MB L3; the three columns start 8 copies apart
 
 
-def row_only_library(tmp: Path) -> ctypes.CDLL:
+def row_only_library(tmp: Path, isa: str) -> ctypes.CDLL:
     so = tmp / "decode_cpu-row-only.so"
-    cpu._build(so, defines=("TILE_MIN=1000000",))
+    cpu._build(so, defines=("TILE_MIN=1000000",), isa=isa)
     lib = ctypes.CDLL(str(so))
     lib.ts_linear.argtypes = cpu.load().ts_linear.argtypes
     lib.ts_linear.restype = None
@@ -85,33 +90,36 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    lib = cpu.load()
-    if lib is None:
+    if cpu.load() is None:
         raise SystemExit("the C kernels are unavailable on this machine")
+    isas = cpu.available_isas()
+    libs = {f"kernels_{isa}": cpu.load(isa) for isa in isas}
+    best = f"kernels_{isas[-1]}"
     g = torch.Generator().manual_seed(0)
     shapes = [(n, k, quantize_int4) for n, k in LAYER] + [(*LM_HEAD, quantize_int8)]
     weights = [[fn(torch.randn(n, k, generator=g) * 0.05) for _ in range(COPIES)] for n, k, fn in shapes]
     flops_per_row = sum(2 * n * k for n, k, _ in shapes)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        row_lib = row_only_library(Path(tmp))
+        libs["row"] = row_only_library(Path(tmp), isas[-1])
         for m in args.rows:
             xs = [torch.randn(m, k, generator=g) for _, k, _ in shapes]
-            t = rotated({
-                "kernels": one_pass(lambda x, w: cpu.linear(lib, x, w[0]), xs, weights, 0),
-                "row": one_pass(lambda x, w: cpu.linear(row_lib, x, w[0]), xs, weights, COPIES // 3),
-                "torch": one_pass(lambda x, w: F.linear(x, w[1]), xs, weights, 2 * COPIES // 3),
-            })
-            gf = {k: flops_per_row * m / (t[k] * 1e-3) / 1e9 for k in ("kernels", "row", "torch")}
+            fns = {name: one_pass(lambda x, w, lib=lib: cpu.linear(lib, x, w[0]), xs, weights, i * COPIES // (len(libs) + 1))
+                   for i, (name, lib) in enumerate(libs.items())}
+            fns["torch"] = one_pass(lambda x, w: F.linear(x, w[1]), xs, weights, len(libs) * COPIES // (len(libs) + 1))
+            t = rotated(fns)
+            gf = {k: flops_per_row * m / (t[k] * 1e-3) / 1e9 for k in fns}
             rows.append({"rows": m, **{f"{k}_ms": round(t[k], 3) for k in gf},
                          **{f"{k}_gflops": round(v, 1) for k, v in gf.items()},
-                         "kernels_vs_row": round(t["row"] / t["kernels"], 2),
-                         "kernels_vs_torch": round(t["torch"] / t["kernels"], 2)})
+                         "best_vs_row": round(t["row"] / t[best], 2),
+                         "best_vs_avx2": round(t["kernels_avx2"] / t[best], 2),
+                         "best_vs_torch": round(t["torch"] / t[best], 2)})
             r = rows[-1]
-            print(f"M={m:4d}  kernels {r['kernels_ms']:7.3f} ms ({r['kernels_gflops']:5.1f} GF/s)  "
-                  f"row {r['row_ms']:7.3f} ms  torch {r['torch_ms']:7.3f} ms  | kernels vs row "
-                  f"{r['kernels_vs_row']:.2f}x, vs torch {r['kernels_vs_torch']:.2f}x", flush=True)
-    path = write_json("linear.json", {"threads": torch.get_num_threads(), "copies": COPIES, "rows": rows})
+            cols = "  ".join(f"{k} {r[f'{k}_ms']:7.3f} ms ({r[f'{k}_gflops']:5.1f} GF/s)" for k in fns)
+            print(f"M={m:4d}  {cols} | {best} vs row {r['best_vs_row']:.2f}x, vs avx2 {r['best_vs_avx2']:.2f}x, "
+                  f"vs torch {r['best_vs_torch']:.2f}x", flush=True)
+    path = write_json("linear.json", {"threads": torch.get_num_threads(), "copies": COPIES, "isas": isas,
+                                      "rows": rows})
     print(f"wrote {path}")
 
 

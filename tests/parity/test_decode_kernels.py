@@ -31,9 +31,17 @@ def prompt_ids(tokenizer):
     return [tokenizer(p).input_ids for p in PROMPTS]
 
 
-def test_kernel_path_matches_torch_path(loaded_model, prompt_ids):
+@pytest.fixture(params=cpu.available_isas())
+def isa(request, monkeypatch):
+    """Each ISA level this CPU has, forced as TOKENSPOUT_ISA forces it (the engine's kernels are that level's)."""
+    monkeypatch.setenv("TOKENSPOUT_ISA", request.param)
+    return request.param
+
+
+def test_kernel_path_matches_torch_path(loaded_model, prompt_ids, isa):
     """Batches of 1..8 decode tokens run through the kernels; the same requests through torch agree."""
-    assert make_core(loaded_model).runner.decoder is not None
+    decoder = make_core(loaded_model).runner.decoder
+    assert decoder is not None and decoder.lib is cpu.load(isa)
     for batch in (prompt_ids[:1], prompt_ids[:5]):
         ours, lk = greedy_with_logits(loaded_model, batch, 10)
         ref, lt = greedy_with_logits(loaded_model, batch, 10, use_kernels=False)
@@ -61,13 +69,15 @@ def test_int4_is_lossless_on_the_default_model(loaded_model, int4_model):
 
 
 @pytest.mark.parametrize("copies,tokens", [(1, 16), (3, 6)])
-def test_int4_greedy_and_logits_match_float32(loaded_model, int4_model, prompt_ids, copies, tokens):
+def test_int4_greedy_and_logits_match_float32(loaded_model, int4_model, prompt_ids, copies, tokens, isa):
     """The kernels run int4 weights (the float32 model's own values on this model) with int16 activations per
     group of 32.  Measured: max |logit error| 0.014 over 8 prompts x 16 tokens (median 0.005), all tokens equal.
     A differing token is allowed only at a near-tie of the float32 logits (gap < 0.05), and is reported.
-    8 rows take the kernels' row path; 24 (each prompt three times) the tiled path of 16+ rows, LM head included."""
+    8 rows take the kernels' row path; 24 (each prompt three times) the tiled path of 16+ rows, LM head included;
+    at every ISA level (AVX2, AVX-512 VNNI)."""
     prompts = prompt_ids * copies
-    assert make_core(int4_model).runner.decoder.max_tokens >= len(prompts)
+    decoder = make_core(int4_model).runner.decoder
+    assert decoder.max_tokens >= len(prompts) and decoder.lib is cpu.load(isa)
     ours, lq = greedy_with_logits(int4_model, prompts, tokens)
     ref, lf = greedy_with_logits(loaded_model, prompts, tokens)
     same = [next((i for i, (a, b) in enumerate(zip(ours[r], ref[r])) if a != b), len(ref[r])) for r in ref]

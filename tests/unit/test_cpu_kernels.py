@@ -1,4 +1,5 @@
-"""The AVX2 decode kernels against torch references (skipped where the CPU or compiler cannot build them)."""
+"""The decode kernels against torch references, at every ISA level this CPU has (AVX2, AVX-512 VNNI: each built and
+loaded on its own, as TOKENSPOUT_ISA would force it); skipped where the CPU or compiler cannot build them."""
 
 from __future__ import annotations
 
@@ -11,13 +12,32 @@ import torch.nn.functional as F
 from tokenspout.kernels import cpu
 from tokenspout.models.quantize import quantize_int4, quantize_int8
 
-lib = cpu.load()
-pytestmark = pytest.mark.skipif(lib is None, reason="decode kernels unavailable on this machine")
+pytestmark = pytest.mark.skipif(cpu.load() is None, reason="decode kernels unavailable on this machine")
+
+
+@pytest.fixture(params=cpu.available_isas())
+def lib(request):
+    return cpu.load(request.param)
+
+
+def test_the_best_level_is_chosen_and_can_be_forced(monkeypatch):
+    have = cpu.available_isas()
+    assert cpu.chosen_isa() == have[-1]
+    for isa in have:
+        monkeypatch.setenv("TOKENSPOUT_ISA", isa)
+        assert cpu.chosen_isa() == isa
+    monkeypatch.setenv("TOKENSPOUT_ISA", "sse2")
+    with pytest.raises(ValueError, match="TOKENSPOUT_ISA must be one of"):
+        cpu.chosen_isa()
+    for isa in [isa for isa in cpu.ISA_LEVELS if isa not in have]:  # an AVX2-only CPU: forcing AVX-512 says why not
+        monkeypatch.setenv("TOKENSPOUT_ISA", isa)
+        with pytest.raises(ValueError, match="lacks"):
+            cpu.chosen_isa()
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 9])
 @pytest.mark.parametrize("n", [37, 96])
-def test_linear_float32_matches_torch(m, n):
+def test_linear_float32_matches_torch(lib, m, n):
     g = torch.Generator().manual_seed(m * 100 + n)
     x, w, b = torch.randn(m, 72, generator=g), torch.randn(n, 72, generator=g), torch.randn(n, generator=g)
     torch.testing.assert_close(cpu.linear(lib, x, w), x @ w.T, atol=1e-4, rtol=1e-5)
@@ -43,7 +63,7 @@ def unpack_min(packed) -> torch.Tensor:
 @pytest.mark.parametrize("m", [1, 2, 4, 7, 15, 16, 17, 70])
 @pytest.mark.parametrize("n", [5, 64, 130])
 @pytest.mark.parametrize("k", [96, 128])
-def test_linear_quantized_packed_matches_dequantized(fn, levels, m, n, k):
+def test_linear_quantized_packed_matches_dequantized(lib, fn, levels, m, n, k):
     """Quantized weights x int16 activations: exactly the integer dot products of the quantized values, scaled;
     Q4's min term uses the exact float group sums of x.  m < 16 takes the row path (m = 15 its largest batch),
     m >= 16 the tiled path: 16 is one tile of 16 rows, 17 a tile of 16 and one of 8 with 7 padding rows, 70 four
@@ -90,7 +110,7 @@ def test_quantization_reproduces_values_already_on_its_grid():
     torch.testing.assert_close(quantize_int8(w8)[1], w8, atol=1e-6, rtol=1e-6)
 
 
-def test_rmsnorm_matches_reference():
+def test_rmsnorm_matches_reference(lib):
     x, w = torch.randn(3, 64), torch.randn(64)
     out = torch.empty_like(x)
     lib.ts_rmsnorm(x.data_ptr(), 3, 64, w.data_ptr(), ctypes.c_float(1e-5), out.data_ptr())
@@ -100,7 +120,7 @@ def test_rmsnorm_matches_reference():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("d, lens", [(16, [1, 7, 13]), (64, [8, 16, 9]), (104, [15, 2, 16])])
-def test_paged_decode_attention_matches_sdpa(d: int, lens: list[int], dtype: torch.dtype):
+def test_paged_decode_attention_matches_sdpa(lib, d: int, lens: list[int], dtype: torch.dtype):
     """GQA over a shuffled block table, ragged lengths (multiples of 8 and not), a partial last block, head dims
     that take each width of the kernel's value accumulators (64, 32, 8): reads the cache in place, float32 or
     float16 (--kv-cache-dtype float16: against SDPA over the same float16 values widened)."""

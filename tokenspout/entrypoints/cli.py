@@ -22,7 +22,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="local Hugging Face folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="auto: bfloat16 where the CPU has native bf16 matrix instructions, else float32")
+                   help="auto: float32 where the C kernels run (the fastest path: bench.paths), else bfloat16 where the "
+                        "CPU has native bf16 matrix instructions, else float32")
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
                    help="weight-only, groups of 32 (int8 = Q8_0, int4 = Q4_1 layers + int8 LM head): 3.5-5x fewer "
                         "weight bytes per decode step.  auto: int4 for the default model (whose GGUF weights are "

@@ -1,5 +1,12 @@
-"""Builds (once per machine, cached by source hash) and loads the AVX2 kernels in csrc/: the decode stack
+"""Builds (once per machine and ISA level, cached by source hash) and loads the kernels in csrc/: the decode stack
 (decode_cpu.c) and the one-call sampler of random rows (sample_cpu.c).
+
+ISA levels (`ISA_LEVELS`), one build of the same sources each, picked at run time from the CPU's flags:
+* `avx2`: AVX2 + FMA + F16C (every kernel);
+* `avx512`: adds AVX-512 F/BW/VL + VNNI: the quantized linears (row and tiled paths) use 512-bit vectors and
+  vpdpwssd (-DTS_AVX512=1 selects them in decode_cpu.c); everything else is the AVX2 code, compiled for the wider ISA.
+The best level the CPU has is used unless TOKENSPOUT_ISA=avx2|avx512 forces one (tests force each level the
+machine has, so every level stays tested where it can run).
 
 The library is plain C called through ctypes: it compiles in about a second with the system gcc (no torch headers),
 so a fresh machine pays nothing noticeable and a warm start only dlopens it.  `load()` returns None, and the model
@@ -52,15 +59,44 @@ def cache_dir() -> Path:
     return Path(os.environ.get("TOKENSPOUT_CACHE", Path.home() / ".cache" / "tokenspout")) / "kernels"
 
 
-def _build(out: Path, defines: tuple[str, ...] = ()) -> None:
-    """Compiles the library to `out`; `defines` (e.g. "TILE_MIN=1000000") are for benchmarks of variants."""
+# level -> (CPU flags it needs, as /proc/cpuinfo names them; compiler flags), weakest first
+ISA_LEVELS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
+    "avx2": (frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c")),
+    "avx512": (frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
+               ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
+                "-DTS_AVX512=1")),
+}
+
+
+def available_isas() -> list[str]:
+    """The ISA levels this CPU runs, weakest first."""
+    flags = cpu_flags()
+    return [name for name, (need, _) in ISA_LEVELS.items() if need <= flags]
+
+
+def chosen_isa() -> str | None:
+    """TOKENSPOUT_ISA when set (an error if this CPU lacks it), else the best level the CPU has (None: none)."""
+    forced = os.environ.get("TOKENSPOUT_ISA")
+    have = available_isas()
+    if forced:
+        if forced not in ISA_LEVELS:
+            raise ValueError(f"TOKENSPOUT_ISA must be one of {sorted(ISA_LEVELS)}, got {forced!r}")
+        if forced not in have:
+            missing = sorted(ISA_LEVELS[forced][0] - cpu_flags())
+            raise ValueError(f"TOKENSPOUT_ISA={forced}: this CPU lacks {', '.join(missing)}")
+        return forced
+    return have[-1] if have else None
+
+
+def _build(out: Path, defines: tuple[str, ...] = (), isa: str = "avx2") -> None:
+    """Compiles the library for `isa` to `out`; `defines` (e.g. "TILE_MIN=1000000") are for benchmarks of variants."""
     cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler (gcc/cc) on PATH")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         so = Path(tmp) / out.name
-        cmd = [cc, "-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", *(f"-D{d}" for d in defines),
+        cmd = [cc, "-O3", *ISA_LEVELS[isa][1], "-fopenmp", "-shared", "-fPIC", *(f"-D{d}" for d in defines),
                "-o", str(so), *map(str, SOURCES)]
         res = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if res.returncode != 0:
@@ -68,22 +104,31 @@ def _build(out: Path, defines: tuple[str, ...] = ()) -> None:
         os.replace(so, out)  # atomic: concurrent builders each produce a complete file
 
 
-@functools.cache
-def load() -> ctypes.CDLL | None:
+def load(isa: str | None = None) -> ctypes.CDLL | None:
+    """The library for `isa` (default: `chosen_isa()`), or None where the kernels are off or cannot be built."""
     if os.environ.get("TOKENSPOUT_KERNELS", "1") == "0":
         return None
-    if not {"avx2", "fma", "f16c"} <= cpu_flags():
+    isa = isa or chosen_isa()
+    if isa is None:
         logger.info("CPU lacks AVX2/FMA/F16C: decode kernels off, torch path only")
         return None
+    return _load(isa)
+
+
+@functools.cache
+def _load(isa: str) -> ctypes.CDLL | None:
+    if isa not in available_isas():
+        raise ValueError(f"ISA level {isa!r} is not available on this CPU (it has {available_isas()})")
     digest = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES + HEADERS)).hexdigest()[:16]
-    so = cache_dir() / f"decode_cpu-{digest}.so"
+    so = cache_dir() / f"decode_cpu-{isa}-{digest}.so"
     try:
         if not so.is_file():
-            _build(so)
+            _build(so, isa=isa)
         lib = ctypes.CDLL(str(so))
     except (OSError, RuntimeError) as e:
-        logger.warning("decode kernels unavailable, using the torch path: %s", e)
+        logger.warning("decode kernels (%s) unavailable, using the torch path: %s", isa, e)
         return None
+    logger.info("CPU kernels: %s", isa)
     lib.ts_linear.argtypes = [vp, i64, i64, ctypes.POINTER(Weight), vp, i64, i64, vp, i64, ctypes.c_int]
     lib.ts_linear.restype = None
     lib.ts_rmsnorm.argtypes = [vp, i64, i64, vp, f32, vp]

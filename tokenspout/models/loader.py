@@ -43,10 +43,19 @@ def resolve_dtype(dtype: str) -> torch.dtype:
     if dtype == "bfloat16":
         return torch.bfloat16
     if dtype == "auto":
-        from tokenspout.platform import has_native_bf16
-
-        return torch.bfloat16 if has_native_bf16() else torch.float32
+        return torch.float32 if auto_prefers_float32() else torch.bfloat16
     raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'auto', got {dtype!r}")
+
+
+def auto_prefers_float32() -> bool:
+    """`--dtype auto`: float32 wherever the C kernels load (they run float32 activations over float32 or quantized
+    weights, and bench.paths measured every bfloat16 row slower than them: on an AVX512-BF16 EPYC the bfloat16
+    torch path decoded the default model 3.5x slower than float32 + int4 kernels); bfloat16 only where the kernels
+    are off and the CPU has native bf16 matrix instructions (torch's oneDNN bf16 GEMMs), float32 elsewhere."""
+    from tokenspout.kernels import cpu
+    from tokenspout.platform import has_native_bf16
+
+    return cpu.load() is not None or not has_native_bf16()
 
 
 # Fields the model reads from the config; transformers' defaults for them differ between architectures, so the

@@ -173,12 +173,21 @@ typedef struct {
 #define TILE_MIN 16 /* batch rows from which the quantized linears take the tiled path (blocks_tile) */
 #endif
 
-/* Tiled layout: pair t (columns 2t, 2t+1) of group g of batch row m, as an int32 index into q.  Per group, per
- * eight batch rows, the 16 pairs of the eight rows: one contiguous 512-byte run that a tile reads front to back. */
-static inline int64_t tiled(int64_t g, int t, int64_t m, int64_t mp) { return g * 16 * mp + (m >> 3) * 128 + t * 8 + (m & 7); }
+/* TW: batch rows per vector of the tiled path (eight int32 lanes with AVX2, sixteen with AVX-512). */
+#if TS_AVX512
+#define TW 16
+#else
+#define TW 8
+#endif
+
+/* Tiled layout: pair t (columns 2t, 2t+1) of group g of batch row m, as an int32 index into q.  Per group, per TW
+ * batch rows, the 16 pairs of the TW rows: one contiguous run (512 or 1024 bytes) that a tile reads front to back. */
+static inline int64_t tiled(int64_t g, int t, int64_t m, int64_t mp) {
+    return g * 16 * mp + (m / TW) * (16 * TW) + t * TW + (m % TW);
+}
 
 static void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, ts_qact *a) {
-    const int64_t G = K / 32, mp = M >= TILE_MIN ? (M + 7) / 8 * 8 : 0;
+    const int64_t G = K / 32, mp = M >= TILE_MIN ? (M + TW - 1) / TW * TW : 0;
     const __m256 sign = _mm256_set1_ps(-0.0f);
     a->mp = mp;
     for (int64_t m = 0; m < (mp ? mp : M); m++)
@@ -305,6 +314,95 @@ static inline __attribute__((always_inline)) void block_q(const ts_weight *W, co
     }
 }
 
+#if TS_AVX512
+/* ---- the row path with AVX-512 VNNI (the same formats, the same int16 activations) ----
+ * A zmm holds sixteen int16 codes of two weight rows side by side (rows r, r+1: columns 0..15 of a group in one
+ * register, 16..31 in another), so one vpdpwssd multiplies 32 pairs and adds them into the int32 sums of both rows,
+ * against the group's activations broadcast to both halves.  Per group and block of four rows: four vpdpwssd, a
+ * fold of the two accumulators into one vector with four lanes per row (two shuffles, an add), one conversion and
+ * one multiply-add with the rows' scales times the activations' scale.  Q4's 64 codes per row and pair of groups
+ * are 32 bytes (see block_q), so a 64-byte load is rows r and r+1 of the pair: widening is a shift and a mask.
+ * The horizontal sums wait until the block's last group. */
+static inline __m512 scales16(const uint16_t *s, __m512i idx) {
+    return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)s))));
+}
+
+/* lanes 4r..4r+3 of v summed, r = 0..3 -> out[0..3] */
+static inline void store_rows4(__m512 v, float *out) {
+    v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(1, 0, 3, 2)));
+    v = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)));
+    _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0), v)));
+}
+
+/* acc[m] += group g of the block (w01/w23: rows 0,1 / 2,3, lo = columns 0..15, hi = 16..31) . batch row m0 + m */
+static inline __attribute__((always_inline)) void group_rows512(__m512 *acc, const ts_qact *a, int64_t g, int64_t G,
+                                                                int64_t K, int64_t m0, int64_t mt, __m512 ws, __m512 wm,
+                                                                const int wt, __m512i lo01, __m512i hi01, __m512i lo23,
+                                                                __m512i hi23) {
+    for (int64_t m = 0; m < mt; m++) {
+        const int64_t mg = (m0 + m) * G + g;
+        const int16_t *xq = a->q + (m0 + m) * K + g * 32;
+        const __m512i x0 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)xq));
+        const __m512i x1 = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(xq + 16)));
+        const __m512i z = _mm512_setzero_si512();
+        const __m512i s01 = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(z, lo01, x0), hi01, x1);
+        const __m512i s23 = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(z, lo23, x0), hi23, x1);
+        /* [row0 8 | row1 8] + [row2 8 | row3 8] -> four lanes per row */
+        const __m512i f = _mm512_add_epi32(_mm512_shuffle_i32x4(s01, s23, 0x88), _mm512_shuffle_i32x4(s01, s23, 0xDD));
+        __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(f), _mm512_mul_ps(ws, _mm512_set1_ps(a->d[mg])), acc[m]);
+        if (wt == WT_Q4) t = _mm512_fmadd_ps(wm, _mm512_set1_ps(a->s[mg]), t);
+        acc[m] = t;
+    }
+}
+
+static inline __attribute__((always_inline)) void block_q512(const ts_weight *W, const int wt, int64_t b, int64_t K,
+                                                             const ts_qact *a, int64_t m0, int64_t mt, float *out) {
+    const int64_t G = K / 32;
+    const uint16_t *sc = W->scale + b * G * 4, *mn = wt == WT_Q4 ? W->min + b * G * 4 : NULL;
+    const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __mmask16 first = 0x1111; /* the min term in one lane per row: the final sum adds four lanes */
+    __m512 acc[MT];
+    for (int64_t m = 0; m < mt; m++) acc[m] = _mm512_setzero_ps();
+    if (wt == WT_Q8) {
+        const uint8_t *codes = (const uint8_t *)W->w + b * G * 4 * 32;
+        for (int64_t g = 0; g < G; g++) {
+            const uint8_t *c = codes + g * 4 * 32;
+            _mm_prefetch((const char *)(c + 512), _MM_HINT_T0);
+            _mm_prefetch((const char *)(c + 576), _MM_HINT_T0);
+#define PAIR(r, o) _mm512_cvtepi8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(c + (r) * 32 + (o)))), \
+                                                               _mm_loadu_si128((const __m128i *)(c + ((r) + 1) * 32 + (o))), 1))
+            group_rows512(acc, a, g, G, K, m0, mt, scales16(sc + g * 4, idx), _mm512_setzero_ps(), wt, PAIR(0, 0),
+                          PAIR(0, 16), PAIR(2, 0), PAIR(2, 16));
+#undef PAIR
+        }
+    } else {
+        const int64_t P = (G + 1) / 2;
+        const uint8_t *codes = (const uint8_t *)W->w + b * P * 4 * 32;
+        const __m512i nib = _mm512_set1_epi16(0x000F);
+        for (int64_t p = 0; p < P; p++) {
+            const uint8_t *c = codes + p * 4 * 32;
+            _mm_prefetch((const char *)(c + 512), _MM_HINT_T0);
+            _mm_prefetch((const char *)(c + 576), _MM_HINT_T0);
+            const __m512i r01 = _mm512_loadu_si512((const void *)c), r23 = _mm512_loadu_si512((const void *)(c + 64));
+            int64_t g = 2 * p;
+            group_rows512(acc, a, g, G, K, m0, mt, scales16(sc + g * 4, idx),
+                          _mm512_maskz_permutexvar_ps(first, idx, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(mn + g * 4))))),
+                          wt, _mm512_and_si512(r01, nib), _mm512_and_si512(_mm512_srli_epi16(r01, 4), nib),
+                          _mm512_and_si512(r23, nib), _mm512_and_si512(_mm512_srli_epi16(r23, 4), nib));
+            if (++g == G) break;
+            group_rows512(acc, a, g, G, K, m0, mt, scales16(sc + g * 4, idx),
+                          _mm512_maskz_permutexvar_ps(first, idx, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(mn + g * 4))))),
+                          wt, _mm512_and_si512(_mm512_srli_epi16(r01, 8), nib), _mm512_srli_epi16(r01, 12),
+                          _mm512_and_si512(_mm512_srli_epi16(r23, 8), nib), _mm512_srli_epi16(r23, 12));
+        }
+    }
+    for (int64_t m = 0; m < mt; m++) store_rows4(acc[m], out + m * 4);
+}
+#define BLOCK_Q block_q512
+#else
+#define BLOCK_Q block_q
+#endif
+
 /* ---- the tiled path (M >= TILE_MIN) ----
  * With many batch rows the row path above spends most of its instructions on the horizontal reduction, scaling
  * and loads of each (row, group, 4 weight rows) dot, ~3.5 per vpmaddwd.  Here each block's four weight rows are
@@ -397,11 +495,56 @@ static inline __attribute__((always_inline)) void tile_group(const ts_wtile *t, 
     }
 }
 
+#if TS_AVX512
+/* The same tile with AVX-512 VNNI: sixteen batch rows per vector and vpdpwssd's fused multiply-add-accumulate, so a
+ * tile of 4 weight rows x 32 batch rows is 8 vpdpwssd per column pair (the AVX2 tile: 8 vpmaddwd + 8 vpaddd for
+ * 16 batch rows). */
+static inline __attribute__((always_inline)) void tile_group512(const ts_wtile *t, const int wt, int64_t KP, int64_t g,
+                                                                const ts_qact *a, int64_t m0, const int NV, float *f) {
+    const int64_t mp = a->mp;
+    const int32_t *w0 = (const int32_t *)(t->w + g * 32), *w1 = (const int32_t *)(t->w + KP + g * 32);
+    const int32_t *w2 = (const int32_t *)(t->w + 2 * KP + g * 32), *w3 = (const int32_t *)(t->w + 3 * KP + g * 32);
+    const int32_t *xq = (const int32_t *)a->q + tiled(g, 0, m0, mp);
+    __m512i c00 = _mm512_setzero_si512(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;
+#pragma GCC unroll 16
+    for (int k = 0; k < 16; k++) {
+        const __m512i x0 = _mm512_loadu_si512((const void *)(xq + k * 16));
+        const __m512i x1 = NV > 1 ? _mm512_loadu_si512((const void *)(xq + 256 + k * 16)) : x0;
+#define TAP(cr0, cr1, wr)                                                  \
+    {                                                                      \
+        const __m512i b = _mm512_set1_epi32(wr[k]);                        \
+        cr0 = _mm512_dpwssd_epi32(cr0, b, x0);                             \
+        if (NV > 1) cr1 = _mm512_dpwssd_epi32(cr1, b, x1);                 \
+    }
+        TAP(c00, c01, w0) TAP(c10, c11, w1) TAP(c20, c21, w2) TAP(c30, c31, w3)
+#undef TAP
+        __asm__("" : "+v"(c00), "+v"(c01), "+v"(c10), "+v"(c11), "+v"(c20), "+v"(c21), "+v"(c30), "+v"(c31));
+    }
+    const float *restrict sc = t->sc + g * 4, *restrict mn = t->mn + g * 4;
+    const float *restrict d = a->d + g * mp + m0, *restrict sm = a->s + g * mp + m0;
+    float *restrict o = f + m0;
+    const __m512i c[2][4] = {{c00, c10, c20, c30}, {c01, c11, c21, c31}};
+    for (int j = 0; j < NV; j++) {
+        const __m512 dx = _mm512_loadu_ps(d + 16 * j), sx = _mm512_loadu_ps(sm + 16 * j);
+        for (int r = 0; r < 4; r++) {
+            float *restrict fo = o + r * mp + 16 * j;
+            __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c[j][r]), _mm512_mul_ps(dx, _mm512_set1_ps(sc[r])),
+                                       _mm512_loadu_ps(fo));
+            if (wt == WT_Q4) v = _mm512_fmadd_ps(sx, _mm512_set1_ps(mn[r]), v);
+            _mm512_storeu_ps(fo, v);
+        }
+    }
+}
+#define TILE_GROUP tile_group512
+#else
+#define TILE_GROUP tile_group
+#endif
+
 /* One out-of-line copy per (format, width): inlined into the loops over groups, gcc hoists the 64 weight
  * broadcasts of every group out of the loop over batch rows and spills them (measured 2x slower). */
 #define TILE_FN(name, WT, NV)                                                                                        \
     static __attribute__((noinline)) void name(const ts_wtile *t, int64_t KP, int64_t g, const ts_qact *a, int64_t m0, \
-                                               float *f) { tile_group(t, WT, KP, g, a, m0, NV, f); }
+                                               float *f) { TILE_GROUP(t, WT, KP, g, a, m0, NV, f); }
 TILE_FN(tile_q4x2, WT_Q4, 2)
 TILE_FN(tile_q4x1, WT_Q4, 1)
 TILE_FN(tile_q8x2, WT_Q8, 2)
@@ -416,7 +559,7 @@ static void blocks_tile(const ts_wtile *t, int nb, const int wt, int64_t K, cons
     memset(f, 0, sizeof(float) * (size_t)(4 * nb * mp));
     for (int64_t g = 0; g < G; g++) {
         int64_t m0 = 0;
-        for (; m0 + 16 <= mp; m0 += 16)
+        for (; m0 + 2 * TW <= mp; m0 += 2 * TW)
             for (int i = 0; i < nb; i++) (wt == WT_Q4 ? tile_q4x2 : tile_q8x2)(t + i, KP, g, a, m0, f + 4 * i * mp);
         if (m0 < mp)
             for (int i = 0; i < nb; i++) (wt == WT_Q4 ? tile_q4x1 : tile_q8x1)(t + i, KP, g, a, m0, f + 4 * i * mp);
@@ -459,7 +602,7 @@ static void store8(const float *f, int64_t mp, int64_t M, float *y, int64_t ldy,
 }
 
 static ts_qact qact_alloc(int64_t M, int64_t K) {
-    M = (M + 7) / 8 * 8; /* room for the tiled layout's padding rows */
+    M = (M + TW - 1) / TW * TW; /* room for the tiled layout's padding rows */
     ts_qact a = {(int16_t *)malloc(sizeof(int16_t) * (size_t)(M * K)), (float *)malloc(sizeof(float) * (size_t)(M * K / 32)),
                  (float *)malloc(sizeof(float) * (size_t)(M * K / 32)), 0};
     return a;
@@ -528,8 +671,8 @@ static void linear_body(const float *x, int64_t ldx, int64_t M, const ts_weight 
         for (int64_t m0 = 0; m0 < M; m0 += MT) {
             const int64_t mt = M - m0 < MT ? M - m0 : MT;
             /* a literal weight type per call: the format branches fold away inside the loops */
-            if (W->wt == WT_Q8) block_q(W, WT_Q8, b, K, a, m0, mt, o);
-            else block_q(W, WT_Q4, b, K, a, m0, mt, o);
+            if (W->wt == WT_Q8) BLOCK_Q(W, WT_Q8, b, K, a, m0, mt, o);
+            else BLOCK_Q(W, WT_Q4, b, K, a, m0, mt, o);
             for (int64_t m = 0; m < mt; m++)
                 for (int r = 0; r < 4 && n + r < N; r++) store(y, (m0 + m) * ldy + n + r, o[m * 4 + r], bias, n + r, accumulate);
         }
