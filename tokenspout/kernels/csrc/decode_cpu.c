@@ -169,8 +169,15 @@ typedef struct {
     int64_t mp;  /* 0: row layout; > 0: tiled layout, M rounded up to a multiple of 8 (padding rows are zero) */
 } ts_qact;
 
+/* Batch rows from which the quantized linears take the tiled path (blocks_tile).  bench.linear: AVX2's row path
+ * loses from 16 rows; AVX-512's (four vpdpwssd per group and batch row) still wins by 3-8% up to 24 rows (the tile pads
+ * 24 to 32) and loses from 28. */
 #ifndef TILE_MIN
-#define TILE_MIN 16 /* batch rows from which the quantized linears take the tiled path (blocks_tile) */
+#if TS_AVX512
+#define TILE_MIN 28
+#else
+#define TILE_MIN 16
+#endif
 #endif
 
 /* TW: batch rows per vector of the tiled path (eight int32 lanes with AVX2, sixteen with AVX-512). */
@@ -242,6 +249,10 @@ static inline void widen_q8(const uint8_t *c, __m256i *lo, __m256i *hi) {
     *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + 16)));
 }
 
+#ifndef PF256
+#define PF256 512 /* software prefetch distance of the AVX2 row path, bytes of codes ahead */
+#endif
+
 #define MT 64 /* batch rows per pass: their accumulators live on the stack */
 
 /* acc[m] += one group (g) of four weight rows, widened to int16 (row r: elements 0..15 in l[r], 16..31 in h[r]),
@@ -278,7 +289,7 @@ static inline __attribute__((always_inline)) void block_q(const ts_weight *W, co
         const uint8_t *codes = (const uint8_t *)W->w + b * G * 4 * 32;
         for (int64_t g = 0; g < G; g++) {
             const uint8_t *c = codes + g * 4 * 32;
-            _mm_prefetch((const char *)(c + 512), _MM_HINT_T0);
+            _mm_prefetch((const char *)(c + PF256), _MM_HINT_T0);
             for (int r = 0; r < 4; r++) widen_q8(c + r * 32, &l[r], &h[r]);
             group_rows(acc, a, g, G, K, m0, mt, scales4(sc + g * 4), _mm256_setzero_ps(), wt, l, h);
         }
@@ -288,7 +299,7 @@ static inline __attribute__((always_inline)) void block_q(const ts_weight *W, co
         const __m256i nib = _mm256_set1_epi16(0x000F);
         for (int64_t p = 0; p < P; p++) {
             const uint8_t *c = codes + p * 4 * 32;
-            _mm_prefetch((const char *)(c + 512), _MM_HINT_T0);
+            _mm_prefetch((const char *)(c + PF256), _MM_HINT_T0);
             __m256i raw[4];
             for (int r = 0; r < 4; r++) {
                 raw[r] = _mm256_loadu_si256((const __m256i *)(c + r * 32));
@@ -314,6 +325,9 @@ static inline __attribute__((always_inline)) void block_q(const ts_weight *W, co
     }
 }
 
+#ifndef PF512
+#define PF512 4096 /* software prefetch distance of the AVX-512 row path, bytes of codes ahead */
+#endif
 #if TS_AVX512
 /* ---- the row path with AVX-512 VNNI (the same formats, the same int16 activations) ----
  * A zmm holds sixteen int16 codes of two weight rows side by side (rows r, r+1: columns 0..15 of a group in one
@@ -367,8 +381,8 @@ static inline __attribute__((always_inline)) void block_q512(const ts_weight *W,
         const uint8_t *codes = (const uint8_t *)W->w + b * G * 4 * 32;
         for (int64_t g = 0; g < G; g++) {
             const uint8_t *c = codes + g * 4 * 32;
-            _mm_prefetch((const char *)(c + 512), _MM_HINT_T0);
-            _mm_prefetch((const char *)(c + 576), _MM_HINT_T0);
+            _mm_prefetch((const char *)(c + PF512), _MM_HINT_T0);
+            _mm_prefetch((const char *)(c + PF512 + 64), _MM_HINT_T0);
 #define PAIR(r, o) _mm512_cvtepi8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(c + (r) * 32 + (o)))), \
                                                                _mm_loadu_si128((const __m128i *)(c + ((r) + 1) * 32 + (o))), 1))
             group_rows512(acc, a, g, G, K, m0, mt, scales16(sc + g * 4, idx), _mm512_setzero_ps(), wt, PAIR(0, 0),
@@ -381,8 +395,8 @@ static inline __attribute__((always_inline)) void block_q512(const ts_weight *W,
         const __m512i nib = _mm512_set1_epi16(0x000F);
         for (int64_t p = 0; p < P; p++) {
             const uint8_t *c = codes + p * 4 * 32;
-            _mm_prefetch((const char *)(c + 512), _MM_HINT_T0);
-            _mm_prefetch((const char *)(c + 576), _MM_HINT_T0);
+            _mm_prefetch((const char *)(c + PF512), _MM_HINT_T0);
+            _mm_prefetch((const char *)(c + PF512 + 64), _MM_HINT_T0);
             const __m512i r01 = _mm512_loadu_si512((const void *)c), r23 = _mm512_loadu_si512((const void *)(c + 64));
             int64_t g = 2 * p;
             group_rows512(acc, a, g, G, K, m0, mt, scales16(sc + g * 4, idx),
@@ -617,6 +631,9 @@ static void qact_free(ts_qact *a) { free(a->q); free(a->d); free(a->s); }
  * complete after the barrier `bar` that ends it. */
 static void linear_body(const float *x, int64_t ldx, int64_t M, const ts_weight *W, const float *bias, int64_t N,
                         int64_t K, float *y, int64_t ldy, int accumulate, const ts_qact *a, ts_barrier *bar) {
+#ifdef SKIP_LINEAR /* benchmarks: the fixed cost of a step without its weight streaming */
+    if (W->wt != WT_F32) { bar_wait(bar); return; }
+#endif
     if (W->wt == WT_F32) {
         const float *w = (const float *)W->w;
         const int64_t nblk = N / 4;
@@ -848,6 +865,9 @@ static inline __attribute__((always_inline)) void attn_impl(const float *q, int6
 static void attn_body(const float *q, int64_t ldq, const void *kv, int64_t slots, const int64_t *block_ids,
                       int64_t nb, const int64_t *seq_lens, int64_t bs, int64_t T, int64_t H, int64_t Hkv,
                       int64_t D, float scale, float *out, int64_t ldo, ts_barrier *bar, int64_t kv_half) {
+#ifdef SKIP_ATTN
+    bar_wait(bar); return;
+#endif
     if (kv_half) attn_impl(q, ldq, kv, slots, block_ids, nb, seq_lens, bs, T, H, Hkv, D, scale, out, ldo, bar, 1);
     else attn_impl(q, ldq, kv, slots, block_ids, nb, seq_lens, bs, T, H, Hkv, D, scale, out, ldo, bar, 0);
 }
