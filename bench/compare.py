@@ -8,6 +8,7 @@ which records start-up time (to a healthy /health) and the peak RSS of the serve
 * tokenspout       `tokenspout serve` with `make serve`'s defaults (the default model; --quantization auto = int4);
 * tokenspout-fp32  the same with --quantization none (float32 weights, what vLLM serves);
 * vllm             vLLM CPU 0.32 on the same float32 folder (`vllm.sh`; install it first: vllm.sh install);
+* vllm-bf16        the same served in bfloat16 (DTYPE=bfloat16: vLLM's fast path on AVX512-BF16 CPUs);
 * llamacpp         llama.cpp's server on the original Q4_1 GGUF (`llamacpp.sh`; llamacpp.sh install).
 Each server is measured with bench/serve.py (closed loop, streamed, ignore_eos).  Writes
 bench/results/serve_compare.json and prints a markdown table (the one in README.md).
@@ -28,7 +29,7 @@ from bench import serve
 from bench.common import write_json
 
 ROOT = Path(__file__).resolve().parent.parent
-PORTS = {"tokenspout": 8000, "tokenspout-fp32": 8001, "vllm": 8100, "llamacpp": 8200}
+PORTS = {"tokenspout": 8000, "tokenspout-fp32": 8001, "vllm": 8100, "vllm-bf16": 8101, "llamacpp": 8200}
 
 
 def model_dir() -> str:
@@ -44,8 +45,9 @@ def start(name: str, peers: Path, env: dict) -> dict:
                str(ROOT / ".venv" / "bin" / "tokenspout"), "serve", "--port", str(port)]
         if name == "tokenspout-fp32":
             cmd += ["--quantization", "none"]
-    elif name == "vllm":
+    elif name.startswith("vllm"):
         cmd = [str(peers / "vllm.sh"), "start", model_dir(), str(port)]
+        env = dict(env, DTYPE="bfloat16" if name == "vllm-bf16" else "float32")
     else:
         cmd = [str(peers / "llamacpp.sh"), "start", str(port)]
     res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, check=False)
@@ -53,14 +55,14 @@ def start(name: str, peers: Path, env: dict) -> dict:
     if res.returncode != 0:
         raise RuntimeError(f"{name} did not start: {res.stdout[-2000:]}{res.stderr[-2000:]}")
     logs = Path(env["PEERS"]) / "logs"
-    return json.loads((logs / f"{name}.startup.json").read_text())
+    return json.loads((logs / f"{'vllm' if name.startswith('vllm') else name}.startup.json").read_text())
 
 
 def stop(name: str, peers: Path, env: dict) -> dict:
-    script = {"vllm": "vllm.sh", "llamacpp": "llamacpp.sh"}.get(name)
+    script = {"vllm": "vllm.sh", "vllm-bf16": "vllm.sh", "llamacpp": "llamacpp.sh"}.get(name)
     cmd = [str(peers / script), "stop"] if script else [str(peers / "stop_server.sh"), name]
     subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
-    rss = Path(env["PEERS"]) / "logs" / f"{name}.rss.json"
+    rss = Path(env["PEERS"]) / "logs" / f"{'vllm' if name.startswith('vllm') else name}.rss.json"
     return json.loads(rss.read_text()) if rss.is_file() else {}
 
 
@@ -104,7 +106,7 @@ def main() -> None:
             stop(name, args.peers_dir, env)
             continue
         try:
-            model = "smollm2" if name in ("vllm", "llamacpp") else "SmolLM2-135M-Instruct"
+            model = "smollm2" if name in ("vllm", "vllm-bf16", "llamacpp") else "SmolLM2-135M-Instruct"
             sargs = serve.parse_args(["--base-url", f"http://127.0.0.1:{PORTS[name]}/v1", "--model", model,
                                       "--concurrency", *map(str, args.concurrency), "--mode", *args.mode,
                                       "--max-tokens", str(args.max_tokens), "--label", name]

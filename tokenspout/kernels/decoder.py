@@ -96,6 +96,7 @@ class CpuDecoder:
         self.lm_head = q.get("lm_head", model.lm_head.weight.data)
         self.scratch_per_token = ((a.num_heads + 2 * a.num_kv_heads) * a.head_dim
                                   + a.num_heads * a.head_dim + 3 * a.intermediate_size)
+        self._scratch = torch.empty(0, dtype=torch.float32)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 block_ids: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
@@ -103,7 +104,10 @@ class CpuDecoder:
         block_ids [T, nb] int64 contiguous, seq_lens [T] = positions + 1."""
         t = input_ids.shape[0]
         x = self.model.embed_tokens(input_ids).contiguous()
-        scratch = torch.empty(t * self.scratch_per_token, dtype=torch.float32)
+        need = t * self.scratch_per_token
+        if self._scratch.numel() < need:  # kept between steps: a fresh buffer is fresh pages, faulted in every step
+            self._scratch = torch.empty(need, dtype=torch.float32)
+        scratch = self._scratch
         self.lib.ts_decode_layers(ctypes.byref(self.desc), x.data_ptr(), t, positions.data_ptr(),
                                   slot_mapping.data_ptr(), block_ids.data_ptr(), block_ids.shape[1],
                                   seq_lens.data_ptr(), scratch.data_ptr())

@@ -565,9 +565,17 @@ TILE_FN(tile_q8x2, WT_Q8, 2)
 TILE_FN(tile_q8x1, WT_Q8, 1)
 #undef TILE_FN
 
-/* f[(4i + r) * mp + m] = row r of block i . batch row m, for the nb (1 or 2) widened blocks t[i] and every batch
- * row m < mp (a multiple of 8).  Groups outer, batch rows inner: a tile's activations (16 pairs of 8 or 16 rows)
- * are read from L2 once and from L1 by the second block. */
+/* Blocks of four weight rows per pass of the tiled path: each pass reads the activations once (from L2) and every
+ * block after the first reuses each tile of them from L1; 8 blocks = 32 output columns, 128 bytes of every batch
+ * row's output written together.  (2 blocks per pass: the activation reads and strided partial-line output
+ * writes cost ~20% of a c=64 step.) */
+#ifndef TB
+#define TB 8
+#endif
+
+/* f[(4i + r) * mp + m] = row r of block i . batch row m, for the nb (1..TB) widened blocks t[i] and every batch
+ * row m < mp (a multiple of TW).  Groups outer, batch rows inner: a tile's activations (16 pairs of TW or 2 TW rows)
+ * are read from L2 once and from L1 by the other blocks. */
 static void blocks_tile(const ts_wtile *t, int nb, const int wt, int64_t K, const ts_qact *a, float *f) {
     const int64_t G = K / 32, KP = G * 32, mp = a->mp;
     memset(f, 0, sizeof(float) * (size_t)(4 * nb * mp));
@@ -585,34 +593,45 @@ static inline void store(float *y, int64_t i, float v, const float *bias, int64_
     y[i] = acc ? y[i] + v : v;
 }
 
-/* y[m, 0..7] (+)= f[r * mp + m] for r < 8 (+ bias[r]), m < M: the tiled path's output, eight batch rows at a
- * time through an 8x8 transpose (scalar stores with their branches were ~5% of a c=64 step). */
-static void store8(const float *f, int64_t mp, int64_t M, float *y, int64_t ldy, const float *bias, int acc) {
-    const __m256 bv = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
-    for (int64_t m0 = 0; m0 < M; m0 += 8) {
-        __m256 v[8], t[8];
-        for (int r = 0; r < 8; r++) v[r] = _mm256_loadu_ps(f + r * mp + m0);
-        for (int r = 0; r < 8; r += 2) {
-            t[r] = _mm256_unpacklo_ps(v[r], v[r + 1]);
-            t[r + 1] = _mm256_unpackhi_ps(v[r], v[r + 1]);
-        }
-        for (int r = 0; r < 8; r += 4)
-            for (int i = 0; i < 2; i++) {
-                v[r + 2 * i] = _mm256_shuffle_ps(t[r + i], t[r + 2 + i], 0x44);
-                v[r + 2 * i + 1] = _mm256_shuffle_ps(t[r + i], t[r + 2 + i], 0xEE);
-            }
-        /* v[0..3]: batch rows m0+{0,4}, {1,5}, {2,6}, {3,7} of weight rows 0..3 (low / high 128 bits); v[4..7]: rows 4..7 */
-        for (int j = 0; j < 4; j++) {
-            t[j] = _mm256_permute2f128_ps(v[j], v[j + 4], 0x20);
-            t[j + 4] = _mm256_permute2f128_ps(v[j], v[j + 4], 0x31);
-        }
-        for (int j = 0; j < 8 && m0 + j < M; j++) {
-            float *o = y + (m0 + j) * ldy;
-            __m256 r = _mm256_add_ps(t[j], bv);
-            if (acc) r = _mm256_add_ps(r, _mm256_loadu_ps(o));
-            _mm256_storeu_ps(o, r);
-        }
+/* y[m0..m0+7, 0..7] (+)= f[r * mp + m] for r < 8 (+ bias[r]), rows below M only: the tiled path's output, eight
+ * batch rows by eight columns through an 8x8 transpose (scalar stores with their branches were ~5% of a c=64 step). */
+static inline void store8x8(const float *f, int64_t mp, int64_t m0, int64_t M, float *y, int64_t ldy, __m256 bv,
+                            int acc) {
+    __m256 v[8], t[8];
+    for (int r = 0; r < 8; r++) v[r] = _mm256_loadu_ps(f + r * mp + m0);
+    for (int r = 0; r < 8; r += 2) {
+        t[r] = _mm256_unpacklo_ps(v[r], v[r + 1]);
+        t[r + 1] = _mm256_unpackhi_ps(v[r], v[r + 1]);
     }
+    for (int r = 0; r < 8; r += 4)
+        for (int i = 0; i < 2; i++) {
+            v[r + 2 * i] = _mm256_shuffle_ps(t[r + i], t[r + 2 + i], 0x44);
+            v[r + 2 * i + 1] = _mm256_shuffle_ps(t[r + i], t[r + 2 + i], 0xEE);
+        }
+    /* v[0..3]: batch rows m0+{0,4}, {1,5}, {2,6}, {3,7} of weight rows 0..3 (low / high 128 bits); v[4..7]: rows 4..7 */
+    for (int j = 0; j < 4; j++) {
+        t[j] = _mm256_permute2f128_ps(v[j], v[j + 4], 0x20);
+        t[j + 4] = _mm256_permute2f128_ps(v[j], v[j + 4], 0x31);
+    }
+    for (int j = 0; j < 8 && m0 + j < M; j++) {
+        float *o = y + (m0 + j) * ldy;
+        __m256 r = _mm256_add_ps(t[j], bv);
+        if (acc) r = _mm256_add_ps(r, _mm256_loadu_ps(o));
+        _mm256_storeu_ps(o, r);
+    }
+}
+
+/* y[m, 0..n) (+)= f[r * mp + m] (+ bias[r]) for r < n, m < M: one pass's n output columns (n <= 4 * TB), each
+ * batch row's columns written together (a row's run of up to 4 * TB floats, whole cache lines, not eight floats
+ * in every row per pair of blocks: those strided partial-line writes were ~10% of a c=64 step). */
+static void store_pass(const float *f, int64_t mp, int64_t M, int64_t n, float *y, int64_t ldy, const float *bias,
+                       int acc) {
+    const int64_t n8 = n / 8 * 8;
+    for (int64_t m0 = 0; m0 < M; m0 += 8)
+        for (int64_t r0 = 0; r0 < n8; r0 += 8)
+            store8x8(f + r0 * mp, mp, m0, M, y + r0, ldy, bias ? _mm256_loadu_ps(bias + r0) : _mm256_setzero_ps(), acc);
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t r = n8; r < n; r++) store(y, m * ldy + r, f[r * mp + m], bias, r, acc);
 }
 
 static ts_qact qact_alloc(int64_t M, int64_t K) {
@@ -660,23 +679,20 @@ static void linear_body(const float *x, int64_t ldx, int64_t M, const ts_weight 
     const int64_t nblk = (N + 3) / 4;
     if (a->mp) {
         const int64_t G = K / 32;
-        ts_wtile t[2];
-        for (int i = 0; i < 2; i++)
+        ts_wtile t[TB];
+        for (int i = 0; i < TB; i++)
             t[i] = (ts_wtile){(int16_t *)malloc(sizeof(int16_t) * (size_t)(4 * G * 32)),
                               (float *)malloc(sizeof(float) * (size_t)(G * 4)), (float *)malloc(sizeof(float) * (size_t)(G * 4))};
-        float *f = (float *)malloc(sizeof(float) * (size_t)(8 * a->mp));
+        float *f = (float *)malloc(sizeof(float) * (size_t)(4 * TB * a->mp));
 #pragma omp for schedule(static) nowait
-        for (int64_t b = 0; b < nblk; b += 2) { /* pairs of blocks: eight weight rows per pass over the activations */
-            const int nb = b + 1 < nblk ? 2 : 1;
+        for (int64_t b = 0; b < nblk; b += TB) { /* TB blocks (4 * TB weight rows) per pass over the activations */
+            const int nb = nblk - b < TB ? (int)(nblk - b) : TB;
             for (int i = 0; i < nb; i++) widen_block(W, (int)W->wt, b + i, K, t + i);
             blocks_tile(t, nb, (int)W->wt, K, a, f);
-            if (nb == 2 && 4 * b + 8 <= N) store8(f, a->mp, M, y + 4 * b, ldy, bias ? bias + 4 * b : NULL, accumulate);
-            else
-                for (int64_t m = 0; m < M; m++)
-                    for (int r = 0; r < 4 * nb && 4 * b + r < N; r++)
-                        store(y, m * ldy + 4 * b + r, f[r * a->mp + m], bias, 4 * b + r, accumulate);
+            const int64_t n = N - 4 * b < 4 * nb ? N - 4 * b : 4 * nb; /* the last block's padding rows are not stored */
+            store_pass(f, a->mp, M, n, y + 4 * b, ldy, bias ? bias + 4 * b : NULL, accumulate);
         }
-        for (int i = 0; i < 2; i++) { free(t[i].w); free(t[i].sc); free(t[i].mn); }
+        for (int i = 0; i < TB; i++) { free(t[i].w); free(t[i].sc); free(t[i].mn); }
         free(f);
         bar_wait(bar);
         return;
