@@ -11,6 +11,7 @@ from tokenspout.config import ModelConfig
 from tokenspout.engine.messages import EngineCoreRequest
 from tokenspout.kernels import cpu
 from tokenspout.models.loader import load_model
+from tokenspout.models.quantize import dequantize
 from tokenspout.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(cpu.load() is None, reason="decode kernels unavailable on this machine")
@@ -61,10 +62,10 @@ def test_int4_is_lossless_on_the_default_model(loaded_model, int4_model):
     head) re-derives exactly those grids, so the dequantized weights equal the float32 ones to rounding."""
     ref = dict(loaded_model.model.named_parameters(remove_duplicate=False))
     checked = 0
-    for name, p in int4_model.model.named_parameters():
-        if name.endswith("proj.weight") or name == "lm_head.weight":
-            assert float((p - ref[name]).abs().max()) <= 1e-5 * float(ref[name].abs().max()), name
-            checked += 1
+    for name, pw in int4_model.quantized.items():  # the packed weights (the model holds no float copy of them)
+        w = dequantize(pw)
+        assert float((w - ref[name + ".weight"]).abs().max()) <= 1e-5 * float(ref[name + ".weight"].abs().max()), name
+        checked += 1
     assert checked == 4 * loaded_model.arch.num_layers + 1
 
 

@@ -14,10 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tokenspout.kernels import cpu
 from tokenspout.config import ModelConfig
 from tokenspout.models import quant_cache
 from tokenspout.models.llama import LlamaArch
 from tokenspout.models.loader import load_hf_config, load_model, plain_hf_config, rope_inv_freq
+from tokenspout.models.quant_linear import QuantLinear
 from tokenspout.models.quantize import PackedWeight
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,8 +63,13 @@ def _assert_identical(a, b) -> None:
             assert (ta is None) == (tb is None), (name, f)
             if ta is not None:
                 assert ta.dtype == tb.dtype and torch.equal(ta, tb), (name, f)
-    assert a.model.lm_head.weight is not a.model.embed_tokens.weight  # untied, like quantize_model leaves it
-    assert b.model.lm_head.weight is not b.model.embed_tokens.weight
+    for m in (a.model, b.model):  # the head is untied, like quantize_model leaves it: where the kernels run a
+        # QuantLinear holding only its packed weight (no float copy anywhere in the model), else dequantized floats
+        if cpu.load() is not None:
+            assert isinstance(m.lm_head, QuantLinear) and not any(
+                k.endswith("proj.weight") or k == "lm_head.weight" for k in m.state_dict())
+        else:
+            assert m.lm_head.weight is not m.embed_tokens.weight
     assert torch.equal(a.model.rotary.cos, b.model.rotary.cos)
 
 

@@ -5,8 +5,9 @@ them, on a float32 model whose shapes the kernels take (K dims and head_dim mult
 Everything else (prefill chunks, larger batches, bfloat16, Qwen3's q/k norm) runs the torch model: both paths read
 and write the same paged KV cache, so a request moves between them freely from step to step.
 
-With quantized weights (ModelConfig.quantization, models/quantize.py) the torch model holds the dequantized weights,
-so both paths compute with the same effective weights and differ only in summation order.
+With quantized weights (ModelConfig.quantization, models/quantize.py) the kernels stream the packed codes; where
+they run, the torch model's linear layers are QuantLinear modules over the same packed weights (no float copy), so
+both paths compute with the same effective weights and differ only in summation order.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class CpuDecoder:
             return kv.data_ptr()
 
         def weight(name: str, module, quant: bool) -> cpu.Weight:
-            w = q.get(name, module.weight.data) if quant else module.weight.data
+            w = q[name] if quant and name in q else module.weight.data
             for t in (w,) if isinstance(w, torch.Tensor) else (w.codes, w.scale, w.min):
                 if t is not None:
                     self._keep.append(t)
@@ -93,7 +94,7 @@ class CpuDecoder:
         # quantized models stream their packed codes at every batch size; float32 ones their float32 weights
         self.desc = descriptor(bool(q))
         self.max_tokens = QUANTIZED_MAX_TOKENS if q else MAX_TOKENS
-        self.lm_head = q.get("lm_head", model.lm_head.weight.data)
+        self.lm_head = q["lm_head"] if "lm_head" in q else model.lm_head.weight.data
         self.scratch_per_token = ((a.num_heads + 2 * a.num_kv_heads) * a.head_dim
                                   + a.num_heads * a.head_dim + 3 * a.intermediate_size)
         self._scratch = torch.empty(0, dtype=torch.float32)

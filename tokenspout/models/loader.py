@@ -32,8 +32,8 @@ class LoadedModel:
     hf_config: object  # config.json as attributes (SimpleNamespace) or a transformers PretrainedConfig
     max_model_len: int
     dtype: torch.dtype
-    # packed codes for the decode kernels when ModelConfig.quantization is set (the model itself then holds the
-    # dequantized weights)
+    # packed codes for the kernels when ModelConfig.quantization is set (the model's linear layers are then
+    # QuantLinear modules over them where the kernels run, else hold the dequantized weights)
     quantized: dict | None = None  # module name -> models.quantize.PackedWeight
 
 
@@ -228,7 +228,10 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         from tokenspout.models.quant_cache import load_or_quantize
 
         files = [*_safetensors_files(path), path / "config.json"]
-        model, quantized = load_or_quantize(meta_model, path, files, cfg.quantization, dtype, fresh)
+        from tokenspout.kernels import cpu
+
+        # where the kernels run, the linear layers keep only their packed weights (no dequantized float copy)
+        model, quantized = load_or_quantize(meta_model, path, files, cfg.quantization, dtype, fresh, cpu.load())
         if model.rotary is None:  # loaded from the cache
             model = finish(model)
     return LoadedModel(model=model, path=path, name=cfg.served_model_name or name, arch=arch,

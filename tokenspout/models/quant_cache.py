@@ -2,8 +2,9 @@
 
 One safetensors file per (weight files and config.json: absolute path, size and mtime; method; dtype; the source of
 quantize.py, loader.py and this file; torch version; FORMAT) under $TOKENSPOUT_CACHE/quantized/.  It holds the
-model's whole state after `quantize_model` (dequantized weights in the model dtype, the exact embedding, norms,
-biases) and every PackedWeight's codes / scale / min.  safetensors maps the file, so on a hit the model's
+model's whole state after `quantize_model` (the exact embedding, norms, biases; the dequantized linear weights only
+where the kernels do not run: elsewhere the linear layers are QuantLinear modules holding just their packed weight)
+and every PackedWeight's codes / scale / min.  safetensors maps the file, so on a hit the model's
 parameters are the file's pages: no copy, no quantization (the dequantized weights are stored rather than
 recomputed from the codes because mapping them costs nothing, while recomputing them costs ~0.8 s on the default
 model; the file is ~1.4x the float32 weights).  Every tensor starts at a multiple of 64 bytes (safetensors' own
@@ -29,31 +30,33 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from torch import nn
 
 from tokenspout.models.default_model import cache_dir
 from tokenspout.models.llama import LlamaForCausalLM
+from tokenspout.models.quant_linear import linear_shapes, replace_linears
 from tokenspout.models.quantize import WT_Q4, WT_Q8, PackedWeight, quantize_model
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1  # bump when the file layout changes (the sources below are hashed into the key as well)
+FORMAT = 2  # bump when the file layout changes (the sources below are hashed into the key as well)
 # What the cached values and layout depend on: quantization, weight fusion (loader), this file.
-_SOURCES = [Path(__file__).parent / "quantize.py", Path(__file__).parent / "loader.py", Path(__file__)]
+_SOURCES = [Path(__file__).parent / "quantize.py", Path(__file__).parent / "quant_linear.py",
+            Path(__file__).parent / "loader.py", Path(__file__)]
 _MODEL, _PACKED = "model.", "packed."
 _ALIGN = 64  # bytes; every tensor of the file starts at a multiple (the map itself is page aligned)
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8", torch.uint8: "U8"}
 
 
-def cache_key(files: list[Path], method: str, dtype: torch.dtype) -> dict:
-    """Everything the cached tensors depend on.  files: the model's weight files and config.json."""
+def cache_key(files: list[Path], method: str, dtype: torch.dtype, packed_only: bool = False) -> dict:
+    """Everything the cached tensors depend on.  files: the model's weight files and config.json; packed_only: the
+    linear layers hold only their packed weights (the kernels run), so the file has no dequantized copy."""
     stats = []
     for f in files:
         st = f.stat()
         stats.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
     code = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES)).hexdigest()[:16]
     return {"format": FORMAT, "method": method, "dtype": str(dtype).removeprefix("torch."), "files": stats,
-            "code": code, "torch": torch.__version__}
+            "code": code, "torch": torch.__version__, "packed_only": packed_only}
 
 
 def cache_file(model_dir: Path, key: dict) -> Path:
@@ -64,9 +67,6 @@ def cache_file(model_dir: Path, key: dict) -> Path:
     return cache_dir() / "quantized" / f"{model_dir.name}-{where}-{key['method']}-{key['dtype']}-{digest}.safetensors"
 
 
-def _linear_names(model: nn.Module) -> set[str]:
-    return {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-
 
 def _packed_numels(n: int, k: int, wt: int) -> tuple[int, int, int]:
     """(codes, scale, min) element counts of the kernels' layout (N padded to a multiple of 4, groups of 32)."""
@@ -75,7 +75,7 @@ def _packed_numels(n: int, k: int, wt: int) -> tuple[int, int, int]:
     return (n4 * -(-k // 64) * 32, groups, groups) if wt == WT_Q4 else (n4 * k, groups, 0)
 
 
-def load(file: Path, key: dict, model: LlamaForCausalLM, dtype: torch.dtype,
+def load(file: Path, key: dict, model: LlamaForCausalLM, dtype: torch.dtype, lib=None,
          discard: bool = False) -> tuple[LlamaForCausalLM, dict[str, PackedWeight]] | None:
     """The cached model (its parameters assigned from the mapped file) and packed weights, or None when the file
     is missing or does not match (discard: then delete it, with a warning; only under the writers' lock).  `model`
@@ -94,19 +94,22 @@ def load(file: Path, key: dict, model: LlamaForCausalLM, dtype: torch.dtype,
                 p = _PACKED + name
                 lo = f.get_tensor(p + ".min") if wt == WT_Q4 else None
                 packed[name] = PackedWeight(f.get_tensor(p + ".codes"), f.get_tensor(p + ".scale"), lo, n, k, wt)
+        shapes = linear_shapes(model)
         expected = model.state_dict()
+        if lib is not None:  # the linear layers will be QuantLinear modules: no float weight of theirs in the file
+            expected = {k: v for k, v in expected.items() if not (k.endswith(".weight") and k[:-7] in shapes)}
         if state.keys() != expected.keys():
             raise ValueError(f"tensors {sorted(state.keys() ^ expected.keys())[:3]} differ from the model's")
         for name, t in state.items():
             if t.shape != expected[name].shape or t.dtype != dtype:
                 raise ValueError(f"{name}: {t.dtype} {tuple(t.shape)}, expected {dtype} "
                                  f"{tuple(expected[name].shape)}")
-        if packed.keys() != _linear_names(model):
+        if packed.keys() != shapes.keys():
             raise ValueError("packed weights do not cover the model's linear layers")
         for name, pw in packed.items():
             want = _packed_numels(pw.n, pw.k, pw.wt)
             got = (pw.codes.numel(), pw.scale.numel(), 0 if pw.min is None else pw.min.numel())
-            if pw.wt not in (WT_Q8, WT_Q4) or got != want or (pw.n, pw.k) != tuple(state[name + ".weight"].shape):
+            if pw.wt not in (WT_Q8, WT_Q4) or got != want or (pw.n, pw.k) != shapes[name]:
                 raise ValueError(f"packed weight {name} has the wrong size")
     except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
         if discard:
@@ -114,7 +117,9 @@ def load(file: Path, key: dict, model: LlamaForCausalLM, dtype: torch.dtype,
             file.unlink(missing_ok=True)
         return None
     # assign=True: the parameters become the mapped tensors (no copy); a tied LM head is untied, as quantize_model
-    # leaves it (the file holds the exact embedding and the dequantized head separately).
+    # leaves it (the file holds the exact embedding and the head separately).
+    if lib is not None:
+        replace_linears(model, packed, lib)
     model.load_state_dict(state, assign=True)
     return model, packed
 
@@ -173,12 +178,14 @@ def _prefix(file: Path) -> str:
 
 
 def load_or_quantize(model: LlamaForCausalLM, model_dir: Path, files: list[Path], method: str, dtype: torch.dtype,
-                     fresh: Callable[[], LlamaForCausalLM]) -> tuple[LlamaForCausalLM, dict[str, PackedWeight]]:
+                     fresh: Callable[[], LlamaForCausalLM],
+                     lib=None) -> tuple[LlamaForCausalLM, dict[str, PackedWeight]]:
     """The quantized model and its packed weights: from the cache, else `fresh()` (the model with the folder's
-    weights in `dtype`) quantized and then cached.  `model`: the model built on the meta device."""
-    key = cache_key(files, method, dtype)
+    weights in `dtype`) quantized and then cached.  `model`: the model built on the meta device; `lib`: the C
+    kernels, when they run here (the linear layers then hold only their packed weights)."""
+    key = cache_key(files, method, dtype, packed_only=lib is not None)
     file = cache_file(model_dir, key)
-    hit = load(file, key, model, dtype)
+    hit = load(file, key, model, dtype, lib)
     if hit is not None:
         return hit
     try:
@@ -187,14 +194,14 @@ def load_or_quantize(model: LlamaForCausalLM, model_dir: Path, files: list[Path]
     except OSError as e:
         logger.warning("cannot use the quantized-weights cache in %s (%s): quantizing without it", file.parent, e)
         m = fresh()
-        return m, quantize_model(m, method)
+        return m, quantize_model(m, method, lib)
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits here, then finds the file written
-        hit = load(file, key, model, dtype, discard=True)
+        hit = load(file, key, model, dtype, lib, discard=True)
         if hit is not None:
             return hit
         m = fresh()
-        packed = quantize_model(m, method)
+        packed = quantize_model(m, method, lib)
         try:
             save(file, key, m, packed)
             logger.info("cached the %s weights in %s", method, file)

@@ -8,9 +8,9 @@ Both formats are those of the default model's GGUF (its layers are Q4_1, its tie
 model int4 reproduces the original weights and int8 the original LM head: the quantization there is lossless up to
 float32 rounding.  On other models they are the usual lossy formats (quality checks in tests/parity).
 
-The torch model's weights are replaced by the dequantized values, so the torch path (prefill, large batches) and the
-C decode kernels (which stream the packed codes: 1.0625 or 0.625 bytes per weight instead of 4) compute with the same
-effective weights and differ only in summation order.  The token embedding stays exact (a lookup costs no weight
+Where the C kernels run, the torch model's linear layers become QuantLinear modules (models/quant_linear.py) that
+hold only the packed codes (1.0625 or 0.625 bytes per weight instead of 4) and compute through the kernels; elsewhere
+its weights are replaced by the dequantized values, so the torch path computes with the same effective weights.  The token embedding stays exact (a lookup costs no weight
 bandwidth); a tied LM head is untied for that reason.
 """
 
@@ -82,10 +82,28 @@ def quantize_int4(w: torch.Tensor) -> tuple[PackedWeight, torch.Tensor]:
     return packed, deq
 
 
+def dequantize(pw: PackedWeight) -> torch.Tensor:
+    """The float32 [N, K] values a PackedWeight encodes (the inverse of the packing; tests and the torch fallback)."""
+    n4, groups = -(-pw.n // 4) * 4, pw.k // GROUP
+    scale = pw.scale.float().view(n4 // 4, groups, 4).transpose(1, 2).reshape(n4, groups)
+    if pw.wt == WT_Q8:
+        q = pw.codes.view(torch.int8).view(n4 // 4, groups, 4, GROUP).transpose(1, 2).reshape(n4, groups, GROUP)
+        return (q.float() * scale[..., None]).reshape(n4, pw.k)[: pw.n]
+    assert pw.min is not None
+    lo = pw.min.float().view(n4 // 4, groups, 4).transpose(1, 2).reshape(n4, groups)
+    pairs = -(-groups // 2)
+    raw = pw.codes.view(torch.uint8).view(n4 // 4, pairs, 4, 16, 2).transpose(1, 2).reshape(n4, pairs, 16, 2)
+    low, high = raw[..., 0], raw[..., 1]  # the bytes of word j: nibbles of columns j, 16+j | 32+j, 48+j
+    q = torch.stack([low & 15, low >> 4, high & 15, high >> 4], 2).reshape(n4, pairs * 64)[:, : pw.k]
+    return (q.float().view(n4, groups, GROUP) * scale[..., None] + lo[..., None]).reshape(n4, pw.k)[: pw.n]
+
+
 @torch.no_grad()
-def quantize_model(model: LlamaForCausalLM, method: str) -> dict[str, PackedWeight]:
-    """Quantizes in place (weights become their dequantized values); returns the packed weights by module name
-    ("layers.i.self_attn.qkv_proj", ..., "lm_head") for the decode kernels."""
+def quantize_model(model: LlamaForCausalLM, method: str, lib=None) -> dict[str, PackedWeight]:
+    """Quantizes in place; returns the packed weights by module name ("layers.i.self_attn.qkv_proj", ...,
+    "lm_head") for the kernels.  With `lib` (the loaded C kernels) every linear layer becomes a QuantLinear that
+    holds only its packed weight; without (a CPU the kernels do not run on) the weights become their dequantized
+    float values, which the torch model computes with."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")
     out: dict[str, PackedWeight] = {}
@@ -97,10 +115,16 @@ def quantize_model(model: LlamaForCausalLM, method: str) -> dict[str, PackedWeig
                              "which --quantization needs")
         fn = quantize_int4 if method == "int4" and name != "lm_head" else quantize_int8
         packed, deq = fn(module.weight)
+        out[name] = packed
+        if lib is not None:
+            continue
         deq = deq.to(module.weight.dtype)
         if name == "lm_head" and module.weight is model.embed_tokens.weight:
             module.weight = nn.Parameter(deq, requires_grad=False)  # untie: the embedding stays exact
         else:
             module.weight.copy_(deq)
-        out[name] = packed
+    if lib is not None:
+        from tokenspout.models.quant_linear import replace_linears
+
+        replace_linears(model, out, lib)
     return out

@@ -111,8 +111,14 @@ def _decoder(loaded: LoadedModel, caches: list[torch.Tensor], block_size: int,
 
 def forward_params(model: LlamaForCausalLM, num_layers: int | None) -> int:
     """Weights one forward reads: the decoder layers it runs and the LM head (the embedding is a row lookup)."""
+    from tokenspout.models.quant_linear import QuantLinear
+
+    def weights(m: torch.nn.Module) -> int:  # parameters + the packed weights of QuantLinear layers
+        return sum(p.numel() for p in m.parameters()) + sum(q.in_features * q.out_features for q in m.modules()
+                                                             if isinstance(q, QuantLinear))
+
     layers = model.layers if num_layers is None else model.layers[:num_layers]
-    return sum(p.numel() for p in layers.parameters()) + model.lm_head.weight.numel()
+    return weights(layers) + weights(model.lm_head)
 
 
 class DraftProposer:
