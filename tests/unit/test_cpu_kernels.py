@@ -143,3 +143,21 @@ def test_paged_decode_attention_matches_sdpa(lib, d: int, lens: list[int], dtype
         v = kv[1][slots].repeat_interleave(group, dim=1).transpose(0, 1)
         ref = F.scaled_dot_product_attention(q[t][:, None], k, v)[:, 0]
         torch.testing.assert_close(out[t], ref, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fn", [quantize_int4, quantize_int8])
+def test_quantize_rows_in_chunks_equals_the_whole_matrix(fn):
+    """The streaming loader quantizes a fused weight from its checkpoint parts, a chunk of rows at a time: the same
+    codes, scales and mins as the whole matrix at once (parts and chunks that end mid-block included)."""
+    from tokenspout.models.quantize import dequantize, quantize_rows
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(70, 96, generator=g)
+    whole, deq = fn(w)
+    for parts, chunk in (([w], 1024), ([w[:37], w[37:50], w[50:]], 8), ([w[:4], w[4:]], 4)):
+        got = quantize_rows(parts, fn, chunk=chunk)
+        assert (got.n, got.k, got.wt) == (whole.n, whole.k, whole.wt)
+        for f in ("codes", "scale", "min"):
+            a, b = getattr(got, f), getattr(whole, f)
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f
+    assert torch.equal(dequantize(whole), deq)

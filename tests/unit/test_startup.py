@@ -81,7 +81,10 @@ def _no_quantizing(monkeypatch) -> None:
     def fail(*_a, **_k):
         raise AssertionError("quantized again despite a valid cache")
 
-    monkeypatch.setattr(quant_cache, "quantize_model", fail)
+    from tokenspout.models import quant_load, quantize
+
+    monkeypatch.setattr(quant_load, "build_quantized", fail)  # where the kernels run
+    monkeypatch.setattr(quantize, "quantize_model", fail)  # elsewhere
 
 
 @pytest.mark.parametrize(("method", "dtype"), [("int4", "float32"), ("int8", "float32"), ("int4", "bfloat16")])

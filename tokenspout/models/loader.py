@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -151,47 +152,88 @@ def _take(state: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         raise ValueError(f"weights are missing tensor {name!r}") from None
 
 
-def load_weights(model: LlamaForCausalLM, state: dict[str, torch.Tensor]) -> None:
-    a = model.arch
-    state = {k.removeprefix("model."): v for k, v in state.items()}
-    # parameter -> the checkpoint tensors it is made of, stacked along dim 0 (Q/K/V and gate/up are fused here)
-    params: dict[str, list[torch.Tensor]] = {"embed_tokens.weight": [_take(state, "embed_tokens.weight")],
-                                             "norm.weight": [_take(state, "norm.weight")]}
+def weight_plan(a: LlamaArch) -> dict[str, list[str]]:
+    """Each model parameter -> the checkpoint tensors (names without the "model." prefix) it is made of, stacked
+    along dim 0: Q/K/V and gate/up are fused here.  A tied LM head has no entry (it is the embedding)."""
+    plan = {"embed_tokens.weight": ["embed_tokens.weight"], "norm.weight": ["norm.weight"]}
     if not a.tie_word_embeddings:
-        params["lm_head.weight"] = [_take(state, "lm_head.weight")]
-    else:
-        state.pop("lm_head.weight", None)
+        plan["lm_head.weight"] = ["lm_head.weight"]
     for i in range(a.num_layers):
         p = f"layers.{i}."
-        params[p + "self_attn.qkv_proj.weight"] = [_take(state, p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+        plan[p + "self_attn.qkv_proj.weight"] = [p + f"self_attn.{n}_proj.weight" for n in "qkv"]
         if a.qkv_bias:
-            params[p + "self_attn.qkv_proj.bias"] = [_take(state, p + f"self_attn.{n}_proj.bias") for n in "qkv"]
-        params[p + "self_attn.o_proj.weight"] = [_take(state, p + "self_attn.o_proj.weight")]
+            plan[p + "self_attn.qkv_proj.bias"] = [p + f"self_attn.{n}_proj.bias" for n in "qkv"]
+        plan[p + "self_attn.o_proj.weight"] = [p + "self_attn.o_proj.weight"]
         if a.qk_norm:
-            params[p + "self_attn.q_norm.weight"] = [_take(state, p + "self_attn.q_norm.weight")]
-            params[p + "self_attn.k_norm.weight"] = [_take(state, p + "self_attn.k_norm.weight")]
-        params[p + "mlp.gate_up_proj.weight"] = [_take(state, p + "mlp.gate_proj.weight"),
-                                                 _take(state, p + "mlp.up_proj.weight")]
-        params[p + "mlp.down_proj.weight"] = [_take(state, p + "mlp.down_proj.weight")]
-        params[p + "input_layernorm.weight"] = [_take(state, p + "input_layernorm.weight")]
-        params[p + "post_attention_layernorm.weight"] = [_take(state, p + "post_attention_layernorm.weight")]
+            plan[p + "self_attn.q_norm.weight"] = [p + "self_attn.q_norm.weight"]
+            plan[p + "self_attn.k_norm.weight"] = [p + "self_attn.k_norm.weight"]
+        plan[p + "mlp.gate_up_proj.weight"] = [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+        plan[p + "mlp.down_proj.weight"] = [p + "mlp.down_proj.weight"]
+        plan[p + "input_layernorm.weight"] = [p + "input_layernorm.weight"]
+        plan[p + "post_attention_layernorm.weight"] = [p + "post_attention_layernorm.weight"]
+    return plan
+
+
+class CheckpointReader:
+    """The folder's tensors read one at a time (names without the "model." prefix).  Each read maps its file only
+    for that tensor: a mapping kept open holds every page it has read in the process's RSS, which for a whole
+    checkpoint read through it is the whole checkpoint."""
+
+    def __init__(self, path: Path):
+        self.where: dict[str, tuple[Path, str]] = {}
+        for f in _safetensors_files(path):
+            try:
+                with safe_open(str(f), framework="pt") as sf:
+                    for k in sf.keys():  # noqa: SIM118 - safe_open is not iterable
+                        self.where[k.removeprefix("model.")] = (f, k)
+            except (SafetensorError, OSError, RuntimeError) as e:
+                raise ValueError(f"cannot read weights file {f}: {e} (corrupt or truncated?)") from e
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.where:
+            raise ValueError(f"weights are missing tensor {name!r}")
+        f, k = self.where[name]
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                return sf.get_tensor(k)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise ValueError(f"cannot read tensor {k} of {f}: {e} (corrupt or truncated?)") from e
+
+    def warn_unused(self, plan: dict[str, list[str]]) -> None:
+        used = {k for keys in plan.values() for k in keys} | {"lm_head.weight"}
+        leftover = [k for k in self.where if k not in used and "rotary_emb" not in k]
+        if leftover:
+            logger.warning("ignoring %d unexpected tensors, e.g. %s", len(leftover), leftover[:3])
+
+
+def load_weights(model: LlamaForCausalLM, state: dict[str, torch.Tensor]) -> None:
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    plan = weight_plan(model.arch)
+    params = {name: [_take(state, k) for k in keys] for name, keys in plan.items()}
+    if model.arch.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
     leftover = [k for k in state if "rotary_emb" not in k]
     if leftover:
         logger.warning("ignoring %d unexpected tensors, e.g. %s", len(leftover), leftover[:3])
     own = dict(model.named_parameters())
     for name, parts in params.items():
-        if name not in own:
-            raise ValueError(f"internal: no parameter {name}")
-        shape = (sum(t.shape[0] for t in parts), *parts[0].shape[1:])
-        if own[name].shape != shape or any(t.shape[1:] != parts[0].shape[1:] for t in parts):
-            got = " + ".join(str(tuple(t.shape)) for t in parts)
-            raise ValueError(f"tensor {name} has shape {got}, expected {tuple(own[name].shape)}")
-        # Copied straight into the parameter's rows (no torch.cat temporary: one pass over the weights, not two).
-        row = 0
-        with torch.no_grad():
-            for t in parts:
-                own[name][row : row + t.shape[0]].copy_(t)
-                row += t.shape[0]
+        copy_rows(own, name, parts)
+
+
+def copy_rows(own: Mapping[str, torch.Tensor], name: str, parts: list[torch.Tensor]) -> None:
+    """Copies the checkpoint tensors `parts` into parameter `name`, stacked along dim 0 (checked shapes)."""
+    if name not in own:
+        raise ValueError(f"internal: no parameter {name}")
+    shape = (sum(t.shape[0] for t in parts), *parts[0].shape[1:])
+    if own[name].shape != shape or any(t.shape[1:] != parts[0].shape[1:] for t in parts):
+        got = " + ".join(str(tuple(t.shape)) for t in parts)
+        raise ValueError(f"tensor {name} has shape {got}, expected {tuple(own[name].shape)}")
+    # Copied straight into the parameter's rows (no torch.cat temporary: one pass over the weights, not two).
+    row = 0
+    with torch.no_grad():
+        for t in parts:
+            own[name][row : row + t.shape[0]].copy_(t)
+            row += t.shape[0]
 
 
 def load_model(cfg: ModelConfig) -> LoadedModel:
@@ -225,13 +267,23 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     if cfg.quantization is None:
         model = fresh()
     else:
+        from tokenspout.kernels import cpu
         from tokenspout.models.quant_cache import load_or_quantize
+        from tokenspout.models.quant_load import build_quantized
+        from tokenspout.models.quantize import quantize_model
+
+        method, lib = cfg.quantization, cpu.load()
+
+        def build() -> tuple[LlamaForCausalLM, dict]:
+            """Where the kernels run: linear layers that keep only their packed weights, quantized one at a time
+            from the checkpoint (no float copy of the model, ever); elsewhere the float model, then quantized."""
+            if lib is not None:
+                return build_quantized(meta_model, path, method, dtype, lib, finish)
+            m = fresh()
+            return m, quantize_model(m, method)
 
         files = [*_safetensors_files(path), path / "config.json"]
-        from tokenspout.kernels import cpu
-
-        # where the kernels run, the linear layers keep only their packed weights (no dequantized float copy)
-        model, quantized = load_or_quantize(meta_model, path, files, cfg.quantization, dtype, fresh, cpu.load())
+        model, quantized = load_or_quantize(meta_model, path, files, method, dtype, build, lib)
         if model.rotary is None:  # loaded from the cache
             model = finish(model)
     return LoadedModel(model=model, path=path, name=cfg.served_model_name or name, arch=arch,

@@ -34,7 +34,7 @@ from safetensors import SafetensorError, safe_open
 from tokenspout.models.default_model import cache_dir
 from tokenspout.models.llama import LlamaForCausalLM
 from tokenspout.models.quant_linear import linear_shapes, replace_linears
-from tokenspout.models.quantize import WT_Q4, WT_Q8, PackedWeight, quantize_model
+from tokenspout.models.quantize import WT_Q4, WT_Q8, PackedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -178,11 +178,11 @@ def _prefix(file: Path) -> str:
 
 
 def load_or_quantize(model: LlamaForCausalLM, model_dir: Path, files: list[Path], method: str, dtype: torch.dtype,
-                     fresh: Callable[[], LlamaForCausalLM],
+                     build: Callable[[], tuple[LlamaForCausalLM, dict[str, PackedWeight]]],
                      lib=None) -> tuple[LlamaForCausalLM, dict[str, PackedWeight]]:
-    """The quantized model and its packed weights: from the cache, else `fresh()` (the model with the folder's
-    weights in `dtype`) quantized and then cached.  `model`: the model built on the meta device; `lib`: the C
-    kernels, when they run here (the linear layers then hold only their packed weights)."""
+    """The quantized model and its packed weights: from the cache, else `build()` (the model quantized from the
+    folder's weights in `dtype`), then cached.  `model`: the model built on the meta device; `lib`: the C kernels,
+    when they run here (the linear layers then hold only their packed weights)."""
     key = cache_key(files, method, dtype, packed_only=lib is not None)
     file = cache_file(model_dir, key)
     hit = load(file, key, model, dtype, lib)
@@ -193,15 +193,13 @@ def load_or_quantize(model: LlamaForCausalLM, model_dir: Path, files: list[Path]
         lock = open(file.parent / f".{_prefix(file)}lock", "w")  # noqa: SIM115 - held across the quantization
     except OSError as e:
         logger.warning("cannot use the quantized-weights cache in %s (%s): quantizing without it", file.parent, e)
-        m = fresh()
-        return m, quantize_model(m, method, lib)
+        return build()
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits here, then finds the file written
         hit = load(file, key, model, dtype, lib, discard=True)
         if hit is not None:
             return hit
-        m = fresh()
-        packed = quantize_model(m, method, lib)
+        m, packed = build()
         try:
             save(file, key, m, packed)
             logger.info("cached the %s weights in %s", method, file)

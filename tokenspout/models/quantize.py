@@ -82,6 +82,30 @@ def quantize_int4(w: torch.Tensor) -> tuple[PackedWeight, torch.Tensor]:
     return packed, deq
 
 
+def quantize_rows(parts: list[torch.Tensor], fn, dtype: torch.dtype = torch.float32, chunk: int = 1024) -> PackedWeight:
+    """`fn` (quantize_int4 / quantize_int8) over the row-wise concatenation of `parts`, `chunk` rows (a multiple of
+    4: whole blocks) at a time, so the float temporaries are a chunk's, not the matrix's.  Rows are rounded to
+    `dtype` first, as the model's own weights would be; the result equals `fn` of the whole matrix."""
+    assert chunk % 4 == 0
+    n, k = sum(p.shape[0] for p in parts), parts[0].shape[1]
+    pieces: list[PackedWeight] = []
+    i, off = 0, 0  # the part and row where the next chunk starts
+    for r0 in range(0, n, chunk):
+        need, rows = min(chunk, n - r0), []
+        while need:
+            take = min(need, parts[i].shape[0] - off)
+            rows.append(parts[i][off : off + take])
+            off, need = off + take, need - take
+            if off == parts[i].shape[0]:
+                i, off = i + 1, 0
+        w = torch.cat(rows) if len(rows) > 1 else rows[0]
+        pieces.append(fn(w.to(dtype).float())[0])
+    first = pieces[0]
+    mins = None if first.min is None else torch.cat([p.min for p in pieces if p.min is not None])
+    return PackedWeight(torch.cat([p.codes for p in pieces]), torch.cat([p.scale for p in pieces]), mins, n, k,
+                        first.wt)
+
+
 def dequantize(pw: PackedWeight) -> torch.Tensor:
     """The float32 [N, K] values a PackedWeight encodes (the inverse of the packing; tests and the torch fallback)."""
     n4, groups = -(-pw.n // 4) * 4, pw.k // GROUP

@@ -1,0 +1,53 @@
+"""A quantized model built straight from its checkpoint, one linear layer at a time, with no float copy of the model.
+
+Where the C kernels run (`--quantization int4 | int8`), each linear layer's checkpoint tensors are read (one tensor
+at a time, see loader.CheckpointReader), rounded to the model dtype, quantized `CHUNK` rows at a time and packed;
+the float rows are dropped before the next layer is read.  Only the embedding, the norms and the biases are
+allocated as float tensors.  The peak memory of a first start is then the packed model + the embedding + one
+layer's float tensors, where quantizing a loaded float model first held the whole float model (4 bytes per weight:
+~6.8 GB of a 1.7B model, more than its packed form + KV cache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from tokenspout.models.llama import LlamaForCausalLM
+from tokenspout.models.loader import CheckpointReader, copy_rows, weight_plan
+from tokenspout.models.quant_linear import linear_shapes, replace_linears
+from tokenspout.models.quantize import GROUP, PackedWeight, quantize_int4, quantize_int8, quantize_rows
+
+
+def build_quantized(meta: LlamaForCausalLM, path: Path, method: str, dtype: torch.dtype, lib,
+                    finish: Callable[[LlamaForCausalLM], LlamaForCausalLM]
+                    ) -> tuple[LlamaForCausalLM, dict[str, PackedWeight]]:
+    """The model of the checkpoint in `path` with QuantLinear layers (`method`, over `lib`); `meta`: the model built
+    on the meta device (its linear layers are replaced); `finish`: the loader's last step (rotary table, dtype)."""
+    plan = weight_plan(meta.arch)
+    reader = CheckpointReader(path)
+    shapes = linear_shapes(meta)
+    packed: dict[str, PackedWeight] = {}
+    for name, (n, k) in shapes.items():
+        if k % GROUP:
+            raise ValueError(f"{name}: in_features {k} is not a multiple of {GROUP}, which --quantization needs")
+        keys = plan.get(name + ".weight", ["embed_tokens.weight"])  # a tied LM head is the embedding
+        parts = [reader.get(key) for key in keys]
+        got = (sum(t.shape[0] for t in parts), *parts[0].shape[1:])
+        if got != (n, k) or any(t.shape[1:] != parts[0].shape[1:] for t in parts):
+            shown = " + ".join(str(tuple(t.shape)) for t in parts)
+            raise ValueError(f"tensor {name}.weight has shape {shown}, expected {(n, k)}")
+        fn = quantize_int4 if method == "int4" and name != "lm_head" else quantize_int8
+        packed[name] = quantize_rows(parts, fn, dtype)
+        del parts
+    replace_linears(meta, packed, lib)
+    model = meta.to_empty(device="cpu")
+    own = dict(model.named_parameters())
+    for pname, keys in plan.items():
+        if pname.endswith(".weight") and pname.removesuffix(".weight") in shapes:
+            continue
+        copy_rows(own, pname, [reader.get(key) for key in keys])
+    reader.warn_unused(plan)
+    return finish(model), packed
