@@ -52,7 +52,7 @@ def build_engine_config(model: str | None = None, *, dtype: str = "float32", qua
                         draft_layers: int | None = None, adaptive_speculation: bool = True,
                         async_scheduling: bool = False, generation_config: str = "auto",
                         chat_template: str | None = None, data_parallel_size: int = 1) -> EngineConfig:
-    path, _ = resolve_model_path(model)  # converts the default model here, once, before any engine starts
+    path, name = resolve_model_path(model)  # converts the default model here, once, before any engine starts
     if draft_model is not None:
         draft_path = Path(draft_model).expanduser()
         read_hf_config(draft_path)  # a missing folder or unsupported architecture fails here, not in the engine
@@ -60,7 +60,9 @@ def build_engine_config(model: str | None = None, *, dtype: str = "float32", qua
     cfg = EngineConfig(
         model=ModelConfig(model=str(path), dtype=dtype, quantization=quantization, max_model_len=max_model_len,
                           generation_config=generation_config,
-                          served_model_name=served_model_name or (None if model else path.name.removesuffix("-f32")),
+                          # the default model and a GGUF file are served under their own names (not the folder's)
+                          served_model_name=served_model_name or (name if model is None or path.name != name
+                                                                  else None),
                           chat_template=load_chat_template(chat_template)),
         cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
                           num_gpu_blocks_override=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),

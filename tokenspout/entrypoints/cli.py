@@ -6,6 +6,7 @@ import argparse
 import itertools
 import logging
 import sys
+from pathlib import Path
 
 from tokenspout.entrypoints.cli_args import (
     SuggestingArgumentParser,
@@ -60,7 +61,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def resolve_quantization(flag: str, model: str | None) -> str | None:
+    """auto: int4 for the default model (its GGUF's Q4_1 / Q8_0 weights, exactly); for a GGUF file the format of
+    its layers (4-bit types -> int4, other quantized types -> int8, float -> none); none for a model folder (a
+    folder's float weights are served as they are)."""
     if flag == "auto":
+        if model is not None and Path(model).suffix.lower() == ".gguf":
+            from tokenspout.models.gguf_file import default_quantization
+
+            return default_quantization(Path(model).expanduser())
         return "int4" if model is None else None
     return None if flag == "none" else flag
 

@@ -61,6 +61,10 @@ def resolve_model_path(model: str | None) -> tuple[Path, str]:
     if model is None:
         return default_model_path(), DEFAULT_MODEL_NAME
     path = Path(model).expanduser()
+    from tokenspout.models.gguf_file import is_gguf, sidecar_folder
+
+    if is_gguf(path):  # the GGUF's config / tokenizer / template folder; the weights stay in the file
+        return sidecar_folder(path), path.stem
     return path, path.name
 
 

@@ -133,7 +133,35 @@ def _safetensors_files(path: Path) -> list[Path]:
     return files
 
 
-def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+def open_checkpoint(path: Path):
+    """The weights of a model folder, tensor by tensor: a CheckpointReader over its safetensors, or for a GGUF's
+    sidecar folder a GGUFCheckpoint over the file (same `get` / `warn_unused`)."""
+    from tokenspout.models.gguf_file import gguf_source
+
+    src = gguf_source(path)
+    if src is None:
+        return CheckpointReader(path)
+    from tokenspout.models.gguf_model import GGUFCheckpoint
+
+    return GGUFCheckpoint(src)
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The files a model's weights come from (the quantized-weights cache is keyed on them)."""
+    from tokenspout.models.gguf_file import gguf_source
+
+    src = gguf_source(path)
+    return [src] if src is not None else _safetensors_files(path)
+
+
+def read_state_dict(path: Path, arch: LlamaArch | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint (for a GGUF sidecar: the tensors `arch` needs, dequantized to float32)."""
+    from tokenspout.models.gguf_file import gguf_source
+
+    if gguf_source(path) is not None:
+        assert arch is not None
+        reader = open_checkpoint(path)
+        return {k: reader.get(k) for keys in weight_plan(arch).values() for k in keys}
     state: dict[str, torch.Tensor] = {}
     for f in _safetensors_files(path):
         try:
@@ -199,6 +227,13 @@ class CheckpointReader:
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ValueError(f"cannot read tensor {k} of {f}: {e} (corrupt or truncated?)") from e
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.where:
+            raise ValueError(f"weights are missing tensor {name!r}")
+        f, k = self.where[name]
+        with safe_open(str(f), framework="pt") as sf:
+            return tuple(sf.get_slice(k).get_shape())
+
     def warn_unused(self, plan: dict[str, list[str]]) -> None:
         used = {k for keys in plan.values() for k in keys} | {"lm_head.weight"}
         leftover = [k for k in self.where if k not in used and "rotary_emb" not in k]
@@ -260,7 +295,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         model = meta_model.to_empty(device="cpu")
         if arch.tie_word_embeddings:  # to_empty untied the embeddings: retie them
             model.lm_head.weight = model.embed_tokens.weight
-        load_weights(model, read_state_dict(path))
+        load_weights(model, read_state_dict(path, arch))
         return finish(model)
 
     quantized = None
@@ -282,7 +317,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
             m = fresh()
             return m, quantize_model(m, method)
 
-        files = [*_safetensors_files(path), path / "config.json"]
+        files = [*weight_files(path), path / "config.json"]
         model, quantized = load_or_quantize(meta_model, path, files, method, dtype, build, lib)
         if model.rotary is None:  # loaded from the cache
             model = finish(model)

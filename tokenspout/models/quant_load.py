@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from tokenspout.models.llama import LlamaForCausalLM
-from tokenspout.models.loader import CheckpointReader, copy_rows, weight_plan
+from tokenspout.models.loader import copy_rows, open_checkpoint, weight_plan
 from tokenspout.models.quant_linear import linear_shapes, replace_linears
 from tokenspout.models.quantize import GROUP, PackedWeight, quantize_int4, quantize_int8, quantize_rows
 
@@ -27,21 +27,25 @@ def build_quantized(meta: LlamaForCausalLM, path: Path, method: str, dtype: torc
     """The model of the checkpoint in `path` with QuantLinear layers (`method`, over `lib`); `meta`: the model built
     on the meta device (its linear layers are replaced); `finish`: the loader's last step (rotary table, dtype)."""
     plan = weight_plan(meta.arch)
-    reader = CheckpointReader(path)
+    reader = open_checkpoint(path)
+    exact = getattr(reader, "packed", None)  # a GGUF's Q4_0 / Q4_1 / Q8_0 blocks convert without re-quantizing
     shapes = linear_shapes(meta)
     packed: dict[str, PackedWeight] = {}
     for name, (n, k) in shapes.items():
         if k % GROUP:
             raise ValueError(f"{name}: in_features {k} is not a multiple of {GROUP}, which --quantization needs")
         keys = plan.get(name + ".weight", ["embed_tokens.weight"])  # a tied LM head is the embedding
-        parts = [reader.get(key) for key in keys]
-        got = (sum(t.shape[0] for t in parts), *parts[0].shape[1:])
-        if got != (n, k) or any(t.shape[1:] != parts[0].shape[1:] for t in parts):
-            shown = " + ".join(str(tuple(t.shape)) for t in parts)
+        shapes_in = [reader.shape(key) for key in keys]
+        if (sum(s[0] for s in shapes_in), *shapes_in[0][1:]) != (n, k) or any(s[1:] != shapes_in[0][1:]
+                                                                              for s in shapes_in):
+            shown = " + ".join(str(s) for s in shapes_in)
             raise ValueError(f"tensor {name}.weight has shape {shown}, expected {(n, k)}")
-        fn = quantize_int4 if method == "int4" and name != "lm_head" else quantize_int8
-        packed[name] = quantize_rows(parts, fn, dtype)
-        del parts
+        fmt = "int4" if method == "int4" and name != "lm_head" else "int8"
+        pw = exact(keys, fmt) if exact is not None else None
+        if pw is None:
+            fn = quantize_int4 if fmt == "int4" else quantize_int8
+            pw = quantize_rows([reader.get(key) for key in keys], fn, dtype)
+        packed[name] = pw
     replace_linears(meta, packed, lib)
     model = meta.to_empty(device="cpu")
     own = dict(model.named_parameters())

@@ -59,8 +59,13 @@ def quantize_int8(w: torch.Tensor) -> tuple[PackedWeight, torch.Tensor]:
     scale = (g.abs().amax(-1) / 127.0).half().float()  # [N, G], float16 like Q8_0 (and the kernels)
     q = torch.where(scale[..., None] > 0, torch.round(g / scale[..., None].clamp_min(1e-30)), 0).clamp_(-127, 127)
     deq = (q * scale[..., None]).view(n, k)
-    packed = PackedWeight(_blocks(q.to(torch.int8)).view(-1), _blocks(scale.half()).view(-1), None, n, k, WT_Q8)
-    return packed, deq
+    return pack_int8(q.to(torch.int8), scale.half()), deq
+
+
+def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> PackedWeight:
+    """Codes q [N, K/32, 32] int8 and scales [N, K/32] float16 (Q8_0's blocks) -> the kernels' layout."""
+    n, groups = scale.shape
+    return PackedWeight(_blocks(q).view(-1), _blocks(scale).view(-1), None, n, groups * GROUP, WT_Q8)
 
 
 def quantize_int4(w: torch.Tensor) -> tuple[PackedWeight, torch.Tensor]:
@@ -71,15 +76,20 @@ def quantize_int4(w: torch.Tensor) -> tuple[PackedWeight, torch.Tensor]:
     q = torch.where(scale[..., None] > 0, torch.round((g - lo[..., None]) / scale[..., None].clamp_min(1e-30)), 0)
     q = q.clamp_(0, 15)
     deq = (q * scale[..., None] + lo[..., None]).view(n, k)
-    qb = q.to(torch.uint8)  # [N, G, 32]
-    if qb.shape[1] % 2:
-        qb = torch.cat([qb, qb.new_zeros(n, 1, GROUP)], 1)
-    qb = qb.view(n, -1, 4, 16)  # [N, pairs, quarter, j]: column 16 * quarter + j of the pair
+    return pack_int4(q.to(torch.uint8), scale.half(), lo.half()), deq
+
+
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> PackedWeight:
+    """Codes q [N, K/32, 32] uint8 in 0..15, scales and mins [N, K/32] float16 (Q4_1's blocks: W = scale * q + min)
+    -> the kernels' layout."""
+    n, groups = scale.shape
+    if groups % 2:
+        q = torch.cat([q, q.new_zeros(n, 1, GROUP)], 1)
+    qb = q.view(n, -1, 4, 16)  # [N, pairs, quarter, j]: column 16 * quarter + j of the pair
     low, high = qb[:, :, 0] | (qb[:, :, 1] << 4), qb[:, :, 2] | (qb[:, :, 3] << 4)  # the bytes of word j (LE)
     nibbles = torch.stack([low, high], -1).view(n, -1, 32)  # [N, pairs, 32 bytes]
-    packed = PackedWeight(_blocks(nibbles).view(-1), _blocks(scale.half()).view(-1), _blocks(lo.half()).view(-1),
-                          n, k, WT_Q4)
-    return packed, deq
+    return PackedWeight(_blocks(nibbles).view(-1), _blocks(scale).view(-1), _blocks(lo).view(-1), n,
+                        groups * GROUP, WT_Q4)
 
 
 def quantize_rows(parts: list[torch.Tensor], fn, dtype: torch.dtype = torch.float32, chunk: int = 1024) -> PackedWeight:

@@ -1,0 +1,109 @@
+"""GGUF files served directly: block conversion against the gguf package's own dequantization, llama.cpp's Q/K
+permutation undone, and the default model's GGUF loaded straight from the file against the default model's folder
+(which transformers converted from the same file)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter, quants
+
+from tokenspout.config import ModelConfig
+from tokenspout.entrypoints.cli import resolve_quantization
+from tokenspout.kernels import cpu
+from tokenspout.models.default_model import gguf_path
+from tokenspout.models.gguf_file import default_quantization, sidecar_folder
+from tokenspout.models.gguf_model import _blocks_of
+from tokenspout.models.loader import load_model
+from tokenspout.models.quantize import dequantize, pack_int4, pack_int8
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_blocks_convert_exactly(kind):
+    """llama.cpp's blocks (made by the gguf package's reference quantizer) become the kernels' format with the
+    same values: dequantizing our packing equals the gguf package's dequantization, bit for bit."""
+    g = np.random.default_rng(0)
+    x = (g.standard_normal((12, 96)) * 0.1).astype(np.float32)
+    x[0, :32] = 0.0  # an all-zero block
+    t = GGMLQuantizationType[kind]
+    raw = quants.quantize(x, t)
+    ref = torch.from_numpy(quants.dequantize(raw, t).reshape(x.shape).astype(np.float32))
+    q, d, m = _blocks_of(kind, raw)
+    packed = pack_int8(q, d) if kind == "Q8_0" else pack_int4(q.to(torch.uint8), d, m)
+    assert torch.equal(dequantize(packed), ref)
+
+
+@pytest.fixture(scope="module")
+def gguf_int4():
+    return load_model(ModelConfig(model=str(gguf_path()), quantization="int4"))
+
+
+@pytest.mark.skipif(cpu.load() is None, reason="kernels unavailable: the int4 model keeps float weights")
+def test_default_gguf_served_from_the_file_equals_the_default_model(gguf_int4):
+    """The default model's GGUF (Q4_1 layers, Q8_0 tied embedding), read straight from the file: every packed
+    weight is bit-identical to the default model's int4 weights (quantized from the float32 folder transformers
+    dequantized from the same file, Q/K rows un-permuted there by transformers and here by us), and so are the
+    embedding and the norms."""
+    ref = load_model(ModelConfig(model=None, quantization="int4"))
+    assert gguf_int4.arch == ref.arch and gguf_int4.name == "SmolLM2-135M-Instruct.Q4_1"
+    assert gguf_int4.quantized.keys() == ref.quantized.keys()
+    for name, pa in gguf_int4.quantized.items():
+        pb = ref.quantized[name]
+        for f in ("codes", "scale", "min"):
+            a, b = getattr(pa, f), getattr(pb, f)
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), (name, f)
+    sa, sb = gguf_int4.model.state_dict(), ref.model.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+
+
+def test_float_path_and_tokenizer_from_the_file(tokenizer):
+    """--quantization none: the file's tensors dequantized (the gguf package) equal the default folder's; the sidecar
+    folder's tokenizer and chat template come from the GGUF metadata and agree with the default model's."""
+    from transformers import AutoTokenizer
+
+    g = load_model(ModelConfig(model=str(gguf_path())))
+    ref = load_model(ModelConfig(model=None))
+    sa, sb = g.model.state_dict(), ref.model.state_dict()
+    for k in sb:
+        assert torch.equal(sa[k], sb[k]), k
+    tok = AutoTokenizer.from_pretrained(sidecar_folder(gguf_path()))
+    text = "Hello, how are you? Ça va très bien 🙂"
+    assert tok(text).input_ids == tokenizer(text).input_ids
+    msgs = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(msgs, tokenize=False) == tokenizer.apply_chat_template(msgs, tokenize=False)
+
+
+def test_auto_quantization_follows_the_file():
+    assert default_quantization(gguf_path()) == "int4"
+    assert resolve_quantization("auto", str(gguf_path())) == "int4"
+    assert resolve_quantization("auto", None) == "int4" and resolve_quantization("auto", "/some/folder") is None
+    assert resolve_quantization("int8", str(gguf_path())) == "int8"
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path: Path):
+    path = tmp_path / "tiny-gpt2.gguf"
+    w = GGUFWriter(str(path), "gpt2")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="GGUF architecture 'gpt2' is not supported"):
+        sidecar_folder(path)
+    with pytest.raises(FileNotFoundError):
+        sidecar_folder(tmp_path / "missing.gguf")
+
+
+def test_served_under_the_file_name():
+    from tokenspout.engine.llm import build_engine_config
+
+    cfg = build_engine_config(str(gguf_path()))
+    assert cfg.model.served_model_name == "SmolLM2-135M-Instruct.Q4_1"
+    assert cfg.model.model == str(sidecar_folder(gguf_path()))
+    assert build_engine_config(None).model.served_model_name == "SmolLM2-135M-Instruct"

@@ -1,0 +1,111 @@
+"""GGUF files, the part without torch (the API server imports it): recognising a GGUF path, its architecture, and
+the sidecar folder (config.json, tokenizer files, chat template, generation config, gguf_source.json) that stands
+for the file everywhere a model folder is expected.  The weights are read by models/gguf_model.py.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+SOURCE_FILE = "gguf_source.json"
+_FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS")
+
+
+def is_gguf(path: Path) -> bool:
+    return path.suffix.lower() == ".gguf"
+
+
+def gguf_source(folder: Path) -> Path | None:
+    """The GGUF file a sidecar folder stands for (None: an ordinary model folder)."""
+    marker = folder / SOURCE_FILE
+    return Path(json.loads(marker.read_text())["gguf"]) if marker.is_file() else None
+
+
+def field(reader, key: str):
+    f = reader.fields.get(key)
+    if f is None:
+        return None
+    v = f.parts[f.data[0]]
+    return bytes(v).decode() if f.types and f.types[0].name == "STRING" else v.tolist()[0]
+
+
+def architecture(reader) -> str:
+    arch = field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+    return arch
+
+
+def sidecar_folder(gguf: Path) -> Path:
+    """The folder (config, tokenizer, template) of a GGUF file, written once per file (path, size, mtime)."""
+    from tokenspout.models.default_model import cache_dir
+
+    gguf = gguf.expanduser().resolve()
+    if not gguf.is_file():
+        raise FileNotFoundError(f"GGUF file {gguf} does not exist")
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    target = cache_dir() / "gguf" / f"{gguf.stem}-{key}"
+    if (target / SOURCE_FILE).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / SOURCE_FILE).is_file():
+            _write_sidecar(gguf, target)
+    return target
+
+
+def _write_sidecar(gguf: Path, target: Path) -> None:
+    from gguf import GGUFReader
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    reader = GGUFReader(str(gguf))
+    arch = architecture(reader)
+    logger.info("reading the tokenizer and config of %s (once)", gguf.name)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tok.save_pretrained(tmp)
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
+        config.pop("quantization_config", None)
+        config["architectures"] = [ARCHITECTURES[arch]]
+        config["_name_or_path"] = gguf.stem
+        config["tie_word_embeddings"] = not any(t.name == "output.weight" for t in reader.tensors)
+        config["dtype"] = "float32"
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id).save_pretrained(tmp)
+        (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf), "architecture": arch}))
+        if target.exists():
+            shutil.rmtree(target)
+        os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def default_quantization(gguf: Path) -> str | None:
+    """`--quantization auto` for a GGUF file: int4 when its layers are 4-bit types, int8 when they are another
+    quantized type (Q8_0, Q5_*, Q6_K, ...), none when they are float (F32, F16, BF16)."""
+    from gguf import GGUFReader
+
+    types = [t.tensor_type.name for t in GGUFReader(str(gguf)).tensors if t.name.startswith("blk.")
+             and t.name.endswith(".weight") and len(t.shape) > 1]
+    if not types:
+        return None
+    main = max(set(types), key=types.count)
+    if main in _FOUR_BIT:
+        return "int4"
+    return None if main in ("F32", "F16", "BF16") else "int8"

@@ -1,0 +1,141 @@
+"""GGUF files served directly: `tokenspout serve model.gguf` (or --model model.gguf).
+
+A GGUF file holds the weights, the tokenizer and the chat template.  What is not weights goes once into a small
+"sidecar" folder under $TOKENSPOUT_CACHE/gguf/ (models/gguf_file.py), so the rest of tokenspout sees a model folder;
+the weights are never copied there: `GGUFCheckpoint` reads them tensor by tensor from the memory-mapped file (the
+gguf package's reader).
+
+Weights, per GGUF tensor type:
+* Q4_0, Q4_1 (4-bit, blocks of 32) become the kernels' int4 format and Q8_0 their int8 format exactly (block for
+  block: same codes, the same float16 scale and minimum; Q4_0's minimum is -8 x its scale), so
+  `--quantization int4` of a Q4_0 / Q4_1 file (int8 of a Q8_0 file) computes with the file's own weight values;
+* every other type (F32, F16, BF16, the K-quants Q4_K, Q5_K, Q6_K, ...) is dequantized by the gguf package and then
+  quantized by tokenspout like any float checkpoint (lossy for the K-quants: their sub-block scales are re-fitted).
+llama.cpp's converter permutes the rows of Q and K of Llama / Mistral models (its RoPE pairs interleaved dimensions);
+they are permuted back here, on whole rows, so the packed blocks need no dequantization for it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from tokenspout.models.gguf_file import field, architecture
+from tokenspout.models.quantize import GROUP, PackedWeight, pack_int4, pack_int8
+
+_PERMUTED = ("llama", "mistral")  # llama.cpp's converter permutes Q/K rows for these
+# GGUF tensor types by name (gguf.GGMLQuantizationType); what converts exactly to which kernel format
+_EXACT = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}
+
+
+def _gguf_name(name: str) -> str:
+    """HF parameter name (no "model." prefix) -> GGUF tensor name."""
+    fixed = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    if name in fixed:
+        return fixed[name]
+    parts = name.split(".")  # layers.{i}.{module}.{proj}.{weight|bias}
+    if parts[0] != "layers" or len(parts) < 4:
+        raise ValueError(f"weights are missing tensor {name!r}")
+    sub = ".".join(parts[2:-1])
+    table = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    if sub not in table:
+        raise ValueError(f"weights are missing tensor {name!r}")
+    return f"blk.{parts[1]}.{table[sub]}.{parts[-1]}"
+
+
+class GGUFCheckpoint:
+    """A GGUF file's tensors by HF name (the interface of loader.CheckpointReader), read lazily from the map."""
+
+    def __init__(self, gguf: Path):
+        from gguf import GGUFReader
+
+        self.path = gguf
+        self.reader = GGUFReader(str(gguf))
+        self.arch = architecture(self.reader)
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        prefix = self.arch if self.arch != "mistral" else "llama"
+        self.n_head = field(self.reader, f"{prefix}.attention.head_count") or field(self.reader, f"{self.arch}.attention.head_count")
+        self.n_kv = field(self.reader, f"{prefix}.attention.head_count_kv") or field(
+            self.reader, f"{self.arch}.attention.head_count_kv") or self.n_head
+        self.where = {name: name for name in self.tensors}  # (for warn_unused: names present)
+
+    def _tensor(self, name: str):
+        g = _gguf_name(name)
+        if g not in self.tensors:
+            raise ValueError(f"weights are missing tensor {name!r} ({g} in {self.path.name})")
+        return self.tensors[g]
+
+    def _unpermute(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """Undoes llama.cpp's Q/K row permutation (on whole rows: float rows or rows of quantized blocks)."""
+        if self.arch not in _PERMUTED or not (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
+            return rows
+        heads = self.n_head if name.endswith("q_proj.weight") else self.n_kv
+        n = rows.shape[0]
+        return rows.reshape(heads, n // heads // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+    def get(self, name: str) -> torch.Tensor:
+        """The tensor as float32 (dequantized where the file holds it quantized), in HF's layout."""
+        from gguf.quants import dequantize
+
+        t = self._tensor(name)
+        data = dequantize(t.data, t.tensor_type)
+        shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims innermost first
+        return torch.from_numpy(np.array(self._unpermute(name, data.reshape(shape)), dtype=np.float32))  # (a copy)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in reversed(self._tensor(name).shape))
+
+    def warn_unused(self, plan: dict[str, list[str]]) -> None:
+        pass  # (llama.cpp files carry tensors tokenspout computes itself, e.g. rope_freqs)
+
+    def type_name(self, name: str) -> str:
+        return self._tensor(name).tensor_type.name
+
+    def packed(self, names: list[str], method: str) -> PackedWeight | None:
+        """The tensors `names` (stacked rows, e.g. q, k, v) in the kernels' `method` format when the file's blocks
+        convert to it exactly (Q4_0 / Q4_1 -> int4, Q8_0 -> int8); None otherwise."""
+        types = {self.type_name(n) for n in names}
+        if len(types) != 1 or _EXACT.get(next(iter(types))) != method:
+            return None
+        kind = next(iter(types))
+        qs, scales, mins = [], [], []
+        for n in names:
+            t = self._tensor(n)
+            rows = int(t.shape[1]) if len(t.shape) > 1 else 1
+            blocks = self._unpermute(n, np.asarray(t.data).reshape(rows, -1))  # [rows, bytes]
+            q, d, m = _blocks_of(kind, blocks)
+            qs.append(q)
+            scales.append(d)
+            mins.append(m)
+        q, d = torch.cat(qs), torch.cat(scales)
+        if method == "int8":
+            return pack_int8(q, d)
+        return pack_int4(q, d, torch.cat(mins))
+
+
+def _blocks_of(kind: str, raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of GGUF blocks [rows, G * block bytes] -> (codes [rows, G, 32], scale [rows, G] float16, min [rows, G]
+    float16) in the kernels' terms: W = scale * q (+ min)."""
+    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
+    rows = raw.shape[0]
+    b = np.ascontiguousarray(raw).reshape(rows, -1, size)
+    d = torch.from_numpy(np.ascontiguousarray(b[..., :2]).view(np.float16)[..., 0].copy())
+    if kind == "Q8_0":
+        q = torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8).copy())
+        return q, d, torch.zeros_like(d)
+    if kind == "Q4_1":
+        m = torch.from_numpy(np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0].copy())
+        nib = b[..., 4:]
+    else:  # Q4_0: W = d * (q - 8)
+        m = (d.float() * -8).half()
+        nib = b[..., 2:]
+    nib_t = torch.from_numpy(np.ascontiguousarray(nib))  # [rows, G, 16]: byte j = element j (low), j + 16 (high)
+    q = torch.cat([nib_t & 15, nib_t >> 4], -1)  # [rows, G, 32]
+    assert q.shape[-1] == GROUP
+    return q, d, m
