@@ -21,7 +21,24 @@ from tokenspout.models.loader import load_model
 from tokenspout.models.quantize import dequantize, pack_int4, pack_int8
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_q4_k_converts_to_int4_within_float16_rounding():
+    """Q4_K super-blocks (random bytes: every scale/min bit pattern and code) become int4 groups of 32 whose values
+    equal the gguf package's dequantization up to the float16 rounding of each group's scale (d x sc) and min."""
+    from tokenspout.models.quantize import pack_int4
+
+    g = np.random.default_rng(1)
+    rows, supers = 6, 3
+    raw = g.integers(0, 256, size=(rows, supers, 144), dtype=np.uint8)
+    raw[..., 0:4] = (g.standard_normal((rows, supers, 2)) * 0.01).astype(np.float16).view(np.uint8).reshape(rows, supers, 4)
+    raw = raw.reshape(rows, -1)
+    ref = quants.dequantize(raw, GGMLQuantizationType.Q4_K).reshape(rows, supers * 256)
+    q, d, m = _blocks_of("Q4_K", raw)
+    got = dequantize(pack_int4(q, d, m)).numpy()
+    groups = np.abs(ref).reshape(rows, -1, 32).max(-1, keepdims=True)
+    assert (np.abs(got - ref).reshape(rows, -1, 32) <= 2.0**-9 * groups + 1e-7).all()
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
 def test_blocks_convert_exactly(kind):
     """llama.cpp's blocks (made by the gguf package's reference quantizer) become the kernels' format with the
     same values: dequantizing our packing equals the gguf package's dequantization, bit for bit."""
@@ -32,7 +49,7 @@ def test_blocks_convert_exactly(kind):
     raw = quants.quantize(x, t)
     ref = torch.from_numpy(quants.dequantize(raw, t).reshape(x.shape).astype(np.float32))
     q, d, m = _blocks_of(kind, raw)
-    packed = pack_int8(q, d) if kind == "Q8_0" else pack_int4(q.to(torch.uint8), d, m)
+    packed = pack_int8(q, d) if kind in ("Q5_0", "Q8_0") else pack_int4(q.to(torch.uint8), d, m)
     assert torch.equal(dequantize(packed), ref)
 
 

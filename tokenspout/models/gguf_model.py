@@ -27,7 +27,10 @@ from tokenspout.models.quantize import GROUP, PackedWeight, pack_int4, pack_int8
 
 _PERMUTED = ("llama", "mistral")  # llama.cpp's converter permutes Q/K rows for these
 # GGUF tensor types by name (gguf.GGMLQuantizationType); what converts exactly to which kernel format
-_EXACT = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}
+_EXACT = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q5_0": "int8", "Q8_0": "int8"}
+# Types kept at more than 4 bits (llama.cpp's _M / _L mixes keep some tensors at Q5 / Q6 / Q8 on purpose): asked for
+# int4, such a tensor is served as int8 instead, re-quantized from its dequantized values.
+_WIDER = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_K")
 
 
 def _gguf_name(name: str) -> str:
@@ -98,14 +101,21 @@ class GGUFCheckpoint:
         return self._tensor(name).tensor_type.name
 
     def packed(self, names: list[str], method: str) -> PackedWeight | None:
-        """The tensors `names` (stacked rows, e.g. q, k, v) in the kernels' `method` format when the file's blocks
-        convert to it exactly (Q4_0 / Q4_1 -> int4, Q8_0 -> int8); None otherwise."""
-        types = {self.type_name(n) for n in names}
-        if len(types) != 1 or _EXACT.get(next(iter(types))) != method:
+        """The tensors `names` (stacked rows, e.g. q, k, v) in the kernels' formats, following the file: blocks that
+        convert directly keep their values whatever `method` asks (Q4_0 / Q4_1 / Q4_K -> int4, Q5_0 / Q8_0 -> int8:
+        never re-rounded onto another grid); a tensor the file keeps at 5-8 bits in another type (Q5_1, Q5_K, Q6_K)
+        becomes int8 when int4 is asked; None: quantize the dequantized values as `method` asks."""
+        kinds = [self.type_name(n) for n in names]
+        formats = {_EXACT.get(k) for k in kinds}
+        if len(formats) != 1 or None in formats:  # not every part converts directly, or not to one format
+            if method == "int4" and all(k in _WIDER or _EXACT.get(k) == "int8" for k in kinds):
+                from tokenspout.models.quantize import quantize_int8, quantize_rows
+
+                return quantize_rows([self.get(n) for n in names], quantize_int8)
             return None
-        kind = next(iter(types))
+        method = formats.pop()  # type: ignore[assignment]
         qs, scales, mins = [], [], []
-        for n in names:
+        for n, kind in zip(names, kinds):
             t = self._tensor(n)
             rows = int(t.shape[1]) if len(t.shape) > 1 else 1
             blocks = self._unpermute(n, np.asarray(t.data).reshape(rows, -1))  # [rows, bytes]
@@ -119,16 +129,44 @@ class GGUFCheckpoint:
         return pack_int4(q, d, torch.cat(mins))
 
 
+def _q4k_blocks(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K super-blocks (256 weights: float16 d and dmin, twelve bytes of 6-bit sub-block scales and mins, 128
+    bytes of 4-bit codes) -> the kernels' int4 terms per group of 32: W = (d * sc) * q - dmin * m, so scale =
+    d * sc and min = -dmin * m, rounded to float16 (the only difference from the file's values: a relative
+    2^-11 at most on each group's scale and min; the codes are the file's)."""
+    rows = raw.shape[0]
+    b = np.ascontiguousarray(raw).reshape(rows, -1, 144)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]  # [rows, S, 1]
+    dmin = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)[..., None]
+    sc = b[..., 4:16].astype(np.uint8)  # [rows, S, 12]
+    lo6 = np.concatenate([sc[..., 0:4] & 63, (sc[..., 8:12] & 15) | ((sc[..., 0:4] >> 6) << 4)], -1)  # scales j<8
+    mn6 = np.concatenate([sc[..., 4:8] & 63, (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)], -1)  # mins
+    qs = b[..., 16:].reshape(rows, -1, 4, 32)  # 4 chunks of 64 weights: low nibbles sub-block 2j, high 2j+1
+    q = np.stack([qs & 15, qs >> 4], 3).reshape(rows, -1, 8, 32)  # [rows, S, 8 sub-blocks, 32]
+    scale = (d * lo6.astype(np.float32)).reshape(rows, -1)
+    mins = (-dmin * mn6.astype(np.float32)).reshape(rows, -1)
+    return (torch.from_numpy(q.reshape(rows, -1, 32).astype(np.uint8)), torch.from_numpy(scale).half(),
+            torch.from_numpy(mins).half())
+
+
 def _blocks_of(kind: str, raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows of GGUF blocks [rows, G * block bytes] -> (codes [rows, G, 32], scale [rows, G] float16, min [rows, G]
     float16) in the kernels' terms: W = scale * q (+ min)."""
-    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
+    if kind == "Q4_K":
+        return _q4k_blocks(raw)
+    size = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}[kind]
     rows = raw.shape[0]
     b = np.ascontiguousarray(raw).reshape(rows, -1, size)
     d = torch.from_numpy(np.ascontiguousarray(b[..., :2]).view(np.float16)[..., 0].copy())
     if kind == "Q8_0":
         q = torch.from_numpy(np.ascontiguousarray(b[..., 2:]).view(np.int8).copy())
         return q, d, torch.zeros_like(d)
+    if kind == "Q5_0":  # W = d * (q - 16), q 5-bit: low nibbles in qs, the fifth bits in the 32-bit qh
+        qh = np.ascontiguousarray(b[..., 2:6]).view(np.uint32)[..., 0][..., None]  # [rows, G, 1]
+        bits = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4  # bit j -> element j
+        qs = b[..., 6:]
+        q5 = np.concatenate([qs & 15, qs >> 4], -1) | bits
+        return torch.from_numpy(q5.astype(np.int8) - 16), d, torch.zeros_like(d)
     if kind == "Q4_1":
         m = torch.from_numpy(np.ascontiguousarray(b[..., 2:4]).view(np.float16)[..., 0].copy())
         nib = b[..., 4:]
