@@ -22,6 +22,7 @@ class ModelConfig:
     # --generation-config auto); "vllm": neutral defaults whatever the model folder says.
     generation_config: str = "auto"
     chat_template: str | None = None  # Jinja text replacing the tokenizer's (--chat-template); None: the model's
+    tokenizer: str | None = None  # a folder whose tokenizer (and its chat template) replaces the model's (--tokenizer)
 
     def folder(self) -> str:
         """The local model folder.  The frontend needs it resolved (build_engine_config converts the default model
@@ -29,6 +30,10 @@ class ModelConfig:
         if self.model is None:
             raise ValueError("model: no folder resolved; build the config with build_engine_config()")
         return self.model
+
+    def tokenizer_folder(self) -> str:
+        """Where the tokenizer comes from: --tokenizer, else the model folder."""
+        return self.tokenizer or self.folder()
 
     def validate(self) -> None:
         if self.generation_config not in ("auto", "vllm"):

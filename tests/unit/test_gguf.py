@@ -124,3 +124,21 @@ def test_served_under_the_file_name():
     assert cfg.model.served_model_name == "SmolLM2-135M-Instruct.Q4_1"
     assert cfg.model.model == str(sidecar_folder(gguf_path()))
     assert build_engine_config(None).model.served_model_name == "SmolLM2-135M-Instruct"
+
+
+def test_tokenizer_flag(tmp_path: Path, model_path):
+    """--tokenizer DIR: the folder's tokenizer replaces the model's (checked, a clear error when it holds none)."""
+    from tokenspout.engine.llm import build_engine_config
+    import argparse
+
+    from tokenspout.entrypoints.cli import add_engine_args, engine_kwargs
+
+    cfg = build_engine_config(str(gguf_path()), tokenizer=str(model_path))
+    assert cfg.model.tokenizer_folder() == str(Path(model_path).resolve())
+    assert build_engine_config(None).model.tokenizer_folder() == build_engine_config(None).model.folder()
+    with pytest.raises(ValueError, match="tokenizer: .* is not a folder with tokenizer.json"):
+        build_engine_config(None, tokenizer=str(tmp_path))
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    args = p.parse_args(["--model", str(gguf_path()), "--tokenizer", str(model_path)])
+    assert engine_kwargs(args)["tokenizer"] == str(model_path)

@@ -69,7 +69,7 @@ class EngineCore:
             from tokenspout.engine.tokenizer import load_tokenizer
             from tokenspout.structured_output import manager  # noqa: F401 - imported for its cost, now
 
-            self._tokenizer = load_tokenizer(self.loaded.path)
+            self._tokenizer = load_tokenizer(self.config.model.tokenizer or self.loaded.path)
         return self._tokenizer
 
     def add_request(self, req: EngineCoreRequest) -> None:

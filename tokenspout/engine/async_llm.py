@@ -44,7 +44,7 @@ class AsyncLLM:
         # loads the tokenizer.
         self.client = client or make_async_client(config)
         try:
-            self.tokenizer = load_tokenizer(config.model.folder())
+            self.tokenizer = load_tokenizer(config.model.tokenizer_folder())
             info = self.client.wait_ready(on_wait)
         except BaseException:
             self.client.shutdown()
@@ -54,6 +54,7 @@ class AsyncLLM:
         self.vocab_size = info.vocab_size
         self.num_kv_blocks = info.num_kv_blocks
         self.processor = Processor(self.tokenizer, info.max_model_len, info.vocab_size,
+                                   generation_config=read_generation_config(config.model.folder()),
                                    chat_template=config.model.chat_template)
         # Sampling defaults for the fields a request omits (the server applies them; empty with generation_config
         # "vllm" or when the model folder sets none).

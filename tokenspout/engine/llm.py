@@ -32,7 +32,7 @@ from tokenspout.engine.chat_tools import (
 )
 from tokenspout.engine.core_client import InprocClient, SyncMPClient
 from tokenspout.engine.output_processor import OutputProcessor
-from tokenspout.engine.processor import Processor
+from tokenspout.engine.processor import Processor, read_generation_config
 from tokenspout.engine.tokenizer import load_tokenizer
 from tokenspout.models.default_model import resolve_model_path  # not loader: the frontend never imports torch
 from tokenspout.outputs import RequestOutput
@@ -51,8 +51,14 @@ def build_engine_config(model: str | None = None, *, dtype: str = "float32", qua
                         ngram_max: int = 4, enable_prefix_caching: bool = True, draft_model: str | None = None,
                         draft_layers: int | None = None, adaptive_speculation: bool = True,
                         async_scheduling: bool = False, generation_config: str = "auto",
-                        chat_template: str | None = None, data_parallel_size: int = 1) -> EngineConfig:
+                        chat_template: str | None = None, data_parallel_size: int = 1,
+                        tokenizer: str | None = None) -> EngineConfig:
     path, name = resolve_model_path(model)  # converts the default model here, once, before any engine starts
+    if tokenizer is not None:
+        tok_path = Path(tokenizer).expanduser()
+        if not (tok_path / "tokenizer.json").is_file() and not (tok_path / "tokenizer_config.json").is_file():
+            raise ValueError(f"tokenizer: {tok_path} is not a folder with tokenizer.json / tokenizer_config.json")
+        tokenizer = str(tok_path.resolve())
     if draft_model is not None:
         draft_path = Path(draft_model).expanduser()
         read_hf_config(draft_path)  # a missing folder or unsupported architecture fails here, not in the engine
@@ -63,7 +69,7 @@ def build_engine_config(model: str | None = None, *, dtype: str = "float32", qua
                           # the default model and a GGUF file are served under their own names (not the folder's)
                           served_model_name=served_model_name or (name if model is None or path.name != name
                                                                   else None),
-                          chat_template=load_chat_template(chat_template)),
+                          chat_template=load_chat_template(chat_template), tokenizer=tokenizer),
         cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
                           num_gpu_blocks_override=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -102,18 +108,19 @@ class LLM:
             # Start the engine process first: it loads the model while this process loads the tokenizer.
             self.client = SyncMPClient(self.config, wait=False)
             try:
-                self.tokenizer = load_tokenizer(self.config.model.folder())
+                self.tokenizer = load_tokenizer(self.config.model.tokenizer_folder())
                 info = self.client.wait_ready(on_wait)
             except BaseException:
                 self.client.shutdown()
                 raise
         else:
-            self.tokenizer = load_tokenizer(self.config.model.folder())
+            self.tokenizer = load_tokenizer(self.config.model.tokenizer_folder())
             self.client = InprocClient(self.config)
             info = self.client.info
         self.model_name = info.model_name
         self.max_model_len = info.max_model_len
         self.processor = Processor(self.tokenizer, info.max_model_len, info.vocab_size,
+                                   generation_config=read_generation_config(self.config.model.folder()),
                                    chat_template=self.config.model.chat_template)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
         self._ids = itertools.count()

@@ -22,6 +22,8 @@ from tokenspout.sampling_params import SamplingParams
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="local Hugging Face folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--tokenizer", default=None,
+                   help="a folder whose tokenizer (and chat template) replaces the model's, e.g. for a GGUF file")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: float32 where the C kernels run (the fastest path: bench.paths), else bfloat16 where the "
                         "CPU has native bf16 matrix instructions, else float32")
@@ -84,7 +86,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             "ngram_max": args.ngram_max, "enable_prefix_caching": args.enable_prefix_caching,
             "draft_model": args.draft_model, "draft_layers": args.draft_layers,
             "async_scheduling": args.async_scheduling, "generation_config": args.generation_config,
-            "chat_template": args.chat_template, "data_parallel_size": args.data_parallel_size}
+            "chat_template": args.chat_template, "data_parallel_size": args.data_parallel_size,
+            "tokenizer": args.tokenizer}
 
 
 class Spinner:
