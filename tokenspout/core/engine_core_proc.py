@@ -25,7 +25,7 @@ import zmq
 
 from tokenspout.config import EngineConfig
 from tokenspout.engine.messages import EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest, EngineCoreUtility
-from tokenspout.platform import freeze_startup_heap
+from tokenspout.platform import freeze_startup_heap, return_large_frees_to_the_os
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
     logging.basicConfig(level=os.environ.get("TOKENSPOUT_LOG_LEVEL", "INFO"),
                         format="%(asctime)s engine %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the frontend decides when we stop (SIGTERM / shutdown)
+    return_large_frees_to_the_os()
     ctx = zmq.Context()
     out_sock = ctx.socket(zmq.PUSH)
     out_sock.setsockopt(zmq.LINGER, 1000)

@@ -17,6 +17,7 @@ they are permuted back here, on whole rows, so the packed blocks need no dequant
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +69,19 @@ class GGUFCheckpoint:
             self.reader, f"{self.arch}.attention.head_count_kv") or self.n_head
         self.where = {name: name for name in self.tensors}  # (for warn_unused: names present)
 
+    def _release(self, t) -> None:
+        """Drops the pages of tensor `t` from this process's mapping once it has been converted: a map that is read
+        through keeps every page it touched counted in the RSS until it is closed (a whole 1 GB file during a
+        load).  The pages stay in the page cache; a later read maps them again."""
+        mm = getattr(self.reader.data, "_mmap", None)
+        if mm is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        start = int(t.data_offset) // mmap.PAGESIZE * mmap.PAGESIZE
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, start, int(t.data_offset) + int(t.n_bytes) - start)
+        except (OSError, ValueError):
+            pass
+
     def _tensor(self, name: str):
         g = _gguf_name(name)
         if g not in self.tensors:
@@ -87,9 +101,17 @@ class GGUFCheckpoint:
         from gguf.quants import dequantize
 
         t = self._tensor(name)
-        data = dequantize(t.data, t.tensor_type)
         shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims innermost first
-        return torch.from_numpy(np.array(self._unpermute(name, data.reshape(shape)), dtype=np.float32))  # (a copy)
+        raw = np.asarray(t.data)
+        if len(shape) == 1:
+            out = np.array(dequantize(raw, t.tensor_type), dtype=np.float32).reshape(shape)
+        else:  # in slices of rows: the gguf package's dequantization makes several temporaries of its input's size
+            out = np.empty(shape, dtype=np.float32)
+            rows = raw.reshape(shape[0], -1)
+            for r0 in range(0, shape[0], 4096):
+                out[r0 : r0 + 4096] = dequantize(rows[r0 : r0 + 4096], t.tensor_type).reshape(-1, shape[1])
+        self._release(t)
+        return torch.from_numpy(np.ascontiguousarray(self._unpermute(name, out)))
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(x) for x in reversed(self._tensor(name).shape))
@@ -120,6 +142,7 @@ class GGUFCheckpoint:
             rows = int(t.shape[1]) if len(t.shape) > 1 else 1
             blocks = self._unpermute(n, np.asarray(t.data).reshape(rows, -1))  # [rows, bytes]
             q, d, m = _blocks_of(kind, blocks)
+            self._release(t)
             qs.append(q)
             scales.append(d)
             mins.append(m)
