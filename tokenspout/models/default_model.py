@@ -8,6 +8,7 @@ importlib.util.find_spec and never imported (importing it imports `llm`).
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import importlib.util
 import json
@@ -16,6 +17,7 @@ import os
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -68,14 +70,28 @@ def resolve_model_path(model: str | None) -> tuple[Path, str]:
     return path, path.name
 
 
+@contextlib.contextmanager
+def folder_written_whole(target: Path) -> Iterator[Path]:
+    """A temporary folder beside `target` to write into; renamed to `target` when the block ends without an error,
+    deleted otherwise, so a reader never sees half a folder (callers hold a file lock against a second writer)."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        yield tmp
+        if target.exists():
+            shutil.rmtree(target)
+        os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def _convert(gguf: Path, target: Path) -> None:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     logger.info("converting %s to a float32 safetensors folder at %s (once)", gguf.name, target)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{_FOLDER}.", dir=target.parent))
-    try:
+    with folder_written_whole(target) as tmp:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         tok.save_pretrained(tmp)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -94,12 +110,6 @@ def _convert(gguf: Path, target: Path) -> None:
         gen = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                                pad_token_id=tok.pad_token_id)
         gen.save_pretrained(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        os.rename(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     logger.info("default model ready at %s", target)
 
 

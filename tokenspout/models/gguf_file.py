@@ -9,9 +9,6 @@ import fcntl
 import hashlib
 import json
 import logging
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -71,11 +68,12 @@ def _write_sidecar(gguf: Path, target: Path) -> None:
     from gguf import GGUFReader
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+    from tokenspout.models.default_model import folder_written_whole
+
     reader = GGUFReader(str(gguf))
     arch = architecture(reader)
     logger.info("reading the tokenizer and config of %s (once)", gguf.name)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
+    with folder_written_whole(target) as tmp:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         tok.save_pretrained(tmp)
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
@@ -88,12 +86,6 @@ def _write_sidecar(gguf: Path, target: Path) -> None:
         GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.pad_token_id).save_pretrained(tmp)
         (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf), "architecture": arch}))
-        if target.exists():
-            shutil.rmtree(target)
-        os.rename(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def default_quantization(gguf: Path) -> str | None:

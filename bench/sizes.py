@@ -1,0 +1,134 @@
+"""Real model sizes against llama.cpp: random-weight Llama shapes served by tokenspout and by llama.cpp, one at a time.
+
+    python -m bench.sizes [--shapes smollm2-1.7b] [--concurrency 1 16] [--max-tokens 64]
+
+Per shape (bench/shapes.py: SmolLM2-360M, SmolLM2-1.7B, Llama-3.1-8B's layer shape; the default tokenizer's
+vocabulary; bf16 safetensors):
+* the GGUF files are made with llama.cpp's own tools from the source `../shared/peers/llamacpp.sh install` unpacked
+  and built: `convert_hf_to_gguf.py --outtype bf16` then `llama-quantize` (Q4_1; build the llama-quantize target of
+  that build folder first);
+* servers, each on cold caches (its quantized-weights cache deleted first, so the first start is measured):
+  `llamacpp-q4_1` (llama-server, 16 slots x 512 tokens, f16 KV cache), `tokenspout-int4` (the bf16 folder,
+  --quantization int4) and `tokenspout-gguf-q4_1` (the Q4_1 file, read directly), both with --kv-cache-dtype float16
+  and the KV budget of llama.cpp's 16 x 512 tokens, so every server holds the same KV-cache bytes;
+* each measured with bench/serve.py (closed loop, streamed, ignore_eos): tok/s, TTFT and ITL p50 at each
+  concurrency; start-up to a healthy /health and the peak RSS of the server's process tree (start_server.sh).
+Writes bench/results/sizes.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from bench import serve
+from bench.common import write_json
+from bench.shapes import SHAPES, make
+
+ROOT = Path(__file__).resolve().parent.parent
+SLOTS, SLOT_TOKENS = 16, 512
+
+
+def kv_gib(shape: str) -> float:
+    """The GiB of llama.cpp's f16 KV cache for SLOTS x SLOT_TOKENS tokens of this shape."""
+    s = SHAPES[shape]
+    per_token = s["num_hidden_layers"] * 2 * (s["hidden_size"] // s["num_attention_heads"]) * s["num_key_value_heads"] * 2
+    return per_token * SLOTS * SLOT_TOKENS / 2**30
+
+
+def gguf_files(folder: Path, peers: Path, out: Path) -> dict[str, Path]:
+    env = dict(os.environ, PEERS=str(peers))
+    src = next((Path(env["PEERS"]) / "llama-src").glob("*/llama.cpp"))
+    build = Path(env["PEERS"]) / "llama-build" / "bin"
+    bf16, q41 = out / f"{folder.name}-bf16.gguf", out / f"{folder.name}-q4_1.gguf"
+    out.mkdir(parents=True, exist_ok=True)
+    if not bf16.is_file():
+        subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(folder), "--outtype", "bf16",
+                        "--outfile", str(bf16)], check=True, env=dict(env, PYTHONPATH=str(src / "gguf-py")))
+    if not q41.is_file():
+        subprocess.run([str(build / "llama-quantize"), str(bf16), str(q41), "Q4_1", "2"], check=True)
+    return {"q4_1": q41}
+
+
+def measure(name: str, cmd: list[str], port: int, args: argparse.Namespace, extra: list[str]) -> dict:
+    peers = args.peers_dir
+    env = dict(os.environ, PEERS=os.environ.get("PEERS", "/tmp/peers"))
+    res = subprocess.run([str(peers / "start_server.sh"), name, f"http://127.0.0.1:{port}/health", "--", *cmd],
+                         capture_output=True, text=True, env=env, cwd=ROOT, check=False)
+    if res.returncode != 0:
+        raise RuntimeError(f"{name} did not start: {res.stdout[-2000:]}{res.stderr[-2000:]}")
+    logs = Path(env["PEERS"]) / "logs"
+    startup = json.loads((logs / f"{name}.startup.json").read_text())["startup_s"]
+    try:
+        sargs = serve.parse_args(["--base-url", f"http://127.0.0.1:{port}/v1", "--model", "bench",
+                                  "--concurrency", *map(str, args.concurrency), "--mode", "greedy",
+                                  "--max-tokens", str(args.max_tokens), "--num-requests", str(args.num_requests),
+                                  "--label", name, *extra])
+        out = asyncio.run(serve.run(sargs))
+    finally:
+        subprocess.run([str(peers / "stop_server.sh"), name], capture_output=True, text=True, env=env, check=False)
+    rss = logs / f"{name}.rss.json"
+    out["startup_s"] = startup
+    out["peak_rss_mib"] = json.loads(rss.read_text()).get("peak_total_rss_mib") if rss.is_file() else None
+    return out
+
+
+def table(report: dict) -> str:
+    lines = ["| shape / server | " + " | ".join(f"c={c} tok/s (TTFT, ITL p50 ms)" for c in report["concurrency"])
+             + " | start s | peak RSS MiB |", "|" + "---|" * (len(report["concurrency"]) + 3)]
+    for shape, servers in report["shapes"].items():
+        for name, r in servers.items():
+            cells = [f"{x['output_tok_s']:.1f} ({x['ttft_p50_ms']:.0f}, {x['itl_p50_ms']:.1f})" for x in r["results"]]
+            lines.append(f"| {shape} / {name} | " + " | ".join(cells)
+                         + f" | {r['startup_s']:.1f} | {r['peak_rss_mib'] or 0:.0f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=["smollm2-1.7b"], choices=sorted(SHAPES))
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--num-requests", type=int, default=16)
+    ap.add_argument("--peers-dir", type=Path, default=ROOT.parent / "shared" / "peers")
+    args = ap.parse_args()
+    from tokenspout.models.default_model import cache_dir
+
+    ts = str(ROOT / ".venv" / "bin" / "tokenspout")
+    report: dict = {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "shapes": {}}
+    peers_dir = Path(os.environ.get("PEERS", "/tmp/peers"))
+    for shape in args.shapes:
+        import torch
+
+        folder = make(shape, cache_dir() / "shapes" / f"{shape}-bfloat16", torch.bfloat16)
+        files = gguf_files(folder, peers_dir, cache_dir() / "shapes" / "gguf")
+        kv = f"{kv_gib(shape):.4f}"
+        shutil.rmtree(cache_dir() / "quantized", ignore_errors=True)  # cold: the first start is measured
+        runs = {
+            "llamacpp-q4_1": ([str(peers_dir / "llama-build" / "bin" / "llama-server"), "-m", str(files["q4_1"]),
+                               "--alias", "bench", "--host", "127.0.0.1", "--port", "8301", "-t", "2", "-tb", "2",
+                               "-np", str(SLOTS), "-c", str(SLOTS * SLOT_TOKENS), "--no-kv-unified", "-cb"], 8301,
+                              ["--extra-body", '{"repeat_penalty": 1.0}']),
+            "tokenspout-int4": ([ts, "serve", str(folder), "--port", "8302", "--quantization", "int4",
+                                 "--kv-cache-memory", kv, "--kv-cache-dtype", "float16", "--served-model-name",
+                                 "bench"], 8302, []),
+            "tokenspout-gguf-q4_1": ([ts, "serve", str(files["q4_1"]), "--port", "8303", "--kv-cache-memory", kv,
+                                      "--kv-cache-dtype", "float16", "--served-model-name", "bench"], 8303, []),
+        }
+        report["shapes"][shape] = {}
+        for name, (cmd, port, extra) in runs.items():
+            print(f"== {shape}: {name}", flush=True)
+            report["shapes"][shape][name] = measure(name, cmd, port, args, extra)
+            write_json("sizes.json", report)
+    print(table(report))
+    print("wrote", write_json("sizes.json", report))
+
+
+if __name__ == "__main__":
+    main()
