@@ -142,3 +142,15 @@ def test_tokenizer_flag(tmp_path: Path, model_path):
     add_engine_args(p)
     args = p.parse_args(["--model", str(gguf_path()), "--tokenizer", str(model_path)])
     assert engine_kwargs(args)["tokenizer"] == str(model_path)
+
+
+def test_corrupt_or_truncated_files_are_clear_errors(tmp_path: Path):
+    not_gguf = tmp_path / "text.gguf"
+    not_gguf.write_text("hello")
+    truncated = tmp_path / "cut.gguf"
+    truncated.write_bytes(gguf_path().read_bytes()[:1_000_000])
+    for bad in (not_gguf, truncated):
+        with pytest.raises(ValueError, match=r"cannot read GGUF file .*\(not a GGUF file, or truncated or corrupt"):
+            sidecar_folder(bad)
+        with pytest.raises(ValueError, match="cannot read GGUF file"):
+            resolve_quantization("auto", str(bad))

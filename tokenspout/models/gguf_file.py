@@ -29,6 +29,20 @@ def gguf_source(folder: Path) -> Path | None:
     return Path(json.loads(marker.read_text())["gguf"]) if marker.is_file() else None
 
 
+def open_reader(gguf: Path):
+    """The gguf package's reader of `gguf` (the file memory-mapped, its header parsed), or a ValueError naming the
+    file when it is missing, not a GGUF file, truncated or corrupt (the reader fails with whatever numpy raises)."""
+    from gguf import GGUFReader
+
+    if not gguf.is_file():
+        raise FileNotFoundError(f"GGUF file {gguf} does not exist")
+    try:
+        return GGUFReader(str(gguf))
+    except Exception as e:  # noqa: BLE001 - IndexError, struct errors, ValueError("GGUF magic invalid"), ...
+        raise ValueError(f"cannot read GGUF file {gguf}: {type(e).__name__}: {e} (not a GGUF file, or truncated "
+                         "or corrupt?)") from None
+
+
 def field(reader, key: str):
     f = reader.fields.get(key)
     if f is None:
@@ -65,12 +79,11 @@ def sidecar_folder(gguf: Path) -> Path:
 
 
 def _write_sidecar(gguf: Path, target: Path) -> None:
-    from gguf import GGUFReader
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     from tokenspout.models.default_model import folder_written_whole
 
-    reader = GGUFReader(str(gguf))
+    reader = open_reader(gguf)
     arch = architecture(reader)
     logger.info("reading the tokenizer and config of %s (once)", gguf.name)
     with folder_written_whole(target) as tmp:
@@ -91,9 +104,7 @@ def _write_sidecar(gguf: Path, target: Path) -> None:
 def default_quantization(gguf: Path) -> str | None:
     """`--quantization auto` for a GGUF file: int4 when its layers are 4-bit types, int8 when they are another
     quantized type (Q8_0, Q5_*, Q6_K, ...), none when they are float (F32, F16, BF16)."""
-    from gguf import GGUFReader
-
-    types = [t.tensor_type.name for t in GGUFReader(str(gguf)).tensors if t.name.startswith("blk.")
+    types = [t.tensor_type.name for t in open_reader(gguf).tensors if t.name.startswith("blk.")
              and t.name.endswith(".weight") and len(t.shape) > 1]
     if not types:
         return None

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tokenspout.models.gguf_file import field, architecture
+from tokenspout.models.gguf_file import architecture, field, open_reader
 from tokenspout.models.quantize import GROUP, PackedWeight, pack_int4, pack_int8
 
 _PERMUTED = ("llama", "mistral")  # llama.cpp's converter permutes Q/K rows for these
@@ -57,10 +57,8 @@ class GGUFCheckpoint:
     """A GGUF file's tensors by HF name (the interface of loader.CheckpointReader), read lazily from the map."""
 
     def __init__(self, gguf: Path):
-        from gguf import GGUFReader
-
         self.path = gguf
-        self.reader = GGUFReader(str(gguf))
+        self.reader = open_reader(gguf)
         self.arch = architecture(self.reader)
         self.tensors = {t.name: t for t in self.reader.tensors}
         prefix = self.arch if self.arch != "mistral" else "llama"
