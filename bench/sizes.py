@@ -5,12 +5,14 @@
 Per shape (bench/shapes.py: SmolLM2-360M, SmolLM2-1.7B, Llama-3.1-8B's layer shape; the default tokenizer's
 vocabulary; bf16 safetensors):
 * the GGUF files are made with llama.cpp's own tools from the source `../shared/peers/llamacpp.sh install` unpacked
-  and built: `convert_hf_to_gguf.py --outtype bf16` then `llama-quantize` (Q4_1; build the llama-quantize target of
-  that build folder first);
-* servers, each on cold caches (its quantized-weights cache deleted first, so the first start is measured):
-  `llamacpp-q4_1` (llama-server, 16 slots x 512 tokens, f16 KV cache), `tokenspout-int4` (the bf16 folder,
-  --quantization int4) and `tokenspout-gguf-q4_1` (the Q4_1 file, read directly), both with --kv-cache-dtype float16
-  and the KV budget of llama.cpp's 16 x 512 tokens, so every server holds the same KV-cache bytes;
+  and built: `convert_hf_to_gguf.py --outtype bf16` then `llama-quantize` (Q4_1 and Q8_0; build the llama-quantize
+  target of that build folder first);
+* servers per quantization family (Q4_1 / int4, Q8_0 / int8), each on cold caches (the quantized-weights cache is
+  deleted per shape, so the first start is measured): `llamacpp-q4_1` / `llamacpp-q8_0` (llama-server, 16 slots x
+  512 tokens, f16 KV cache), `tokenspout-int4` / `tokenspout-int8` (the bf16 folder, --quantization) and
+  `tokenspout-gguf-q4_1` / `tokenspout-gguf-q8_0` (the file, read directly), tokenspout with --kv-cache-dtype float16
+  and the KV budget of llama.cpp's 16 x 512 tokens, so every server holds the same KV-cache bytes; `--servers`
+  picks some;
 * each measured with bench/serve.py (closed loop, streamed, ignore_eos): tok/s, TTFT and ITL p50 at each
   concurrency; start-up to a healthy /health and the peak RSS of the server's process tree (start_server.sh).
 Writes bench/results/sizes.json and prints a markdown table.
@@ -46,14 +48,17 @@ def gguf_files(folder: Path, peers: Path, out: Path) -> dict[str, Path]:
     env = dict(os.environ, PEERS=str(peers))
     src = next((Path(env["PEERS"]) / "llama-src").glob("*/llama.cpp"))
     build = Path(env["PEERS"]) / "llama-build" / "bin"
-    bf16, q41 = out / f"{folder.name}-bf16.gguf", out / f"{folder.name}-q4_1.gguf"
+    bf16 = out / f"{folder.name}-bf16.gguf"
     out.mkdir(parents=True, exist_ok=True)
     if not bf16.is_file():
         subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(folder), "--outtype", "bf16",
                         "--outfile", str(bf16)], check=True, env=dict(env, PYTHONPATH=str(src / "gguf-py")))
-    if not q41.is_file():
-        subprocess.run([str(build / "llama-quantize"), str(bf16), str(q41), "Q4_1", "2"], check=True)
-    return {"q4_1": q41}
+    files = {}
+    for kind in ("q4_1", "q8_0"):
+        files[kind] = out / f"{folder.name}-{kind}.gguf"
+        if not files[kind].is_file():
+            subprocess.run([str(build / "llama-quantize"), str(bf16), str(files[kind]), kind.upper(), "2"], check=True)
+    return files
 
 
 def measure(name: str, cmd: list[str], port: int, args: argparse.Namespace, extra: list[str]) -> dict:
@@ -96,6 +101,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--num-requests", type=int, default=16)
+    ap.add_argument("--servers", nargs="*", default=None,
+                    help="only these (llamacpp-q4_1 tokenspout-int4 tokenspout-gguf-q4_1 llamacpp-q8_0 "
+                         "tokenspout-int8 tokenspout-gguf-q8_0; default: all)")
     ap.add_argument("--peers-dir", type=Path, default=ROOT.parent / "shared" / "peers")
     args = ap.parse_args()
     from tokenspout.models.default_model import cache_dir
@@ -110,19 +118,22 @@ def main() -> None:
         files = gguf_files(folder, peers_dir, cache_dir() / "shapes" / "gguf")
         kv = f"{kv_gib(shape):.4f}"
         shutil.rmtree(cache_dir() / "quantized", ignore_errors=True)  # cold: the first start is measured
-        runs = {
-            "llamacpp-q4_1": ([str(peers_dir / "llama-build" / "bin" / "llama-server"), "-m", str(files["q4_1"]),
-                               "--alias", "bench", "--host", "127.0.0.1", "--port", "8301", "-t", "2", "-tb", "2",
-                               "-np", str(SLOTS), "-c", str(SLOTS * SLOT_TOKENS), "--no-kv-unified", "-cb"], 8301,
-                              ["--extra-body", '{"repeat_penalty": 1.0}']),
-            "tokenspout-int4": ([ts, "serve", str(folder), "--port", "8302", "--quantization", "int4",
-                                 "--kv-cache-memory", kv, "--kv-cache-dtype", "float16", "--served-model-name",
-                                 "bench"], 8302, []),
-            "tokenspout-gguf-q4_1": ([ts, "serve", str(files["q4_1"]), "--port", "8303", "--kv-cache-memory", kv,
-                                      "--kv-cache-dtype", "float16", "--served-model-name", "bench"], 8303, []),
-        }
+        runs = {}
+        for kind, ours in (("q4_1", "int4"), ("q8_0", "int8")):
+            runs[f"llamacpp-{kind}"] = (
+                [str(peers_dir / "llama-build" / "bin" / "llama-server"), "-m", str(files[kind]), "--alias", "bench",
+                 "--host", "127.0.0.1", "--port", "8301", "-t", "2", "-tb", "2", "-np", str(SLOTS), "-c",
+                 str(SLOTS * SLOT_TOKENS), "--no-kv-unified", "-cb"], 8301, ["--extra-body", '{"repeat_penalty": 1.0}'])
+            runs[f"tokenspout-{ours}"] = ([ts, "serve", str(folder), "--port", "8302", "--quantization", ours,
+                                          "--kv-cache-memory", kv, "--kv-cache-dtype", "float16",
+                                          "--served-model-name", "bench"], 8302, [])
+            runs[f"tokenspout-gguf-{kind}"] = ([ts, "serve", str(files[kind]), "--port", "8303", "--kv-cache-memory",
+                                               kv, "--kv-cache-dtype", "float16", "--served-model-name", "bench"],
+                                              8303, [])
         report["shapes"][shape] = {}
         for name, (cmd, port, extra) in runs.items():
+            if args.servers and name not in args.servers:
+                continue
             print(f"== {shape}: {name}", flush=True)
             report["shapes"][shape][name] = measure(name, cmd, port, args, extra)
             write_json("sizes.json", report)
