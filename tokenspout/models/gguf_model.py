@@ -54,7 +54,7 @@ def _gguf_name(name: str) -> str:
 
 
 class GGUFCheckpoint:
-    """A GGUF file's tensors by HF name (the interface of loader.CheckpointReader), read lazily from the map."""
+    """A GGUF file's tensors by HF name (the interface of checkpoint.CheckpointReader), read lazily from the map."""
 
     def __init__(self, gguf: Path):
         self.path = gguf

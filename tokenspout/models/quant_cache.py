@@ -42,7 +42,7 @@ FORMAT = 2  # bump when the file layout changes (the sources below are hashed in
 # What the cached values and layout depend on: quantization, weight fusion (loader), the streaming build and the
 # GGUF block conversion, this file.
 _SOURCES = [Path(__file__).parent / name for name in ("quantize.py", "quant_linear.py", "quant_load.py",
-                                                      "gguf_model.py", "loader.py")] + [Path(__file__)]
+                                                      "gguf_model.py", "checkpoint.py", "loader.py")] + [Path(__file__)]
 _MODEL, _PACKED = "model.", "packed."
 _ALIGN = 64  # bytes; every tensor of the file starts at a multiple (the map itself is page aligned)
 _DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int8: "I8", torch.uint8: "U8"}

@@ -1,7 +1,7 @@
 """A quantized model built straight from its checkpoint, one linear layer at a time, with no float copy of the model.
 
 Where the C kernels run (`--quantization int4 | int8`), each linear layer's checkpoint tensors are read (one tensor
-at a time, see loader.CheckpointReader), rounded to the model dtype, quantized `CHUNK` rows at a time and packed;
+at a time, see checkpoint.CheckpointReader), rounded to the model dtype, quantized `CHUNK` rows at a time and packed;
 the float rows are dropped before the next layer is read.  Only the embedding, the norms and the biases are
 allocated as float tensors.  The peak memory of a first start is then the packed model + the embedding + one
 layer's float tensors, where quantizing a loaded float model first held the whole float model (4 bytes per weight:
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from tokenspout.models.llama import LlamaForCausalLM
-from tokenspout.models.loader import copy_rows, open_checkpoint, weight_plan
+from tokenspout.models.checkpoint import copy_rows, open_checkpoint, weight_plan
 from tokenspout.models.quant_linear import linear_shapes, replace_linears
 from tokenspout.models.quantize import GROUP, PackedWeight, quantize_int4, quantize_int8, quantize_rows
 

@@ -133,11 +133,11 @@ def dequantize(pw: PackedWeight) -> torch.Tensor:
 
 
 @torch.no_grad()
-def quantize_model(model: LlamaForCausalLM, method: str, lib=None) -> dict[str, PackedWeight]:
-    """Quantizes in place; returns the packed weights by module name ("layers.i.self_attn.qkv_proj", ...,
-    "lm_head") for the kernels.  With `lib` (the loaded C kernels) every linear layer becomes a QuantLinear that
-    holds only its packed weight; without (a CPU the kernels do not run on) the weights become their dequantized
-    float values, which the torch model computes with."""
+def quantize_model(model: LlamaForCausalLM, method: str) -> dict[str, PackedWeight]:
+    """Quantizes a loaded float model in place for a CPU the kernels do not run on: its weights become their
+    dequantized values (the torch model computes with them); returns the packed weights by module name
+    ("layers.i.self_attn.qkv_proj", ..., "lm_head").  Where the kernels run, models/quant_load.py builds the model
+    with QuantLinear layers straight from the checkpoint instead."""
     if method not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")
     out: dict[str, PackedWeight] = {}
@@ -150,15 +150,9 @@ def quantize_model(model: LlamaForCausalLM, method: str, lib=None) -> dict[str, 
         fn = quantize_int4 if method == "int4" and name != "lm_head" else quantize_int8
         packed, deq = fn(module.weight)
         out[name] = packed
-        if lib is not None:
-            continue
         deq = deq.to(module.weight.dtype)
         if name == "lm_head" and module.weight is model.embed_tokens.weight:
             module.weight = nn.Parameter(deq, requires_grad=False)  # untie: the embedding stays exact
         else:
             module.weight.copy_(deq)
-    if lib is not None:
-        from tokenspout.models.quant_linear import replace_linears
-
-        replace_linears(model, out, lib)
     return out
