@@ -61,11 +61,12 @@ class GGUFCheckpoint:
         self.reader = open_reader(gguf)
         self.arch = architecture(self.reader)
         self.tensors = {t.name: t for t in self.reader.tensors}
-        prefix = self.arch if self.arch != "mistral" else "llama"
-        self.n_head = field(self.reader, f"{prefix}.attention.head_count") or field(self.reader, f"{self.arch}.attention.head_count")
-        self.n_kv = field(self.reader, f"{prefix}.attention.head_count_kv") or field(
-            self.reader, f"{self.arch}.attention.head_count_kv") or self.n_head
-        self.where = {name: name for name in self.tensors}  # (for warn_unused: names present)
+
+        def hparam(name: str):  # (a "mistral" file may carry llama's keys, as llama.cpp writes Mistral 7B as llama)
+            return field(self.reader, f"{self.arch}.{name}") or field(self.reader, f"llama.{name}")
+
+        self.n_head = hparam("attention.head_count")
+        self.n_kv = hparam("attention.head_count_kv") or self.n_head
 
     def _release(self, t) -> None:
         """Drops the pages of tensor `t` from this process's mapping once it has been converted: a map that is read
@@ -99,7 +100,7 @@ class GGUFCheckpoint:
         from gguf.quants import dequantize
 
         t = self._tensor(name)
-        shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims innermost first
+        shape = self.shape(name)
         raw = np.asarray(t.data)
         if len(shape) == 1:
             out = np.array(dequantize(raw, t.tensor_type), dtype=np.float32).reshape(shape)
@@ -112,7 +113,7 @@ class GGUFCheckpoint:
         return torch.from_numpy(np.ascontiguousarray(self._unpermute(name, out)))
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(x) for x in reversed(self._tensor(name).shape))
+        return tuple(int(x) for x in reversed(self._tensor(name).shape))  # GGUF lists dims innermost first
 
     def warn_unused(self, plan: dict[str, list[str]]) -> None:
         pass  # (llama.cpp files carry tensors tokenspout computes itself, e.g. rope_freqs)
@@ -133,7 +134,7 @@ class GGUFCheckpoint:
 
                 return quantize_rows([self.get(n) for n in names], quantize_int8)
             return None
-        method = formats.pop()  # type: ignore[assignment]
+        fmt = formats.pop()
         qs, scales, mins = [], [], []
         for n, kind in zip(names, kinds):
             t = self._tensor(n)
@@ -145,7 +146,7 @@ class GGUFCheckpoint:
             scales.append(d)
             mins.append(m)
         q, d = torch.cat(qs), torch.cat(scales)
-        if method == "int8":
+        if fmt == "int8":
             return pack_int8(q, d)
         return pack_int4(q, d, torch.cat(mins))
 

@@ -50,9 +50,9 @@ def resolve_dtype(dtype: str) -> torch.dtype:
 
 def auto_prefers_float32() -> bool:
     """`--dtype auto`: float32 wherever the C kernels load (they run float32 activations over float32 or quantized
-    weights, and bench.paths measured every bfloat16 row slower than them: on an AVX512-BF16 EPYC the bfloat16
-    torch path decoded the default model 3.5x slower than float32 + int4 kernels); bfloat16 only where the kernels
-    are off and the CPU has native bf16 matrix instructions (torch's oneDNN bf16 GEMMs), float32 elsewhere."""
+    weights; bench.paths on an AVX512-BF16 EPYC: with quantized weights every bfloat16 row 5-6x slower at one
+    client); bfloat16 only where the kernels are off and the CPU has native bf16 matrix instructions (torch's oneDNN
+    bf16 GEMMs), float32 elsewhere."""
     from tokenspout.kernels import cpu
     from tokenspout.platform import has_native_bf16
 

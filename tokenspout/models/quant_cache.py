@@ -1,13 +1,12 @@
 """On-disk cache of quantized models (`--quantization int8 | int4`): a warm start maps the file, never re-quantizes.
 
-One safetensors file per (weight files and config.json: absolute path, size and mtime; method; dtype; the source of
-quantize.py, loader.py and this file; torch version; FORMAT) under $TOKENSPOUT_CACHE/quantized/.  It holds the
-model's whole state after `quantize_model` (the exact embedding, norms, biases; the dequantized linear weights only
-where the kernels do not run: elsewhere the linear layers are QuantLinear modules holding just their packed weight)
-and every PackedWeight's codes / scale / min.  safetensors maps the file, so on a hit the model's
-parameters are the file's pages: no copy, no quantization (the dequantized weights are stored rather than
-recomputed from the codes because mapping them costs nothing, while recomputing them costs ~0.8 s on the default
-model; the file is ~1.4x the float32 weights).  Every tensor starts at a multiple of 64 bytes (safetensors' own
+One safetensors file per (weight files and config.json: absolute path, size and mtime; method; dtype; whether the
+kernels run; the source of the modules in _SOURCES; torch version; FORMAT) under $TOKENSPOUT_CACHE/quantized/.  It
+holds the quantized model's state (the exact embedding, norms, biases; where the kernels run the linear layers are
+QuantLinear modules holding only their packed weight, elsewhere their dequantized float weights are stored too,
+since mapping them costs nothing while recomputing them costs ~0.8 s on the default model) and every PackedWeight's
+codes / scale / min.  safetensors maps the file, so on a hit the model's parameters are the file's pages: no copy,
+no quantization.  Every tensor starts at a multiple of 64 bytes (safetensors' own
 writer aligns to 8): the model reads misaligned weights slower (48-token prefill of the default model: 288 ms
 misaligned, 227 ms aligned).
 
@@ -98,7 +97,8 @@ def load(file: Path, key: dict, model: LlamaForCausalLM, dtype: torch.dtype, lib
         shapes = linear_shapes(model)
         expected = model.state_dict()
         if lib is not None:  # the linear layers will be QuantLinear modules: no float weight of theirs in the file
-            expected = {k: v for k, v in expected.items() if not (k.endswith(".weight") and k[:-7] in shapes)}
+            expected = {k: v for k, v in expected.items()
+                        if not (k.endswith(".weight") and k.removesuffix(".weight") in shapes)}
         if state.keys() != expected.keys():
             raise ValueError(f"tensors {sorted(state.keys() ^ expected.keys())[:3]} differ from the model's")
         for name, t in state.items():

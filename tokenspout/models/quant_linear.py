@@ -31,12 +31,9 @@ class QuantLinear(nn.Module):
             return x.new_empty(*lead, self.out_features)
         if x2.dtype != torch.float32 or not x2.is_contiguous():
             x2 = x2.float().contiguous()
-        bias = None
-        if self.bias is not None:
-            if self._bias32 is None or self._bias32.device != self.bias.device:
-                self._bias32 = self.bias.detach().float().contiguous()
-            bias = self._bias32
-        out = cpu.linear(self.lib, x2, self.packed, bias)
+        if self.bias is not None and self._bias32 is None:  # the kernels take a float32 bias
+            self._bias32 = self.bias.detach().float().contiguous()
+        out = cpu.linear(self.lib, x2, self.packed, self._bias32)
         return out.view(*lead, self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:

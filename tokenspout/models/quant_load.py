@@ -1,7 +1,7 @@
 """A quantized model built straight from its checkpoint, one linear layer at a time, with no float copy of the model.
 
 Where the C kernels run (`--quantization int4 | int8`), each linear layer's checkpoint tensors are read (one tensor
-at a time, see checkpoint.CheckpointReader), rounded to the model dtype, quantized `CHUNK` rows at a time and packed;
+at a time, see checkpoint.CheckpointReader), rounded to the model dtype, quantized 1024 rows at a time and packed;
 the float rows are dropped before the next layer is read.  Only the embedding, the norms and the biases are
 allocated as float tensors.  The peak memory of a first start is then the packed model + the embedding + one
 layer's float tensors, where quantizing a loaded float model first held the whole float model (4 bytes per weight:
@@ -18,7 +18,7 @@ import torch
 from tokenspout.models.llama import LlamaForCausalLM
 from tokenspout.models.checkpoint import copy_rows, open_checkpoint, weight_plan
 from tokenspout.models.quant_linear import linear_shapes, replace_linears
-from tokenspout.models.quantize import GROUP, PackedWeight, quantize_int4, quantize_int8, quantize_rows
+from tokenspout.models.quantize import QUANTIZERS, PackedWeight, check_quantizable, linear_format, quantize_rows
 
 
 def build_quantized(meta: LlamaForCausalLM, path: Path, method: str, dtype: torch.dtype, lib,
@@ -28,23 +28,21 @@ def build_quantized(meta: LlamaForCausalLM, path: Path, method: str, dtype: torc
     on the meta device (its linear layers are replaced); `finish`: the loader's last step (rotary table, dtype)."""
     plan = weight_plan(meta.arch)
     reader = open_checkpoint(path)
-    exact = getattr(reader, "packed", None)  # a GGUF's Q4_0 / Q4_1 / Q8_0 blocks convert without re-quantizing
+    exact = getattr(reader, "packed", None)  # a GGUF's blocks that fit a kernel format convert without re-rounding
     shapes = linear_shapes(meta)
     packed: dict[str, PackedWeight] = {}
     for name, (n, k) in shapes.items():
-        if k % GROUP:
-            raise ValueError(f"{name}: in_features {k} is not a multiple of {GROUP}, which --quantization needs")
+        check_quantizable(name, k)
         keys = plan.get(name + ".weight", ["embed_tokens.weight"])  # a tied LM head is the embedding
         shapes_in = [reader.shape(key) for key in keys]
         if (sum(s[0] for s in shapes_in), *shapes_in[0][1:]) != (n, k) or any(s[1:] != shapes_in[0][1:]
                                                                               for s in shapes_in):
             shown = " + ".join(str(s) for s in shapes_in)
             raise ValueError(f"tensor {name}.weight has shape {shown}, expected {(n, k)}")
-        fmt = "int4" if method == "int4" and name != "lm_head" else "int8"
+        fmt = linear_format(name, method)
         pw = exact(keys, fmt) if exact is not None else None
         if pw is None:
-            fn = quantize_int4 if fmt == "int4" else quantize_int8
-            pw = quantize_rows([reader.get(key) for key in keys], fn, dtype)
+            pw = quantize_rows([reader.get(key) for key in keys], QUANTIZERS[fmt], dtype)
         packed[name] = pw
     replace_linears(meta, packed, lib)
     model = meta.to_empty(device="cpu")

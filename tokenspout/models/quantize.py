@@ -9,9 +9,10 @@ model int4 reproduces the original weights and int8 the original LM head: the qu
 float32 rounding.  On other models they are the usual lossy formats (quality checks in tests/parity).
 
 Where the C kernels run, the torch model's linear layers become QuantLinear modules (models/quant_linear.py) that
-hold only the packed codes (1.0625 or 0.625 bytes per weight instead of 4) and compute through the kernels; elsewhere
-its weights are replaced by the dequantized values, so the torch path computes with the same effective weights.  The token embedding stays exact (a lookup costs no weight
-bandwidth); a tied LM head is untied for that reason.
+hold only the packed codes (1.0625 or 0.625 bytes per weight instead of 4) and compute through the kernels;
+elsewhere its weights are replaced by the dequantized values, so the torch path computes with the same effective
+weights.  The token embedding stays exact (a lookup costs no weight bandwidth); a tied LM head is untied for that
+reason.
 """
 
 from __future__ import annotations
@@ -92,6 +93,19 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> PackedW
                         groups * GROUP, WT_Q4)
 
 
+QUANTIZERS = {"int4": quantize_int4, "int8": quantize_int8}
+
+
+def linear_format(name: str, method: str) -> str:
+    """The kernels' format of linear layer `name` under `--quantization method`: int4 keeps the LM head int8."""
+    return "int4" if method == "int4" and name != "lm_head" else "int8"
+
+
+def check_quantizable(name: str, in_features: int) -> None:
+    if in_features % GROUP:
+        raise ValueError(f"{name}: in_features {in_features} is not a multiple of {GROUP}, which --quantization needs")
+
+
 def quantize_rows(parts: list[torch.Tensor], fn, dtype: torch.dtype = torch.float32, chunk: int = 1024) -> PackedWeight:
     """`fn` (quantize_int4 / quantize_int8) over the row-wise concatenation of `parts`, `chunk` rows (a multiple of
     4: whole blocks) at a time, so the float temporaries are a chunk's, not the matrix's.  Rows are rounded to
@@ -117,7 +131,7 @@ def quantize_rows(parts: list[torch.Tensor], fn, dtype: torch.dtype = torch.floa
 
 
 def dequantize(pw: PackedWeight) -> torch.Tensor:
-    """The float32 [N, K] values a PackedWeight encodes (the inverse of the packing; tests and the torch fallback)."""
+    """The float32 [N, K] values a PackedWeight encodes (the inverse of the packing)."""
     n4, groups = -(-pw.n // 4) * 4, pw.k // GROUP
     scale = pw.scale.float().view(n4 // 4, groups, 4).transpose(1, 2).reshape(n4, groups)
     if pw.wt == WT_Q8:
@@ -144,11 +158,8 @@ def quantize_model(model: LlamaForCausalLM, method: str) -> dict[str, PackedWeig
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear):
             continue
-        if module.weight.shape[1] % GROUP:
-            raise ValueError(f"{name}: in_features {module.weight.shape[1]} is not a multiple of {GROUP}, "
-                             "which --quantization needs")
-        fn = quantize_int4 if method == "int4" and name != "lm_head" else quantize_int8
-        packed, deq = fn(module.weight)
+        check_quantizable(name, module.weight.shape[1])
+        packed, deq = QUANTIZERS[linear_format(name, method)](module.weight)
         out[name] = packed
         deq = deq.to(module.weight.dtype)
         if name == "lm_head" and module.weight is model.embed_tokens.weight:
