@@ -17,7 +17,8 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     served_model_name: str | None = None
     seed: int = 0  # seeds random choices the engine makes (e.g. seeds for unseeded requests)
-    quantization: str | None = None  # None | "int8" | "int4" (weight-only, groups of 32; see models/quantize.py)
+    # None | "int8" | "int4" (weight-only, groups of 32) | "bf16" | "fp16" (16-bit float weights): models/quantize.py
+    quantization: str | None = None
     # "auto": generation_config.json's sampling values are the defaults of requests that omit them (vLLM's
     # --generation-config auto); "vllm": neutral defaults whatever the model folder says.
     generation_config: str = "auto"
@@ -40,8 +41,9 @@ class ModelConfig:
             raise ValueError(f"generation_config must be 'auto' or 'vllm', got {self.generation_config!r}")
         if self.dtype not in ("float32", "bfloat16", "auto"):
             raise ValueError(f"dtype must be 'float32', 'bfloat16' or 'auto', got {self.dtype!r}")
-        if self.quantization not in (None, "int8", "int4"):
-            raise ValueError(f"quantization must be 'int8' or 'int4' (or None), got {self.quantization!r}")
+        if self.quantization not in (None, "int8", "int4", "bf16", "fp16"):
+            raise ValueError(f"quantization must be 'int8', 'int4', 'bf16' or 'fp16' (or None), "
+                             f"got {self.quantization!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

@@ -46,6 +46,25 @@ def test_linear_float32_matches_torch(lib, m, n):
     torch.testing.assert_close(cpu.linear(lib, x, w, out=y.clone(), accumulate=True), y + x @ w.T, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 2, 15, 16, 17, 31, 33, 64, 70])
+@pytest.mark.parametrize("n", [5, 37, 96])
+def test_linear_float_weights_row_and_tiled_paths_match_torch(lib, dtype, m, n):
+    """float32 / bfloat16 / float16 weights (16-bit ones widened in registers) against float64 products of the same
+    values: the row path below FTILE_MIN (16) rows, the float tiled path from there (odd N: a partial block of
+    weight rows; M not a multiple of the tile's batch rows: padding rows), with bias and accumulation."""
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    x, b = torch.randn(m, 136, generator=g), torch.randn(n, generator=g)
+    w = torch.randn(n, 136, generator=g).to(dtype)
+    ref = x.double() @ w.double().T
+    tol = dict(atol=2e-4, rtol=1e-5)
+    torch.testing.assert_close(cpu.linear(lib, x, w).double(), ref, **tol)
+    torch.testing.assert_close(cpu.linear(lib, x, w, bias=b).double(), ref + b.double(), **tol)
+    y = torch.randn(m, n, generator=g)
+    got = cpu.linear(lib, x, w, out=y.clone(), accumulate=True)
+    torch.testing.assert_close(got.double(), y.double() + ref, **tol)
+
+
 def int16_activations(x: torch.Tensor) -> torch.Tensor:
     """The kernels' activation quantization: per group of 32, codes round(x * 32767 / amax) times amax / 32767."""
     g = x.view(x.shape[0], -1, 32)
@@ -94,6 +113,27 @@ def test_linear_quantized_packed_matches_dequantized(lib, fn, levels, m, n, k):
     torch.testing.assert_close(cpu.linear(lib, x, packed, out=y.clone(), accumulate=True), y + ref, atol=5e-4, rtol=1e-4)
     # and the activation rounding costs little against the float product (a bound, not the oracle)
     assert (cpu.linear(lib, x, packed) - x @ deq.T).abs().max() < 1e-3 * (x @ deq.T).abs().max()
+
+
+@pytest.mark.skipif("amx" not in cpu.available_isas(), reason="no AMX (or Linux refused its tile registers)")
+@pytest.mark.parametrize("fn", [quantize_int4, quantize_int8])
+@pytest.mark.parametrize("m", [28, 33, 64, 70])
+@pytest.mark.parametrize("n,k", [(5, 96), (130, 128), (40, 576)])
+def test_amx_tiled_path_is_bit_identical_to_avx512(fn, m, n, k):
+    """The AMX tile splits each int16 activation code into bytes (256 hi + lo) and multiplies them with the widened
+    weight codes on the tile unit: exact integer sums, scaled with the AVX-512 tile's operations in its order, so
+    the outputs are bit for bit those of the AVX-512 tiled path (M >= 28 there) -- with bias and accumulation, at
+    batch sizes that pad the last 16-row tile, N that ends on a partial pass of 32 rows, and Q4's odd last group."""
+    g = torch.Generator().manual_seed(m * 7 + n + k)
+    x, w, b = torch.randn(m, k, generator=g) * 4, torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    x[1, :32] = 0.0
+    packed, _ = fn(w)
+    a5, amx = cpu.load("avx512"), cpu.load("amx")
+    assert amx.ts_amx_ok() == 1
+    assert torch.equal(cpu.linear(amx, x, packed, bias=b), cpu.linear(a5, x, packed, bias=b))
+    y = torch.randn(m, n, generator=g)
+    assert torch.equal(cpu.linear(amx, x, packed, out=y.clone(), accumulate=True),
+                       cpu.linear(a5, x, packed, out=y.clone(), accumulate=True))
 
 
 def test_quantization_reproduces_values_already_on_its_grid():

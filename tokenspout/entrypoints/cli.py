@@ -27,10 +27,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: float32 where the C kernels run (the fastest path: bench.paths), else bfloat16 where the "
                         "CPU has native bf16 matrix instructions, else float32")
-    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
-                   help="weight-only, groups of 32 (int8 = Q8_0, int4 = Q4_1 layers + int8 LM head): 3.5-5x fewer "
-                        "weight bytes per decode step.  auto: int4 for the default model (whose GGUF weights are "
-                        "exactly Q4_1 / Q8_0, so it is lossless there), none for a --model folder")
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4", "bf16", "fp16"],
+                   help="weight format.  int8 / int4: weight-only, groups of 32 (int8 = Q8_0, int4 = Q4_1 layers + "
+                        "int8 LM head): 3.5-5x fewer weight bytes per decode step; bf16 / fp16: 16-bit float weights "
+                        "(half of float32's bytes) through the same kernels.  auto: int4 for the default model (whose "
+                        "GGUF weights are exactly Q4_1 / Q8_0, so it is lossless there), the checkpoint's own 16-bit "
+                        "type for a bf16 / fp16 folder (lossless), none (float32) for a float32 folder")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the paged KV cache")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float16"],
@@ -64,14 +66,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def resolve_quantization(flag: str, model: str | None) -> str | None:
     """auto: int4 for the default model (its GGUF's Q4_1 / Q8_0 weights, exactly); for a GGUF file the format of
-    its layers (4-bit types -> int4, other quantized types -> int8, float -> none); none for a model folder (a
-    folder's float weights are served as they are)."""
+    its layers (4-bit types -> int4, other quantized types -> int8, float -> none); for a model folder its weights'
+    own type (bf16 / fp16 folders keep 16-bit weights, float32 ones float32): lossless either way."""
     if flag == "auto":
         if model is not None and Path(model).suffix.lower() == ".gguf":
             from tokenspout.models.gguf_file import default_quantization
 
             return default_quantization(Path(model).expanduser())
-        return "int4" if model is None else None
+        if model is None:
+            return "int4"
+        from tokenspout.models.checkpoint import checkpoint_dtype
+
+        return {"BF16": "bf16", "F16": "fp16"}.get(checkpoint_dtype(Path(model).expanduser()) or "")
     return None if flag == "none" else flag
 
 

@@ -4,7 +4,9 @@
 ISA levels (`ISA_LEVELS`), one build of the same sources each, picked at run time from the CPU's flags:
 * `avx2`: AVX2 + FMA + F16C (every kernel);
 * `avx512`: adds AVX-512 F/BW/VL + VNNI: the quantized linears (row and tiled paths) use 512-bit vectors and
-  vpdpwssd (-DTS_AVX512=1 selects them in decode_cpu.c); everything else is the AVX2 code, compiled for the wider ISA.
+  vpdpwssd (-DTS_AVX512=1 selects them in decode_cpu.c); everything else is the AVX2 code, compiled for the wider ISA;
+* `amx`: adds AMX-TILE + AMX-INT8 (Sapphire Rapids and later Xeons) where Linux grants the tile registers
+  (platform.amx_permitted): the tiled path's multiplies run on the tile unit (-DTS_AMX=1), bit-identical to `avx512`.
 The best level the CPU has is used unless TOKENSPOUT_ISA=avx2|avx512 forces one (tests force each level the
 machine has, so every level stays tested where it can run).
 
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import torch  # loads torch's libgomp first, so the kernels share its OpenMP runtime
 
-from tokenspout.platform import cpu_flags
+from tokenspout.platform import amx_permitted, cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +38,8 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "decode_cpu.c", CSRC / "sample_cpu.c")
 HEADERS = (CSRC / "simd.h",)
 WT_F32 = 0
+# float weights the kernels read as they are (16-bit ones widened to float32 in registers): torch dtype -> C type
+FLOAT_WEIGHT_TYPES = {torch.float32: WT_F32, torch.bfloat16: 3, torch.float16: 4}
 
 i64, f32, vp = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
@@ -65,13 +69,17 @@ ISA_LEVELS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
     "avx512": (frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
                ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
                 "-DTS_AVX512=1")),
+    "amx": (frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile",
+                       "amx_int8"}),
+            ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mamx-tile",
+             "-mamx-int8", "-DTS_AVX512=1", "-DTS_AMX=1")),
 }
 
 
 def available_isas() -> list[str]:
     """The ISA levels this CPU runs, weakest first."""
     flags = cpu_flags()
-    return [name for name, (need, _) in ISA_LEVELS.items() if need <= flags]
+    return [name for name, (need, _) in ISA_LEVELS.items() if need <= flags and (name != "amx" or amx_permitted())]
 
 
 def chosen_isa() -> str | None:
@@ -82,7 +90,7 @@ def chosen_isa() -> str | None:
         if forced not in ISA_LEVELS:
             raise ValueError(f"TOKENSPOUT_ISA must be one of {sorted(ISA_LEVELS)}, got {forced!r}")
         if forced not in have:
-            missing = sorted(ISA_LEVELS[forced][0] - cpu_flags())
+            missing = sorted(ISA_LEVELS[forced][0] - cpu_flags()) or ["the kernel's permission for AMX"]
             raise ValueError(f"TOKENSPOUT_ISA={forced}: this CPU lacks {', '.join(missing)}")
         return forced
     return have[-1] if have else None
@@ -108,11 +116,18 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
     """The library for `isa` (default: `chosen_isa()`), or None where the kernels are off or cannot be built."""
     if os.environ.get("TOKENSPOUT_KERNELS", "1") == "0":
         return None
+    picked = isa is None and not os.environ.get("TOKENSPOUT_ISA")
     isa = isa or chosen_isa()
     if isa is None:
         logger.info("CPU lacks AVX2/FMA/F16C: decode kernels off, torch path only")
         return None
-    return _load(isa)
+    lib = _load(isa)
+    if lib is None and picked and isa != "avx2":
+        # a compiler too old for this level's flags (gcc < 11 for AMX): the next level down
+        lower = available_isas()[available_isas().index(isa) - 1]
+        logger.warning("CPU kernels: %s unavailable, trying %s", isa, lower)
+        return load(lower)
+    return lib
 
 
 @functools.cache
@@ -128,6 +143,9 @@ def _load(isa: str) -> ctypes.CDLL | None:
     except (OSError, RuntimeError) as e:
         logger.warning("decode kernels (%s) unavailable, using the torch path: %s", isa, e)
         return None
+    lib.ts_amx_ok.restype = i64
+    if isa == "amx" and not lib.ts_amx_ok():  # the library asked Linux for the tiles when loaded: refused
+        logger.warning("CPU kernels: Linux refused the AMX tile registers; their paths run as avx512")
     logger.info("CPU kernels: %s", isa)
     lib.ts_linear.argtypes = [vp, i64, i64, ctypes.POINTER(Weight), vp, i64, i64, vp, i64, ctypes.c_int]
     lib.ts_linear.restype = None
@@ -147,10 +165,10 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def weight(w) -> tuple[Weight, int]:
-    """(the C descriptor, N) of a float32 [N, K] tensor or a models.quantize.PackedWeight."""
+    """(the C descriptor, N) of a float32 / bfloat16 / float16 [N, K] tensor or a models.quantize.PackedWeight."""
     if isinstance(w, torch.Tensor):
-        assert w.dtype == torch.float32 and w.is_contiguous()
-        return Weight(w.data_ptr(), None, None, WT_F32), w.shape[0]
+        assert w.dtype in FLOAT_WEIGHT_TYPES and w.is_contiguous() and w.dim() == 2
+        return Weight(w.data_ptr(), None, None, FLOAT_WEIGHT_TYPES[w.dtype]), w.shape[0]
     return Weight(w.codes.data_ptr(), w.scale.data_ptr(), _ptr(w.min), w.wt), w.n
 
 

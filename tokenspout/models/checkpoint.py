@@ -50,6 +50,25 @@ def open_checkpoint(path: Path):
     return GGUFCheckpoint(src)
 
 
+def checkpoint_dtype(path: Path) -> str | None:
+    """The dtype most of a safetensors folder's 2-D tensors are stored in ("BF16", "F16", "F32", ...), read from the
+    first file's header alone (no tensor is read); None when it cannot be told (no file, a GGUF, a bad header)."""
+    import struct
+
+    try:
+        first = _safetensors_files(path)[0]
+        with open(first, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > 100 << 20:
+                return None
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, struct.error, IndexError):
+        return None
+    kinds = [v.get("dtype") for k, v in header.items()
+             if k != "__metadata__" and isinstance(v, dict) and len(v.get("shape", ())) == 2]
+    return max(set(kinds), key=kinds.count) if kinds else None
+
+
 def weight_files(path: Path) -> list[Path]:
     """The files a model's weights come from (the quantized-weights cache is keyed on them)."""
     from tokenspout.models.gguf_file import gguf_source

@@ -101,7 +101,7 @@ def _write_sidecar(gguf: Path, target: Path) -> None:
 
 def default_quantization(gguf: Path) -> str | None:
     """`--quantization auto` for a GGUF file: int4 when its layers are 4-bit types, int8 when they are another
-    quantized type (Q8_0, Q5_*, Q6_K, ...), none when they are float (F32, F16, BF16)."""
+    quantized type (Q8_0, Q5_*, Q6_K, ...), the 16-bit float formats for F16 / BF16 layers (exact), none for F32."""
     types = [t.tensor_type.name for t in open_reader(gguf).tensors if t.name.startswith("blk.")
              and t.name.endswith(".weight") and len(t.shape) > 1]
     if not types:
@@ -109,4 +109,4 @@ def default_quantization(gguf: Path) -> str | None:
     main = max(set(types), key=types.count)
     if main in _FOUR_BIT:
         return "int4"
-    return None if main in ("F32", "F16", "BF16") else "int8"
+    return {"F32": None, "F16": "fp16", "BF16": "bf16"}.get(main, "int8")

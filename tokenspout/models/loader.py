@@ -8,6 +8,7 @@ the model and chooses the float or the quantized path.  Every failure names the 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,9 +150,14 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         from tokenspout.kernels import cpu
         from tokenspout.models.quant_cache import load_or_quantize
         from tokenspout.models.quant_load import build_quantized
-        from tokenspout.models.quantize import quantize_model
+        from tokenspout.models.quantize import HALF_FORMATS, quantize_model
 
         method, lib = cfg.quantization, cpu.load()
+        if method in HALF_FORMATS and lib is None:
+            # 16-bit weights only pay through the kernels; without them the float model computes with the same
+            # values (a bf16 / fp16 checkpoint's weights are exact in float32)
+            logger.info("--quantization %s needs the C kernels (off here): float weights", method)
+            return load_model(dataclasses.replace(cfg, quantization=None))
 
         def build() -> tuple[LlamaForCausalLM, dict]:
             """Where the kernels run: linear layers that keep only their packed weights, quantized one at a time

@@ -1,4 +1,4 @@
-"""On-disk cache of quantized models (`--quantization int8 | int4`): a warm start maps the file, never re-quantizes.
+"""On-disk cache of quantized models (`--quantization int8 | int4`, and the 16-bit float weights of bf16 | fp16): a warm start maps the file, never re-quantizes.
 
 One safetensors file per (weight files and config.json: absolute path, size and mtime; method; dtype; whether the
 kernels run; the source of the modules in _SOURCES; torch version; FORMAT) under $TOKENSPOUT_CACHE/quantized/.  It
@@ -33,7 +33,7 @@ from safetensors import SafetensorError, safe_open
 from tokenspout.models.default_model import cache_dir
 from tokenspout.models.llama import LlamaForCausalLM
 from tokenspout.models.quant_linear import linear_shapes, replace_linears
-from tokenspout.models.quantize import WT_Q4, WT_Q8, PackedWeight
+from tokenspout.models.quantize import WT_BF16, WT_F16, WT_Q4, WT_Q8, PackedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,8 @@ def cache_file(model_dir: Path, key: dict) -> Path:
 
 def _packed_numels(n: int, k: int, wt: int) -> tuple[int, int, int]:
     """(codes, scale, min) element counts of the kernels' layout (N padded to a multiple of 4, groups of 32)."""
+    if wt in (WT_BF16, WT_F16):
+        return n * k, 0, 0
     n4 = -(-n // 4) * 4
     groups = n4 * (k // 32)
     return (n4 * -(-k // 64) * 32, groups, groups) if wt == WT_Q4 else (n4 * k, groups, 0)
@@ -110,7 +112,7 @@ def load(file: Path, key: dict, model: LlamaForCausalLM, dtype: torch.dtype, lib
         for name, pw in packed.items():
             want = _packed_numels(pw.n, pw.k, pw.wt)
             got = (pw.codes.numel(), pw.scale.numel(), 0 if pw.min is None else pw.min.numel())
-            if pw.wt not in (WT_Q8, WT_Q4) or got != want or (pw.n, pw.k) != shapes[name]:
+            if pw.wt not in (WT_Q8, WT_Q4, WT_BF16, WT_F16) or got != want or (pw.n, pw.k) != shapes[name]:
                 raise ValueError(f"packed weight {name} has the wrong size")
     except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
         if discard:

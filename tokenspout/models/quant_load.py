@@ -32,7 +32,7 @@ def build_quantized(meta: LlamaForCausalLM, path: Path, method: str, dtype: torc
     shapes = linear_shapes(meta)
     packed: dict[str, PackedWeight] = {}
     for name, (n, k) in shapes.items():
-        check_quantizable(name, k)
+        check_quantizable(name, k, method)
         keys = plan.get(name + ".weight", ["embed_tokens.weight"])  # a tied LM head is the embedding
         shapes_in = [reader.shape(key) for key in keys]
         if (sum(s[0] for s in shapes_in), *shapes_in[0][1:]) != (n, k) or any(s[1:] != shapes_in[0][1:]

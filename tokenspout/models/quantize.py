@@ -4,7 +4,11 @@
 * int4: asymmetric, W = scale * q + min with q in [0, 15] and float16 scale and min per 32 weights (llama.cpp's
   Q4_1), for the decoder layers;
   the LM head stays int8 (it decides every token, and is 20% of the weight bytes of a small model).
-Both formats are those of the default model's GGUF (its layers are Q4_1, its tied embedding Q8_0), so on the default
+`--quantization bf16 | fp16` are not quantizations but the same machinery for 16-bit float weights: each linear
+layer holds its weight as bfloat16 / float16 [N, K] (what a bf16 / fp16 checkpoint holds, so lossless there; half
+the bytes of float32), and the kernels widen it to float32 in registers (float32 activations and sums).
+
+The int formats are those of the default model's GGUF (its layers are Q4_1, its tied embedding Q8_0), so on the default
 model int4 reproduces the original weights and int8 the original LM head: the quantization there is lossless up to
 float32 rounding.  On other models they are the usual lossy formats (quality checks in tests/parity).
 
@@ -24,14 +28,16 @@ from torch import nn
 
 from tokenspout.models.llama import LlamaForCausalLM
 
-QUANTIZATIONS = ("int8", "int4")
+QUANTIZATIONS = ("int8", "int4", "bf16", "fp16")
 GROUP = 32
-WT_Q8, WT_Q4 = 1, 2  # kernel weight types (csrc/decode_cpu.c)
+WT_Q8, WT_Q4, WT_BF16, WT_F16 = 1, 2, 3, 4  # kernel weight types (csrc/decode_cpu.c)
+HALF_FORMATS = {"bf16": (torch.bfloat16, WT_BF16), "fp16": (torch.float16, WT_F16)}  # 16-bit float weights
 
 
 @dataclass(slots=True)
 class PackedWeight:
-    """Codes and group parameters in the kernels' layout: per block of four output rows (N padded with zero rows),
+    """16-bit float weights (wt WT_BF16 / WT_F16): codes is the [N, K] bfloat16 / float16 weight, scale is empty.
+    Quantized weights: codes and group parameters in the kernels' layout: per block of four output rows (N padded with zero rows),
     per group of 32 columns, the four rows' codes contiguous ([N/4][K/32][4][32 bytes] int8); int4 per pair of
     groups ([N/4][K/64 rounded up][4][32 bytes]: 16-bit word j of a row's 32 bytes holds the codes of the pair's
     columns j, 16+j, 32+j, 48+j in its nibbles, low to high; an odd last group leaves the upper two nibbles zero);
@@ -93,17 +99,35 @@ def pack_int4(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> PackedW
                         groups * GROUP, WT_Q4)
 
 
-QUANTIZERS = {"int4": quantize_int4, "int8": quantize_int8}
+def _half(fmt: str):
+    dtype, wt = HALF_FORMATS[fmt]
+
+    def to_half(w: torch.Tensor) -> tuple[PackedWeight, torch.Tensor]:
+        """(the weight as a 16-bit float PackedWeight, its float32 values)."""
+        h = w.to(dtype).contiguous()
+        if not torch.isfinite(h).all():
+            raise ValueError(f"weights overflow {fmt} (|w| up to {w.abs().max().item():.3g}): use bf16 or none")
+        return PackedWeight(h, torch.empty(0, dtype=torch.float16), None, w.shape[0], w.shape[1], wt), h.float()
+
+    return to_half
+
+
+QUANTIZERS = {"int4": quantize_int4, "int8": quantize_int8, "bf16": _half("bf16"), "fp16": _half("fp16")}
 
 
 def linear_format(name: str, method: str) -> str:
-    """The kernels' format of linear layer `name` under `--quantization method`: int4 keeps the LM head int8."""
+    """The kernels' format of linear layer `name` under `--quantization method`: int4 keeps the LM head int8; the
+    16-bit float formats hold every layer, the LM head too."""
+    if method in HALF_FORMATS:
+        return method
     return "int4" if method == "int4" and name != "lm_head" else "int8"
 
 
-def check_quantizable(name: str, in_features: int) -> None:
-    if in_features % GROUP:
-        raise ValueError(f"{name}: in_features {in_features} is not a multiple of {GROUP}, which --quantization needs")
+def check_quantizable(name: str, in_features: int, method: str = "int4") -> None:
+    step = 8 if method in HALF_FORMATS else GROUP  # the kernels' vector width / the quantization group
+    if in_features % step:
+        raise ValueError(f"{name}: in_features {in_features} is not a multiple of {step}, which --quantization "
+                         f"{method} needs")
 
 
 def quantize_rows(parts: list[torch.Tensor], fn, dtype: torch.dtype = torch.float32, chunk: int = 1024) -> PackedWeight:
@@ -132,6 +156,8 @@ def quantize_rows(parts: list[torch.Tensor], fn, dtype: torch.dtype = torch.floa
 
 def dequantize(pw: PackedWeight) -> torch.Tensor:
     """The float32 [N, K] values a PackedWeight encodes (the inverse of the packing)."""
+    if pw.wt in (WT_BF16, WT_F16):
+        return pw.codes.float()
     n4, groups = -(-pw.n // 4) * 4, pw.k // GROUP
     scale = pw.scale.float().view(n4 // 4, groups, 4).transpose(1, 2).reshape(n4, groups)
     if pw.wt == WT_Q8:
@@ -158,7 +184,7 @@ def quantize_model(model: LlamaForCausalLM, method: str) -> dict[str, PackedWeig
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear):
             continue
-        check_quantizable(name, module.weight.shape[1])
+        check_quantizable(name, module.weight.shape[1], method)
         packed, deq = QUANTIZERS[linear_format(name, method)](module.weight)
         out[name] = packed
         deq = deq.to(module.weight.dtype)

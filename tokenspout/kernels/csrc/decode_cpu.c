@@ -10,7 +10,7 @@
  * one OpenMP runtime and torch.set_num_threads() governs these kernels too.
  *
  * Layouts (all row-major, float32 activations):
- *   weights  W[N, K] float32 (the torch layout), or quantized in groups of 32 along K and packed per block of four
+ *   weights  W[N, K] float32, bfloat16 or float16 (the torch layout; 16-bit values widened to float32 in registers), or quantized in groups of 32 along K and packed per block of four
  *            output rows (tokenspout/models/quantize.py): Q8 W = scale * q (q int8), Q4 W = scale * q + min
  *            (q 0..15, four per 16-bit word); codes Q8 [N/4][K/32][4][32 bytes], Q4 [N/4][K/64 rounded up][4][32
  *            bytes] (pairs of groups, see block_q), scale/min [N/4][K/32][4] float16
@@ -38,6 +38,9 @@
 #define WT_F32 0
 #define WT_Q8 1
 #define WT_Q4 2
+#define WT_BF16 3 /* 16-bit float weights [N, K] (bfloat16 / float16, as the checkpoint holds them), float32 math */
+#define WT_F16 4
+#define IS_FLOAT(wt) ((wt) == WT_F32 || (wt) == WT_BF16 || (wt) == WT_F16)
 
 typedef struct {
     const void *w;         /* float32 [N, K] or packed codes */
@@ -101,12 +104,24 @@ static void bar_wait(ts_barrier *b) {
     atomic_fetch_sub(&b->sleepers, 1);
 }
 
-/* float32 weights: four output rows n..n+3 against one or two batch rows (x1 may be NULL): out0[r], out1[r].
- * With one batch row the k loop runs two steps per iteration into separate accumulators: eight FMA chains hide
- * the FMA latency. */
-#define LOADF(w, n, K, r, k) _mm256_loadu_ps((w) + ((n) + (r)) * (K) + (k))
-static inline void rows4_f32(const float *w, int64_t n, int64_t K, const float *x0, const float *x1, float out0[4],
-                             float out1[4]) {
+/* Eight weights from p + i as float32: float32, bfloat16 (the top half of a float32: a shift) or float16 (F16C).
+ * wt is a literal at every call, so the branches fold away. */
+static inline __attribute__((always_inline)) __m256 load8w(const void *p, int64_t i, const int wt) {
+    if (wt == WT_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))), 16));
+    if (wt == WT_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i)));
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+/* float weights (wt: float32 / bfloat16 / float16): four output rows n..n+3 against one or two batch rows (x1 may
+ * be NULL): out0[r], out1[r].  With one batch row the k loop runs two steps per iteration into separate
+ * accumulators: eight FMA chains hide the FMA latency.  16-bit weights read half the bytes: at one batch row,
+ * bound by the weight bytes, that is twice float32's speed. */
+#define LOADF(w, n, K, r, k) load8w((w), ((n) + (r)) * (K) + (k), wt)
+static inline __attribute__((always_inline)) void rows4_f(const void *w, const int wt, int64_t n, int64_t K,
+                                                          const float *x0, const float *x1, float out0[4],
+                                                          float out1[4]) {
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
     __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
     if (x1) {
@@ -146,9 +161,10 @@ static inline void rows4_f32(const float *w, int64_t n, int64_t K, const float *
     out0[0] = hsum8(a00); out0[1] = hsum8(a01); out0[2] = hsum8(a02); out0[3] = hsum8(a03);
 }
 
-static inline float row1_f32(const float *w, int64_t n, int64_t K, const float *x) {
+static inline __attribute__((always_inline)) float row1_f(const void *w, const int wt, int64_t n, int64_t K,
+                                                          const float *x) {
     __m256 a = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(w + n * K + k), _mm256_loadu_ps(x + k), a);
+    for (int64_t k = 0; k < K; k += 8) a = _mm256_fmadd_ps(load8w(w, n * K + k, wt), _mm256_loadu_ps(x + k), a);
     return hsum8(a);
 }
 
@@ -166,14 +182,18 @@ typedef struct {
     int16_t *q;  /* [M, K]; tiled (mp > 0): pairs of int16 (columns 2t, 2t+1 of a group), see tiled() */
     float *d;    /* [M, G] scale; tiled: [G][mp] */
     float *s;    /* [M, G] sum of the float values; tiled: [G][mp] */
-    int64_t mp;  /* 0: row layout; > 0: tiled layout, M rounded up to a multiple of 8 (padding rows are zero) */
+    int64_t mp;  /* 0: row layout; > 0: tiled layout, M rounded up to a multiple of TW (padding rows are zero) */
+    float *xt;   /* float weights' tiled path: the activations transposed, [K][mp] (see transpose_act) */
+    int16_t *ab; /* AMX builds, tiled layout: the codes split into bytes, [G][mp / 16][lo, hi][16 pairs][16 rows] (amx_split) */
 } ts_qact;
 
 /* Batch rows from which the quantized linears take the tiled path (blocks_tile).  bench.linear: AVX2's row path
  * loses from 16 rows; AVX-512's (four vpdpwssd per group and batch row) still wins by 3-8% up to 24 rows (the tile pads
  * 24 to 32) and loses from 28. */
 #ifndef TILE_MIN
-#if TS_AVX512
+#if TS_AMX
+#define TILE_MIN 16 /* the AMX tile (16 batch rows) wins from its first full tile: bench.linear */
+#elif TS_AVX512
 #define TILE_MIN 28
 #else
 #define TILE_MIN 16
@@ -191,6 +211,41 @@ typedef struct {
  * batch rows, the 16 pairs of the TW rows: one contiguous run (512 or 1024 bytes) that a tile reads front to back. */
 static inline int64_t tiled(int64_t g, int t, int64_t m, int64_t mp) {
     return g * 16 * mp + (m / TW) * (16 * TW) + t * TW + (m % TW);
+}
+
+/* ---- AMX (builds with -DTS_AMX=1: Sapphire Rapids and later Xeons) ----
+ * Linux hands out the AMX tile registers only to a process that asked for them (arch_prctl ARCH_REQ_XCOMP_PERM for
+ * XFEATURE_XTILEDATA); without it the first tile instruction is a SIGILL.  The library asks when it is loaded and
+ * every AMX path checks the answer (ts_amx_ok), taking the AVX-512 code where it was refused (an old kernel, a
+ * hypervisor that hides the state). */
+#if TS_AMX
+static int amx_ok;
+__attribute__((constructor)) static void amx_request(void) {
+    amx_ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+}
+
+/* The B operands of the AMX tile (blocks_amx) from the tiled int16 layout: per group and 16 batch rows, the 16
+ * pairs x 16 rows of int16 codes are exactly a 16 x 64-byte tile in AMX's "four bytes of K per column" layout.  Each
+ * code x = 256 hi + lo (hi signed, lo unsigned) is split into two such tiles, lo and hi each in the low byte of its
+ * 16-bit word (high byte zero), so byte products against the widened weights' 16-bit codes are exact and the int32
+ * dot products equal vpdpwssd's: 256 dot(hi) + dot(lo). */
+static void amx_split(const ts_qact *a, int64_t G) {
+    const int64_t n = G * a->mp * 32; /* int16 codes in the tiled layout */
+    const __m512i lo8 = _mm512_set1_epi16(0x00FF);
+    for (int64_t i = 0; i < n; i += 512) /* one (group, 16 rows) run: 512 codes -> lo run, hi run */
+        for (int64_t j = 0; j < 512; j += 32) {
+            const __m512i v = _mm512_loadu_si512((const void *)(a->q + i + j));
+            _mm512_storeu_si512((void *)(a->ab + 2 * i + j), _mm512_and_si512(v, lo8));
+            _mm512_storeu_si512((void *)(a->ab + 2 * i + 512 + j), _mm512_srli_epi16(v, 8));
+        }
+}
+#endif
+int64_t ts_amx_ok(void) {
+#if TS_AMX
+    return amx_ok;
+#else
+    return 0;
+#endif
 }
 
 static void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, ts_qact *a) {
@@ -227,6 +282,9 @@ static void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, ts_q
             if (mp) /* the group's 16 pairs of columns to their places in the tiled layout */
                 for (int t = 0; t < 16; t++) memcpy((int32_t *)a->q + tiled(g, t, m, mp), row + 2 * t, 4);
         }
+#if TS_AMX
+    if (mp && amx_ok) amx_split(a, G);
+#endif
 }
 
 /* The four int32 vectors of partial sums of rows 0..3 -> one float vector: lane r (and r + 4) holds row r's. */
@@ -588,17 +646,85 @@ static void blocks_tile(const ts_wtile *t, int nb, const int wt, int64_t K, cons
     }
 }
 
+#if TS_AMX
+/* The tiled path on AMX's tile multiply (TDPBSSD / TDPBSUD: 16 x 16 int32 sums of byte products, 1024 per
+ * instruction).  A tiles: 16 weight rows x one group, the widened int16 codes of four blocks (widen_block into one
+ * buffer, so rows are KP int16 apart), each code a byte and a zero byte; B tiles: 16 batch rows' lo / hi bytes
+ * (amx_split).  Per group, per 16 batch rows: the 32 weight rows of a pass against lo and hi, four multiplies, the
+ * sums stored (L1) and scaled in AVX-512 with the same operations in the same order as tile_group512: the results
+ * are bit-identical to the AVX-512 tiled path, only faster (the multiplies cost the AMX unit ~32 cycles per 16x16
+ * group; the scaling dominates). */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} ts_tilecfg;
+
+/* tmm0, tmm1: A (weights), tmm2, tmm3: B (lo, hi), tmm4..7: C; all 16 rows x 64 bytes.  The configuration is this
+ * thread's and other code (oneDNN in torch) may change it, so every linear sets it again. */
+static void amx_config(void) {
+    ts_tilecfg c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        c.rows[i] = 16;
+        c.colsb[i] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* f[(4i + r) * mp + m] = row r of block i . batch row m, for the nb (1..TB) widened blocks (t[i].w = t[0].w + 4i KP)
+ * and every batch row m < mp (a multiple of 16). */
+static void blocks_amx(const ts_wtile *t, int nb, const int wt, int64_t K, const ts_qact *a, float *f) {
+    const int64_t G = K / 32, KP = G * 32, mp = a->mp, MB = mp / 16;
+    const int nrows = 4 * nb, nj = (nrows + 15) / 16;
+    int32_t c[4][256] __attribute__((aligned(64))); /* lo, hi of weight rows 0..15; lo, hi of rows 16..31 */
+    memset(f, 0, sizeof(float) * (size_t)(nrows * mp));
+    for (int64_t g = 0; g < G; g++) {
+        _tile_loadd(0, t[0].w + g * 32, KP * 2);
+        if (nj > 1) _tile_loadd(1, t[4].w + g * 32, KP * 2);
+        for (int64_t mb = 0; mb < MB; mb++) {
+            const int16_t *b = a->ab + (g * MB + mb) * 1024;
+            _tile_loadd(2, b, 64);
+            _tile_loadd(3, b + 512, 64);
+            _tile_zero(4);
+            _tile_zero(5);
+            _tile_dpbsud(4, 0, 2);
+            _tile_dpbssd(5, 0, 3);
+            _tile_stored(4, c[0], 64);
+            _tile_stored(5, c[1], 64);
+            if (nj > 1) {
+                _tile_zero(6);
+                _tile_zero(7);
+                _tile_dpbsud(6, 1, 2);
+                _tile_dpbssd(7, 1, 3);
+                _tile_stored(6, c[2], 64);
+                _tile_stored(7, c[3], 64);
+            }
+            const __m512 dx = _mm512_loadu_ps(a->d + g * mp + mb * 16), sx = _mm512_loadu_ps(a->s + g * mp + mb * 16);
+            for (int n = 0; n < nrows; n++) {
+                const ts_wtile *ti = t + n / 4;
+                const int r = n % 4, j = n / 16, i = n % 16;
+                const __m512i s = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c[2 * j + 1] + 16 * i), 8),
+                                                   _mm512_load_si512(c[2 * j] + 16 * i));
+                float *fo = f + n * mp + mb * 16;
+                __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dx, _mm512_set1_ps(ti->sc[g * 4 + r])),
+                                           _mm512_loadu_ps(fo));
+                if (wt == WT_Q4) v = _mm512_fmadd_ps(sx, _mm512_set1_ps(ti->mn[g * 4 + r]), v);
+                _mm512_storeu_ps(fo, v);
+            }
+        }
+    }
+}
+#endif
+
 static inline void store(float *y, int64_t i, float v, const float *bias, int64_t n, int acc) {
     if (bias) v += bias[n];
     y[i] = acc ? y[i] + v : v;
 }
 
-/* y[m0..m0+7, 0..7] (+)= f[r * mp + m] for r < 8 (+ bias[r]), rows below M only: the tiled path's output, eight
- * batch rows by eight columns through an 8x8 transpose (scalar stores with their branches were ~5% of a c=64 step). */
-static inline void store8x8(const float *f, int64_t mp, int64_t m0, int64_t M, float *y, int64_t ldy, __m256 bv,
-                            int acc) {
-    __m256 v[8], t[8];
-    for (int r = 0; r < 8; r++) v[r] = _mm256_loadu_ps(f + r * mp + m0);
+/* t[j][r] = v[r][j]: an 8x8 transpose in registers (unpacks, shuffles, lane permutes: 24 single-uop shuffles). */
+static inline void tr8x8(__m256 v[8], __m256 t[8]) {
     for (int r = 0; r < 8; r += 2) {
         t[r] = _mm256_unpacklo_ps(v[r], v[r + 1]);
         t[r + 1] = _mm256_unpackhi_ps(v[r], v[r + 1]);
@@ -608,11 +734,20 @@ static inline void store8x8(const float *f, int64_t mp, int64_t m0, int64_t M, f
             v[r + 2 * i] = _mm256_shuffle_ps(t[r + i], t[r + 2 + i], 0x44);
             v[r + 2 * i + 1] = _mm256_shuffle_ps(t[r + i], t[r + 2 + i], 0xEE);
         }
-    /* v[0..3]: batch rows m0+{0,4}, {1,5}, {2,6}, {3,7} of weight rows 0..3 (low / high 128 bits); v[4..7]: rows 4..7 */
+    /* v[0..3]: columns {0,4}, {1,5}, {2,6}, {3,7} of rows 0..3 (low / high 128 bits); v[4..7]: rows 4..7 */
     for (int j = 0; j < 4; j++) {
         t[j] = _mm256_permute2f128_ps(v[j], v[j + 4], 0x20);
         t[j + 4] = _mm256_permute2f128_ps(v[j], v[j + 4], 0x31);
     }
+}
+
+/* y[m0..m0+7, 0..7] (+)= f[r * mp + m] for r < 8 (+ bias[r]), rows below M only: the tiled path's output, eight
+ * batch rows by eight columns through an 8x8 transpose (scalar stores with their branches were ~5% of a c=64 step). */
+static inline void store8x8(const float *f, int64_t mp, int64_t m0, int64_t M, float *y, int64_t ldy, __m256 bv,
+                            int acc) {
+    __m256 v[8], t[8];
+    for (int r = 0; r < 8; r++) v[r] = _mm256_loadu_ps(f + r * mp + m0);
+    tr8x8(v, t);
     for (int j = 0; j < 8 && m0 + j < M; j++) {
         float *o = y + (m0 + j) * ldy;
         __m256 r = _mm256_add_ps(t[j], bv);
@@ -634,14 +769,184 @@ static void store_pass(const float *f, int64_t mp, int64_t M, int64_t n, float *
         for (int64_t r = n8; r < n; r++) store(y, m * ldy + r, f[r * mp + m], bias, r, acc);
 }
 
-static ts_qact qact_alloc(int64_t M, int64_t K) {
+/* Batch rows from which float weights take the float tiled path (below: the row path, rows4_f). */
+#ifndef FTILE_MIN
+#define FTILE_MIN 16
+#endif
+
+/* The activations' buffers for weights of type wt: int16 codes for quantized weights, a transposed float copy for
+ * float weights (used from FTILE_MIN rows). */
+static ts_qact qact_alloc(int64_t M, int64_t K, int64_t wt) {
     M = (M + TW - 1) / TW * TW; /* room for the tiled layout's padding rows */
-    ts_qact a = {(int16_t *)malloc(sizeof(int16_t) * (size_t)(M * K)), (float *)malloc(sizeof(float) * (size_t)(M * K / 32)),
-                 (float *)malloc(sizeof(float) * (size_t)(M * K / 32)), 0};
+    ts_qact a = {NULL, NULL, NULL, 0, NULL};
+    if (IS_FLOAT(wt)) {
+        if (M >= FTILE_MIN) a.xt = (float *)malloc(sizeof(float) * (size_t)(M * K));
+        return a;
+    }
+    a.q = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * K));
+    a.d = (float *)malloc(sizeof(float) * (size_t)(M * K / 32));
+    a.s = (float *)malloc(sizeof(float) * (size_t)(M * K / 32));
+#if TS_AMX
+    if (amx_ok && M >= TILE_MIN) a.ab = (int16_t *)malloc(sizeof(int16_t) * (size_t)(2 * M * K));
+#endif
     return a;
 }
 
-static void qact_free(ts_qact *a) { free(a->q); free(a->d); free(a->s); }
+static void qact_free(ts_qact *a) { free(a->q); free(a->d); free(a->s); free(a->xt); free(a->ab); }
+
+/* ---- float weights, many batch rows: the float tiled path ----
+ * The row path above re-reads each block of four weight rows (and re-widens 16-bit ones) for every pair of batch
+ * rows and reduces every dot product horizontally: at 16+ rows that is 6 loads per 8 FMAs and a horizontal sum per
+ * output.  Here the activations are transposed once ([K][mp], transpose_act) and each block of FRW weight rows is
+ * widened to float32 once into a k-major buffer ([K][FRW], widen_fblock), so the micro-kernel broadcasts one weight
+ * and multiplies it into TW batch rows at once: FRW x 2 vectors of accumulators in registers for the whole K (16 zmm
+ * with AVX-512: 8 weight rows x 32 batch rows, 10 loads per 16 FMAs; AVX2 8 ymm: 4 x 16), with no horizontal sums and
+ * no partial sums in memory.  Outputs go through the same row-contiguous store as the quantized tiled path. */
+#if TS_AVX512
+#define FRW 8
+typedef __m512 vfl;
+#define VFL_LOAD _mm512_loadu_ps
+#define VFL_SET1 _mm512_set1_ps
+#define VFL_FMA _mm512_fmadd_ps
+#define VFL_STORE _mm512_storeu_ps
+#define VFL_ZERO _mm512_setzero_ps
+#else
+#define FRW 4
+typedef __m256 vfl;
+#define VFL_LOAD _mm256_loadu_ps
+#define VFL_SET1 _mm256_set1_ps
+#define VFL_FMA _mm256_fmadd_ps
+#define VFL_STORE _mm256_storeu_ps
+#define VFL_ZERO _mm256_setzero_ps
+#endif
+#define FCOLS 32 /* output columns per pass: a batch row's 128 bytes of output written together (store_pass) */
+
+/* a->xt[k * mp + m] = x[m, k], zero for the padding rows M <= m < mp; eight rows by eight columns per transpose. */
+static void transpose_act(const float *x, int64_t ldx, int64_t M, int64_t K, ts_qact *a) {
+    const int64_t mp = M >= FTILE_MIN ? (M + TW - 1) / TW * TW : 0;
+    a->mp = mp;
+    for (int64_t m0 = 0; m0 < mp; m0 += 8)
+        for (int64_t k0 = 0; k0 < K; k0 += 8) {
+            __m256 v[8], t[8];
+            for (int i = 0; i < 8; i++)
+                v[i] = m0 + i < M ? _mm256_loadu_ps(x + (m0 + i) * ldx + k0) : _mm256_setzero_ps();
+            tr8x8(v, t);
+            for (int j = 0; j < 8; j++) _mm256_storeu_ps(a->xt + (k0 + j) * mp + m0, t[j]);
+        }
+}
+
+/* wb[k * FRW + r] = W[n0 + r, k] as float32 (rows past N repeat row N - 1: computed, never stored). */
+static inline __attribute__((always_inline)) void widen_fblock(const void *w, const int wt, int64_t n0, int64_t N,
+                                                               int64_t K, float *wb) {
+    int64_t rows[8];
+    for (int r = 0; r < FRW; r++) rows[r] = (n0 + r < N ? n0 + r : N - 1) * K;
+    for (int64_t k0 = 0; k0 < K; k0 += 8) {
+        __m256 v[8], t[8];
+        for (int r = 0; r < FRW; r++) v[r] = load8w(w, rows[r] + k0, wt);
+#if FRW == 8
+        tr8x8(v, t);
+        for (int j = 0; j < 8; j++) _mm256_storeu_ps(wb + (k0 + j) * 8, t[j]);
+#else
+        /* four rows: the first steps of tr8x8 leave v[j] = [rows 0..3 of column j | of column j + 4] */
+        for (int r = 0; r < 4; r += 2) {
+            t[r] = _mm256_unpacklo_ps(v[r], v[r + 1]);
+            t[r + 1] = _mm256_unpackhi_ps(v[r], v[r + 1]);
+        }
+        for (int i = 0; i < 2; i++) {
+            v[2 * i] = _mm256_shuffle_ps(t[i], t[2 + i], 0x44);
+            v[2 * i + 1] = _mm256_shuffle_ps(t[i], t[2 + i], 0xEE);
+        }
+        float *o = wb + k0 * 4;
+        _mm256_storeu_ps(o, _mm256_permute2f128_ps(v[0], v[1], 0x20));      /* columns 0, 1 */
+        _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(v[2], v[3], 0x20));  /* 2, 3 */
+        _mm256_storeu_ps(o + 16, _mm256_permute2f128_ps(v[0], v[1], 0x31)); /* 4, 5 */
+        _mm256_storeu_ps(o + 24, _mm256_permute2f128_ps(v[2], v[3], 0x31)); /* 6, 7 */
+#endif
+    }
+}
+
+/* f[r * mp + m0 + m] = row r of the widened block wb . batch row m0 + m, for r < FRW, m < TW * NV. */
+static inline __attribute__((always_inline)) void ftile(const float *wb, int64_t K, const ts_qact *a, int64_t m0,
+                                                        const int NV, float *f) {
+    const int64_t mp = a->mp;
+    vfl c[FRW][2];
+    for (int r = 0; r < FRW; r++) c[r][0] = c[r][1] = VFL_ZERO();
+    const float *xk = a->xt + m0;
+    for (int64_t k = 0; k < K; k++, xk += mp) {
+        const vfl x0 = VFL_LOAD(xk), x1 = NV > 1 ? VFL_LOAD(xk + TW) : x0;
+        const float *wk = wb + k * FRW;
+        for (int r = 0; r < FRW; r++) {
+            const vfl b = VFL_SET1(wk[r]);
+            c[r][0] = VFL_FMA(b, x0, c[r][0]);
+            if (NV > 1) c[r][1] = VFL_FMA(b, x1, c[r][1]);
+        }
+    }
+    for (int r = 0; r < FRW; r++)
+        for (int j = 0; j < NV; j++) VFL_STORE(f + r * mp + m0 + j * TW, c[r][j]);
+}
+static __attribute__((noinline)) void ftile2(const float *wb, int64_t K, const ts_qact *a, int64_t m0, float *f) {
+    ftile(wb, K, a, m0, 2, f);
+}
+static __attribute__((noinline)) void ftile1(const float *wb, int64_t K, const ts_qact *a, int64_t m0, float *f) {
+    ftile(wb, K, a, m0, 1, f);
+}
+
+/* y (+)= x . W^T (+ bias) for float weights from transposed activations (a->mp > 0): passes of FCOLS output columns
+ * shared out among the threads, each widening its blocks once and running every batch tile over them. */
+static void float_tiled(const ts_weight *W, const float *bias, int64_t M, int64_t N, int64_t K, const ts_qact *a,
+                        float *y, int64_t ldy, int accumulate) {
+    const int64_t mp = a->mp, npass = (N + FCOLS - 1) / FCOLS;
+    float *wb = (float *)malloc(sizeof(float) * (size_t)(FCOLS * K));
+    float *f = (float *)malloc(sizeof(float) * (size_t)(FCOLS * mp));
+#pragma omp for schedule(static) nowait
+    for (int64_t p = 0; p < npass; p++) {
+        const int64_t n0 = p * FCOLS, n = N - n0 < FCOLS ? N - n0 : FCOLS, nb = (n + FRW - 1) / FRW;
+        for (int64_t i = 0; i < nb; i++) {
+            float *wi = wb + i * FRW * K;
+            if (W->wt == WT_BF16) widen_fblock(W->w, WT_BF16, n0 + i * FRW, N, K, wi);
+            else if (W->wt == WT_F16) widen_fblock(W->w, WT_F16, n0 + i * FRW, N, K, wi);
+            else widen_fblock(W->w, WT_F32, n0 + i * FRW, N, K, wi);
+        }
+        for (int64_t i = 0; i < nb; i++) {
+            int64_t m0 = 0;
+            for (; m0 + 2 * TW <= mp; m0 += 2 * TW) ftile2(wb + i * FRW * K, K, a, m0, f + i * FRW * mp);
+            if (m0 < mp) ftile1(wb + i * FRW * K, K, a, m0, f + i * FRW * mp);
+        }
+        store_pass(f, mp, M, n, y + n0, ldy, bias ? bias + n0 : NULL, accumulate);
+    }
+    free(wb);
+    free(f);
+}
+
+/* The activations of a linear with weights of type wt: int16-quantized (quantized weights) or transposed (float
+ * weights, from FTILE_MIN rows). */
+static inline void prep_act(int64_t wt, const float *x, int64_t ldx, int64_t M, int64_t K, ts_qact *a) {
+    if (IS_FLOAT(wt)) transpose_act(x, ldx, M, K, a);
+    else quantize_act(x, ldx, M, K, a);
+}
+
+/* The float row path: blocks of four weight rows shared out among the threads, two batch rows per pass over them. */
+static inline __attribute__((always_inline)) void rows_f(const void *w, const int wt, const float *bias, int64_t M,
+                                                         int64_t N, int64_t K, const float *x, int64_t ldx, float *y,
+                                                         int64_t ldy, int accumulate) {
+    const int64_t nblk = N / 4;
+#pragma omp for schedule(static) nowait
+    for (int64_t b = 0; b < nblk; b++) {
+        const int64_t n = b * 4;
+        for (int64_t m = 0; m < M; m += 2) {
+            float o0[4], o1[4] = {0, 0, 0, 0};
+            const float *x1 = m + 1 < M ? x + (m + 1) * ldx : NULL;
+            rows4_f(w, wt, n, K, x + m * ldx, x1, o0, o1);
+            for (int r = 0; r < 4; r++) {
+                store(y, m * ldy + n + r, o0[r], bias, n + r, accumulate);
+                if (x1) store(y, (m + 1) * ldy + n + r, o1[r], bias, n + r, accumulate);
+            }
+        }
+    }
+#pragma omp for schedule(static) nowait
+    for (int64_t n = nblk * 4; n < N; n++)
+        for (int64_t m = 0; m < M; m++) store(y, m * ldy + n, row1_f(w, wt, n, K, x + m * ldx), bias, n, accumulate);
+}
 
 /* y[m, n] (+)= sum_k x[m, k] W[n, k] (+ bias[n]), for m < M, n < N; K % 8 == 0 (K % 32 == 0 quantized).
  * Each block of four weight rows is read from memory once and stays in L1 for every batch row.  Quantized
@@ -653,26 +958,11 @@ static void linear_body(const float *x, int64_t ldx, int64_t M, const ts_weight 
 #ifdef SKIP_LINEAR /* benchmarks: the fixed cost of a step without its weight streaming */
     if (W->wt != WT_F32) { bar_wait(bar); return; }
 #endif
-    if (W->wt == WT_F32) {
-        const float *w = (const float *)W->w;
-        const int64_t nblk = N / 4;
-#pragma omp for schedule(static) nowait
-        for (int64_t b = 0; b < nblk; b++) {
-            const int64_t n = b * 4;
-            for (int64_t m = 0; m < M; m += 2) {
-                float o0[4], o1[4] = {0, 0, 0, 0};
-                const float *x1 = m + 1 < M ? x + (m + 1) * ldx : NULL;
-                rows4_f32(w, n, K, x + m * ldx, x1, o0, o1);
-                for (int r = 0; r < 4; r++) {
-                    store(y, m * ldy + n + r, o0[r], bias, n + r, accumulate);
-                    if (x1) store(y, (m + 1) * ldy + n + r, o1[r], bias, n + r, accumulate);
-                }
-            }
-        }
-#pragma omp for schedule(static) nowait
-        for (int64_t n = nblk * 4; n < N; n++)
-            for (int64_t m = 0; m < M; m++)
-                store(y, m * ldy + n, row1_f32(w, n, K, x + m * ldx), bias, n, accumulate);
+    if (IS_FLOAT(W->wt)) {
+        if (a->mp) float_tiled(W, bias, M, N, K, a, y, ldy, accumulate);
+        else if (W->wt == WT_BF16) rows_f(W->w, WT_BF16, bias, M, N, K, x, ldx, y, ldy, accumulate);
+        else if (W->wt == WT_F16) rows_f(W->w, WT_F16, bias, M, N, K, x, ldx, y, ldy, accumulate);
+        else rows_f(W->w, WT_F32, bias, M, N, K, x, ldx, y, ldy, accumulate);
         bar_wait(bar);
         return;
     }
@@ -680,19 +970,33 @@ static void linear_body(const float *x, int64_t ldx, int64_t M, const ts_weight 
     if (a->mp) {
         const int64_t G = K / 32;
         ts_wtile t[TB];
+        /* the blocks' widened codes in one buffer, rows KP apart (the AMX tile loads 16 rows with one stride) */
+        int16_t *wbuf = (int16_t *)calloc((size_t)(TB * 4 * G * 32), sizeof(int16_t));
         for (int i = 0; i < TB; i++)
-            t[i] = (ts_wtile){(int16_t *)malloc(sizeof(int16_t) * (size_t)(4 * G * 32)),
-                              (float *)malloc(sizeof(float) * (size_t)(G * 4)), (float *)malloc(sizeof(float) * (size_t)(G * 4))};
+            t[i] = (ts_wtile){wbuf + i * 4 * G * 32, (float *)malloc(sizeof(float) * (size_t)(G * 4)),
+                              (float *)malloc(sizeof(float) * (size_t)(G * 4))};
         float *f = (float *)malloc(sizeof(float) * (size_t)(4 * TB * a->mp));
+#if TS_AMX
+        const int amx = a->ab != NULL;
+        if (amx) amx_config();
+#endif
 #pragma omp for schedule(static) nowait
         for (int64_t b = 0; b < nblk; b += TB) { /* TB blocks (4 * TB weight rows) per pass over the activations */
             const int nb = nblk - b < TB ? (int)(nblk - b) : TB;
             for (int i = 0; i < nb; i++) widen_block(W, (int)W->wt, b + i, K, t + i);
-            blocks_tile(t, nb, (int)W->wt, K, a, f);
+#if TS_AMX
+            if (amx) blocks_amx(t, nb, (int)W->wt, K, a, f);
+            else
+#endif
+                blocks_tile(t, nb, (int)W->wt, K, a, f);
             const int64_t n = N - 4 * b < 4 * nb ? N - 4 * b : 4 * nb; /* the last block's padding rows are not stored */
             store_pass(f, a->mp, M, n, y + 4 * b, ldy, bias ? bias + 4 * b : NULL, accumulate);
         }
-        for (int i = 0; i < TB; i++) { free(t[i].w); free(t[i].sc); free(t[i].mn); }
+#if TS_AMX
+        if (amx) _tile_release();
+#endif
+        for (int i = 0; i < TB; i++) { free(t[i].sc); free(t[i].mn); }
+        free(wbuf);
         free(f);
         bar_wait(bar);
         return;
@@ -715,18 +1019,16 @@ static void linear_body(const float *x, int64_t ldx, int64_t M, const ts_weight 
 
 void ts_linear(const float *x, int64_t ldx, int64_t M, const ts_weight *W, const float *bias, int64_t N, int64_t K,
                float *y, int64_t ldy, int accumulate) {
-    ts_qact a = {NULL, NULL, NULL, 0};
-    if (W->wt != WT_F32) {
-        a = qact_alloc(M, K);
-        quantize_act(x, ldx, M, K, &a);
-    }
+    ts_qact a = qact_alloc(M, K, W->wt);
+    if (IS_FLOAT(W->wt)) transpose_act(x, ldx, M, K, &a);
+    else quantize_act(x, ldx, M, K, &a);
     ts_barrier bar = {0};
 #pragma omp parallel
     {
         bar_join(&bar);
         linear_body(x, ldx, M, W, bias, N, K, y, ldy, accumulate, &a, &bar);
     }
-    if (W->wt != WT_F32) qact_free(&a);
+    qact_free(&a);
 }
 
 /* out[m] = weight * x[m] / sqrt(mean(x[m]^2) + eps), in float32 like transformers. */
@@ -927,18 +1229,18 @@ void ts_decode_layers(const ts_model *md, float *x, int64_t M, const int64_t *po
     const int64_t E = md->hidden, H = md->H, Hkv = md->Hkv, D = md->D, I = md->inter;
     const int64_t nqkv = (H + 2 * Hkv) * D, tok = Hkv * D, half = D / 2, esz = md->kv_half ? 2 : 4;
     float *qkv = scratch, *att = qkv + M * nqkv, *gu = att + M * H * D, *act = gu + M * 2 * I;
-    const int quant = md->layers[0].qkv.wt != WT_F32;
+    const int64_t wt = md->layers[0].qkv.wt;
     ts_barrier bar = {0};
 #pragma omp parallel
     {
         bar_join(&bar);
         const int64_t kmax = E > I ? (E > H * D ? E : H * D) : (I > H * D ? I : H * D);
         float *h = (float *)malloc(sizeof(float) * (size_t)(M * E)); /* this thread's normalized input */
-        ts_qact a = quant ? qact_alloc(M, kmax) : (ts_qact){NULL, NULL, NULL, 0};
+        ts_qact a = qact_alloc(M, kmax, wt);
         for (int64_t l = 0; l < md->num_layers; l++) {
             const ts_layer *L = md->layers + l;
             ts_rmsnorm(x, M, E, L->ln1, md->eps, h);
-            if (quant) quantize_act(h, E, M, E, &a);
+            prep_act(wt, h, E, M, E, &a);
             linear_body(h, E, M, &L->qkv, L->qkv_bias, nqkv, E, qkv, nqkv, 0, &a, &bar);
 #pragma omp for schedule(static) nowait
             for (int64_t m = 0; m < M; m++) {
@@ -953,18 +1255,18 @@ void ts_decode_layers(const ts_model *md, float *x, int64_t M, const int64_t *po
             bar_wait(&bar);
             attn_body(qkv, nqkv, L->kv, md->slots, block_ids, nb, seq_lens, md->block_size, M, H, Hkv, D,
                       md->scale, att, H * D, &bar, md->kv_half);
-            if (quant) quantize_act(att, H * D, M, H * D, &a);
+            prep_act(wt, att, H * D, M, H * D, &a);
             linear_body(att, H * D, M, &L->o, NULL, E, H * D, x, E, 1, &a, &bar);
             ts_rmsnorm(x, M, E, L->ln2, md->eps, h);
-            if (quant) quantize_act(h, E, M, E, &a);
+            prep_act(wt, h, E, M, E, &a);
             linear_body(h, E, M, &L->gate_up, NULL, 2 * I, E, gu, 2 * I, 0, &a, &bar);
 #pragma omp for schedule(static) nowait
             for (int64_t m = 0; m < M; m++) silu_mul(gu + m * 2 * I, 1, I, act + m * I);
             bar_wait(&bar);
-            if (quant) quantize_act(act, I, M, I, &a);
+            prep_act(wt, act, I, M, I, &a);
             linear_body(act, I, M, &L->down, NULL, E, I, x, E, 1, &a, &bar);
         }
         free(h);
-        if (quant) qact_free(&a);
+        qact_free(&a);
     }
 }
