@@ -17,23 +17,6 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-@functools.cache
-def amx_permitted() -> bool:
-    """True where Linux lets this process use the AMX tile registers: asks for them (arch_prctl
-    ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA; Linux >= 5.16), which is harmless and lasts for the process.  False on
-    other systems, older kernels and CPUs without AMX (where a tile instruction would be a SIGILL)."""
-    import ctypes
-    import platform
-
-    if platform.machine() != "x86_64" or "amx_tile" not in cpu_flags():
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-    except (OSError, AttributeError):
-        return False
-
-
 def has_native_bf16() -> bool:
     """True where the CPU has bf16 matrix instructions (AVX512-BF16 or AMX-BF16)."""
     flags = cpu_flags()

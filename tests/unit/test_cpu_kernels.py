@@ -115,27 +115,6 @@ def test_linear_quantized_packed_matches_dequantized(lib, fn, levels, m, n, k):
     assert (cpu.linear(lib, x, packed) - x @ deq.T).abs().max() < 1e-3 * (x @ deq.T).abs().max()
 
 
-@pytest.mark.skipif("amx" not in cpu.available_isas(), reason="no AMX (or Linux refused its tile registers)")
-@pytest.mark.parametrize("fn", [quantize_int4, quantize_int8])
-@pytest.mark.parametrize("m", [28, 33, 64, 70])
-@pytest.mark.parametrize("n,k", [(5, 96), (130, 128), (40, 576)])
-def test_amx_tiled_path_is_bit_identical_to_avx512(fn, m, n, k):
-    """The AMX tile splits each int16 activation code into bytes (256 hi + lo) and multiplies them with the widened
-    weight codes on the tile unit: exact integer sums, scaled with the AVX-512 tile's operations in its order, so
-    the outputs are bit for bit those of the AVX-512 tiled path (M >= 28 there) -- with bias and accumulation, at
-    batch sizes that pad the last 16-row tile, N that ends on a partial pass of 32 rows, and Q4's odd last group."""
-    g = torch.Generator().manual_seed(m * 7 + n + k)
-    x, w, b = torch.randn(m, k, generator=g) * 4, torch.randn(n, k, generator=g), torch.randn(n, generator=g)
-    x[1, :32] = 0.0
-    packed, _ = fn(w)
-    a5, amx = cpu.load("avx512"), cpu.load("amx")
-    assert amx.ts_amx_ok() == 1
-    assert torch.equal(cpu.linear(amx, x, packed, bias=b), cpu.linear(a5, x, packed, bias=b))
-    y = torch.randn(m, n, generator=g)
-    assert torch.equal(cpu.linear(amx, x, packed, out=y.clone(), accumulate=True),
-                       cpu.linear(a5, x, packed, out=y.clone(), accumulate=True))
-
-
 def test_quantization_reproduces_values_already_on_its_grid():
     """Weights that are Q4_1 / Q8_0 values (like the default model's) come back exactly (up to float32 rounding)."""
     g = torch.Generator().manual_seed(1)

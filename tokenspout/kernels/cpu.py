@@ -4,9 +4,7 @@
 ISA levels (`ISA_LEVELS`), one build of the same sources each, picked at run time from the CPU's flags:
 * `avx2`: AVX2 + FMA + F16C (every kernel);
 * `avx512`: adds AVX-512 F/BW/VL + VNNI: the quantized linears (row and tiled paths) use 512-bit vectors and
-  vpdpwssd (-DTS_AVX512=1 selects them in decode_cpu.c); everything else is the AVX2 code, compiled for the wider ISA;
-* `amx`: adds AMX-TILE + AMX-INT8 (Sapphire Rapids and later Xeons) where Linux grants the tile registers
-  (platform.amx_permitted): the tiled path's multiplies run on the tile unit (-DTS_AMX=1), bit-identical to `avx512`.
+  vpdpwssd (-DTS_AVX512=1 selects them in decode_cpu.c); everything else is the AVX2 code, compiled for the wider ISA.
 The best level the CPU has is used unless TOKENSPOUT_ISA=avx2|avx512 forces one (tests force each level the
 machine has, so every level stays tested where it can run).
 
@@ -30,7 +28,7 @@ from pathlib import Path
 
 import torch  # loads torch's libgomp first, so the kernels share its OpenMP runtime
 
-from tokenspout.platform import amx_permitted, cpu_flags
+from tokenspout.platform import cpu_flags
 
 logger = logging.getLogger(__name__)
 
@@ -69,17 +67,13 @@ ISA_LEVELS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
     "avx512": (frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}),
                ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni",
                 "-DTS_AVX512=1")),
-    "amx": (frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "amx_tile",
-                       "amx_int8"}),
-            ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mamx-tile",
-             "-mamx-int8", "-DTS_AVX512=1", "-DTS_AMX=1")),
 }
 
 
 def available_isas() -> list[str]:
     """The ISA levels this CPU runs, weakest first."""
     flags = cpu_flags()
-    return [name for name, (need, _) in ISA_LEVELS.items() if need <= flags and (name != "amx" or amx_permitted())]
+    return [name for name, (need, _) in ISA_LEVELS.items() if need <= flags]
 
 
 def chosen_isa() -> str | None:
@@ -90,7 +84,7 @@ def chosen_isa() -> str | None:
         if forced not in ISA_LEVELS:
             raise ValueError(f"TOKENSPOUT_ISA must be one of {sorted(ISA_LEVELS)}, got {forced!r}")
         if forced not in have:
-            missing = sorted(ISA_LEVELS[forced][0] - cpu_flags()) or ["the kernel's permission for AMX"]
+            missing = sorted(ISA_LEVELS[forced][0] - cpu_flags())
             raise ValueError(f"TOKENSPOUT_ISA={forced}: this CPU lacks {', '.join(missing)}")
         return forced
     return have[-1] if have else None
@@ -123,7 +117,7 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
         return None
     lib = _load(isa)
     if lib is None and picked and isa != "avx2":
-        # a compiler too old for this level's flags (gcc < 11 for AMX): the next level down
+        # a compiler too old for this level's flags: the next level down
         lower = available_isas()[available_isas().index(isa) - 1]
         logger.warning("CPU kernels: %s unavailable, trying %s", isa, lower)
         return load(lower)
@@ -143,9 +137,6 @@ def _load(isa: str) -> ctypes.CDLL | None:
     except (OSError, RuntimeError) as e:
         logger.warning("decode kernels (%s) unavailable, using the torch path: %s", isa, e)
         return None
-    lib.ts_amx_ok.restype = i64
-    if isa == "amx" and not lib.ts_amx_ok():  # the library asked Linux for the tiles when loaded: refused
-        logger.warning("CPU kernels: Linux refused the AMX tile registers; their paths run as avx512")
     logger.info("CPU kernels: %s", isa)
     lib.ts_linear.argtypes = [vp, i64, i64, ctypes.POINTER(Weight), vp, i64, i64, vp, i64, ctypes.c_int]
     lib.ts_linear.restype = None

@@ -184,16 +184,13 @@ typedef struct {
     float *s;    /* [M, G] sum of the float values; tiled: [G][mp] */
     int64_t mp;  /* 0: row layout; > 0: tiled layout, M rounded up to a multiple of TW (padding rows are zero) */
     float *xt;   /* float weights' tiled path: the activations transposed, [K][mp] (see transpose_act) */
-    int16_t *ab; /* AMX builds, tiled layout: the codes split into bytes, [G][mp / 16][lo, hi][16 pairs][16 rows] (amx_split) */
 } ts_qact;
 
 /* Batch rows from which the quantized linears take the tiled path (blocks_tile).  bench.linear: AVX2's row path
  * loses from 16 rows; AVX-512's (four vpdpwssd per group and batch row) still wins by 3-8% up to 24 rows (the tile pads
  * 24 to 32) and loses from 28. */
 #ifndef TILE_MIN
-#if TS_AMX
-#define TILE_MIN 16 /* the AMX tile (16 batch rows) wins from its first full tile: bench.linear */
-#elif TS_AVX512
+#if TS_AVX512
 #define TILE_MIN 28
 #else
 #define TILE_MIN 16
@@ -211,41 +208,6 @@ typedef struct {
  * batch rows, the 16 pairs of the TW rows: one contiguous run (512 or 1024 bytes) that a tile reads front to back. */
 static inline int64_t tiled(int64_t g, int t, int64_t m, int64_t mp) {
     return g * 16 * mp + (m / TW) * (16 * TW) + t * TW + (m % TW);
-}
-
-/* ---- AMX (builds with -DTS_AMX=1: Sapphire Rapids and later Xeons) ----
- * Linux hands out the AMX tile registers only to a process that asked for them (arch_prctl ARCH_REQ_XCOMP_PERM for
- * XFEATURE_XTILEDATA); without it the first tile instruction is a SIGILL.  The library asks when it is loaded and
- * every AMX path checks the answer (ts_amx_ok), taking the AVX-512 code where it was refused (an old kernel, a
- * hypervisor that hides the state). */
-#if TS_AMX
-static int amx_ok;
-__attribute__((constructor)) static void amx_request(void) {
-    amx_ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-}
-
-/* The B operands of the AMX tile (blocks_amx) from the tiled int16 layout: per group and 16 batch rows, the 16
- * pairs x 16 rows of int16 codes are exactly a 16 x 64-byte tile in AMX's "four bytes of K per column" layout.  Each
- * code x = 256 hi + lo (hi signed, lo unsigned) is split into two such tiles, lo and hi each in the low byte of its
- * 16-bit word (high byte zero), so byte products against the widened weights' 16-bit codes are exact and the int32
- * dot products equal vpdpwssd's: 256 dot(hi) + dot(lo). */
-static void amx_split(const ts_qact *a, int64_t G) {
-    const int64_t n = G * a->mp * 32; /* int16 codes in the tiled layout */
-    const __m512i lo8 = _mm512_set1_epi16(0x00FF);
-    for (int64_t i = 0; i < n; i += 512) /* one (group, 16 rows) run: 512 codes -> lo run, hi run */
-        for (int64_t j = 0; j < 512; j += 32) {
-            const __m512i v = _mm512_loadu_si512((const void *)(a->q + i + j));
-            _mm512_storeu_si512((void *)(a->ab + 2 * i + j), _mm512_and_si512(v, lo8));
-            _mm512_storeu_si512((void *)(a->ab + 2 * i + 512 + j), _mm512_srli_epi16(v, 8));
-        }
-}
-#endif
-int64_t ts_amx_ok(void) {
-#if TS_AMX
-    return amx_ok;
-#else
-    return 0;
-#endif
 }
 
 static void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, ts_qact *a) {
@@ -282,9 +244,6 @@ static void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, ts_q
             if (mp) /* the group's 16 pairs of columns to their places in the tiled layout */
                 for (int t = 0; t < 16; t++) memcpy((int32_t *)a->q + tiled(g, t, m, mp), row + 2 * t, 4);
         }
-#if TS_AMX
-    if (mp && amx_ok) amx_split(a, G);
-#endif
 }
 
 /* The four int32 vectors of partial sums of rows 0..3 -> one float vector: lane r (and r + 4) holds row r's. */
@@ -646,78 +605,6 @@ static void blocks_tile(const ts_wtile *t, int nb, const int wt, int64_t K, cons
     }
 }
 
-#if TS_AMX
-/* The tiled path on AMX's tile multiply (TDPBSSD / TDPBSUD: 16 x 16 int32 sums of byte products, 1024 per
- * instruction).  A tiles: 16 weight rows x one group, the widened int16 codes of four blocks (widen_block into one
- * buffer, so rows are KP int16 apart), each code a byte and a zero byte; B tiles: 16 batch rows' lo / hi bytes
- * (amx_split).  Per group, per 16 batch rows: the 32 weight rows of a pass against lo and hi, four multiplies, the
- * sums stored (L1) and scaled in AVX-512 with the same operations in the same order as tile_group512: the results
- * are bit-identical to the AVX-512 tiled path, only faster (the multiplies cost the AMX unit ~32 cycles per 16x16
- * group; the scaling dominates). */
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} ts_tilecfg;
-
-/* tmm0, tmm1: A (weights), tmm2, tmm3: B (lo, hi), tmm4..7: C; all 16 rows x 64 bytes.  The configuration is this
- * thread's and other code (oneDNN in torch) may change it, so every linear sets it again. */
-static void amx_config(void) {
-    ts_tilecfg c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        c.rows[i] = 16;
-        c.colsb[i] = 64;
-    }
-    _tile_loadconfig(&c);
-}
-
-/* f[(4i + r) * mp + m] = row r of block i . batch row m, for the nb (1..TB) widened blocks (t[i].w = t[0].w + 4i KP)
- * and every batch row m < mp (a multiple of 16). */
-static void blocks_amx(const ts_wtile *t, int nb, const int wt, int64_t K, const ts_qact *a, float *f) {
-    const int64_t G = K / 32, KP = G * 32, mp = a->mp, MB = mp / 16;
-    const int nrows = 4 * nb, nj = (nrows + 15) / 16;
-    int32_t c[4][256] __attribute__((aligned(64))); /* lo, hi of weight rows 0..15; lo, hi of rows 16..31 */
-    memset(f, 0, sizeof(float) * (size_t)(nrows * mp));
-    for (int64_t g = 0; g < G; g++) {
-        _tile_loadd(0, t[0].w + g * 32, KP * 2);
-        if (nj > 1) _tile_loadd(1, t[4].w + g * 32, KP * 2);
-        for (int64_t mb = 0; mb < MB; mb++) {
-            const int16_t *b = a->ab + (g * MB + mb) * 1024;
-            _tile_loadd(2, b, 64);
-            _tile_loadd(3, b + 512, 64);
-            _tile_zero(4);
-            _tile_zero(5);
-            _tile_dpbsud(4, 0, 2);
-            _tile_dpbssd(5, 0, 3);
-            _tile_stored(4, c[0], 64);
-            _tile_stored(5, c[1], 64);
-            if (nj > 1) {
-                _tile_zero(6);
-                _tile_zero(7);
-                _tile_dpbsud(6, 1, 2);
-                _tile_dpbssd(7, 1, 3);
-                _tile_stored(6, c[2], 64);
-                _tile_stored(7, c[3], 64);
-            }
-            const __m512 dx = _mm512_loadu_ps(a->d + g * mp + mb * 16), sx = _mm512_loadu_ps(a->s + g * mp + mb * 16);
-            for (int n = 0; n < nrows; n++) {
-                const ts_wtile *ti = t + n / 4;
-                const int r = n % 4, j = n / 16, i = n % 16;
-                const __m512i s = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(c[2 * j + 1] + 16 * i), 8),
-                                                   _mm512_load_si512(c[2 * j] + 16 * i));
-                float *fo = f + n * mp + mb * 16;
-                __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(dx, _mm512_set1_ps(ti->sc[g * 4 + r])),
-                                           _mm512_loadu_ps(fo));
-                if (wt == WT_Q4) v = _mm512_fmadd_ps(sx, _mm512_set1_ps(ti->mn[g * 4 + r]), v);
-                _mm512_storeu_ps(fo, v);
-            }
-        }
-    }
-}
-#endif
-
 static inline void store(float *y, int64_t i, float v, const float *bias, int64_t n, int acc) {
     if (bias) v += bias[n];
     y[i] = acc ? y[i] + v : v;
@@ -786,13 +673,10 @@ static ts_qact qact_alloc(int64_t M, int64_t K, int64_t wt) {
     a.q = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * K));
     a.d = (float *)malloc(sizeof(float) * (size_t)(M * K / 32));
     a.s = (float *)malloc(sizeof(float) * (size_t)(M * K / 32));
-#if TS_AMX
-    if (amx_ok && M >= TILE_MIN) a.ab = (int16_t *)malloc(sizeof(int16_t) * (size_t)(2 * M * K));
-#endif
     return a;
 }
 
-static void qact_free(ts_qact *a) { free(a->q); free(a->d); free(a->s); free(a->xt); free(a->ab); }
+static void qact_free(ts_qact *a) { free(a->q); free(a->d); free(a->s); free(a->xt); }
 
 /* ---- float weights, many batch rows: the float tiled path ----
  * The row path above re-reads each block of four weight rows (and re-widens 16-bit ones) for every pair of batch
@@ -970,31 +854,20 @@ static void linear_body(const float *x, int64_t ldx, int64_t M, const ts_weight 
     if (a->mp) {
         const int64_t G = K / 32;
         ts_wtile t[TB];
-        /* the blocks' widened codes in one buffer, rows KP apart (the AMX tile loads 16 rows with one stride) */
+        /* the pass's widened codes, one buffer */
         int16_t *wbuf = (int16_t *)calloc((size_t)(TB * 4 * G * 32), sizeof(int16_t));
         for (int i = 0; i < TB; i++)
             t[i] = (ts_wtile){wbuf + i * 4 * G * 32, (float *)malloc(sizeof(float) * (size_t)(G * 4)),
                               (float *)malloc(sizeof(float) * (size_t)(G * 4))};
         float *f = (float *)malloc(sizeof(float) * (size_t)(4 * TB * a->mp));
-#if TS_AMX
-        const int amx = a->ab != NULL;
-        if (amx) amx_config();
-#endif
 #pragma omp for schedule(static) nowait
         for (int64_t b = 0; b < nblk; b += TB) { /* TB blocks (4 * TB weight rows) per pass over the activations */
             const int nb = nblk - b < TB ? (int)(nblk - b) : TB;
             for (int i = 0; i < nb; i++) widen_block(W, (int)W->wt, b + i, K, t + i);
-#if TS_AMX
-            if (amx) blocks_amx(t, nb, (int)W->wt, K, a, f);
-            else
-#endif
-                blocks_tile(t, nb, (int)W->wt, K, a, f);
+            blocks_tile(t, nb, (int)W->wt, K, a, f);
             const int64_t n = N - 4 * b < 4 * nb ? N - 4 * b : 4 * nb; /* the last block's padding rows are not stored */
             store_pass(f, a->mp, M, n, y + 4 * b, ldy, bias ? bias + 4 * b : NULL, accumulate);
         }
-#if TS_AMX
-        if (amx) _tile_release();
-#endif
         for (int i = 0; i < TB; i++) { free(t[i].sc); free(t[i].mn); }
         free(wbuf);
         free(f);
