@@ -4,8 +4,9 @@
 
 Paths (each a `tokenspout serve` started with those flags, one server at a time, measured with bench/serve.py:
 closed loop, streamed, ignore_eos):
-* dtype float32 x quantization none / int8 / int4 x kernels at each ISA level the CPU has (TOKENSPOUT_ISA=avx2,
-  avx512) and with the kernels off (TOKENSPOUT_KERNELS=0: the torch model alone);
+* dtype float32 x quantization none / bf16 / fp16 / int8 / int4 x kernels at each ISA level the CPU has
+  (TOKENSPOUT_ISA=avx2, avx512) and with the kernels off (TOKENSPOUT_KERNELS=0: the torch model alone; not for the
+  16-bit weights, which only the kernels read);
 * dtype bfloat16 x none / int8 / int4 (the kernels take float32 models only: bfloat16 always runs the torch model);
 * `auto`: the server as `make serve` starts it (no flags), which is the row the defaults must keep within 5% of the
   fastest.
@@ -60,11 +61,13 @@ def auto_choice() -> dict:
 
 def all_paths(levels: list[str]) -> list[ServePath]:
     paths = [ServePath("auto", [])]
-    for quant in ("none", "int8", "int4"):
-        for isa in [*levels, "off"]:
+    for quant in ("none", "bf16", "fp16", "int8", "int4"):
+        # 16-bit float weights exist only in the kernels (with them off the torch model runs float32: the "none" row)
+        for isa in [*levels, "off"] if quant not in ("bf16", "fp16") else levels:
             env = {"TOKENSPOUT_KERNELS": "0"} if isa == "off" else {"TOKENSPOUT_ISA": isa}
             paths.append(ServePath(f"float32/{quant}/{isa}", ["--dtype", "float32", "--quantization", quant], env))
-        paths.append(ServePath(f"bfloat16/{quant}/torch", ["--dtype", "bfloat16", "--quantization", quant]))
+        if quant not in ("bf16", "fp16"):
+            paths.append(ServePath(f"bfloat16/{quant}/torch", ["--dtype", "bfloat16", "--quantization", quant]))
     return paths
 
 

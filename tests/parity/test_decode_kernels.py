@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
@@ -9,9 +11,10 @@ from tests.helpers import make_core, run_to_completion
 from tests.parity.test_greedy_parity import PROMPTS
 from tokenspout.config import ModelConfig
 from tokenspout.engine.messages import EngineCoreRequest
+from tokenspout.entrypoints.cli import resolve_quantization
 from tokenspout.kernels import cpu
 from tokenspout.models.loader import load_model
-from tokenspout.models.quantize import dequantize
+from tokenspout.models.quantize import QUANTIZERS, dequantize
 from tokenspout.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(cpu.load() is None, reason="decode kernels unavailable on this machine")
@@ -120,6 +123,58 @@ def test_float16_kv_cache(loaded_model, int4_model, prompt_ids):
             assert float(top[0] - top[1]) < 0.05
     print(f"int4 + float16 KV vs float32: max |logit error| {max(errs):.4f}")
     assert max(errs) < 0.1, max(errs)
+
+
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.fixture(scope="module")
+def half_models(model_path, tmp_path_factory):
+    """The default model saved as a bfloat16 and a float16 checkpoint, each loaded twice: `--quantization auto`
+    (what it resolves to: the folder's own 16-bit type, served through the kernels) and as the float32 torch model of
+    the very same values (`--quantization none`), the oracle."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(model_path / "model.safetensors"))
+    out = {}
+    for fmt, dtype in HALF.items():
+        folder = tmp_path_factory.mktemp(fmt)
+        for f in model_path.iterdir():
+            if f.is_file() and f.suffix != ".safetensors":
+                shutil.copy(f, folder / f.name)
+        save_file({k: v.to(dtype).contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
+        auto = resolve_quantization("auto", str(folder))
+        out[fmt] = (auto, load_model(ModelConfig(model=str(folder), max_model_len=512, quantization=auto)),
+                    load_model(ModelConfig(model=str(folder), max_model_len=512)))
+    return out
+
+
+@pytest.mark.parametrize("fmt", list(HALF))
+def test_16bit_checkpoint_keeps_16bit_weights_and_matches_float32(half_models, prompt_ids, fmt, isa):
+    """A bf16 / fp16 folder: auto keeps its weights 16-bit (no float32 copy of any linear layer) and the kernels,
+    which widen them in registers, give the float32 torch model's greedy tokens and logits (within 1e-3: summation
+    order) on 3 rows (the row path) and 32 (the float tiled path, LM head included), at every ISA level."""
+    auto, half, ref_model = half_models[fmt]
+    assert auto == fmt
+    assert half.quantized and all(pw.codes.dtype == HALF[fmt] for pw in half.quantized.values())
+    assert not any(p.dim() == 2 and p.dtype == torch.float32 and "embed" not in name
+                   for name, p in half.model.named_parameters())
+    for prompts in (prompt_ids[:3], prompt_ids * 4):
+        ours, lh = greedy_with_logits(half, prompts, 5)
+        ref, lf = greedy_with_logits(ref_model, prompts, 5, use_kernels=False)
+        assert ours == ref
+        err = max(float((a - b).abs().max()) for r in ref for a, b in zip(lh[r], lf[r]))
+        assert err < 1e-3, err
+
+
+def test_fp16_refuses_weights_beyond_its_range():
+    """float16 tops out at 65504: a weight beyond it would become inf, so the conversion says so instead."""
+    w = torch.randn(8, 64)
+    w[3, 5] = 1e5
+    with pytest.raises(ValueError, match="overflow fp16"):
+        QUANTIZERS["fp16"](w)
+    packed, values = QUANTIZERS["bf16"](w)
+    assert packed.codes.dtype == torch.bfloat16 and torch.equal(values, w.to(torch.bfloat16).float())
 
 
 def test_int8_quality_bound(model_path, loaded_model, prompt_ids):
