@@ -656,9 +656,15 @@ static void store_pass(const float *f, int64_t mp, int64_t M, int64_t n, float *
         for (int64_t r = n8; r < n; r++) store(y, m * ldy + r, f[r * mp + m], bias, r, acc);
 }
 
-/* Batch rows from which float weights take the float tiled path (below: the row path, rows4_f). */
+/* Batch rows from which float weights take the float tiled path (below: the row path, rows4_f).  AVX-512 (32 zmm:
+ * an 8 x 32 register block): 1.06x the row path at 16 rows, 1.4-1.5x at 64-128.  AVX2 (16 ymm: a 4 x 16 block, 10
+ * loads per 16 FMAs) measured 0.76-0.84x of its row path at 16-128 rows: AVX2 keeps the row path at every size. */
 #ifndef FTILE_MIN
+#if TS_AVX512
 #define FTILE_MIN 16
+#else
+#define FTILE_MIN (1 << 30)
+#endif
 #endif
 
 /* The activations' buffers for weights of type wt: int16 codes for quantized weights, a transposed float copy for
@@ -854,11 +860,9 @@ static void linear_body(const float *x, int64_t ldx, int64_t M, const ts_weight 
     if (a->mp) {
         const int64_t G = K / 32;
         ts_wtile t[TB];
-        /* the pass's widened codes, one buffer */
-        int16_t *wbuf = (int16_t *)calloc((size_t)(TB * 4 * G * 32), sizeof(int16_t));
         for (int i = 0; i < TB; i++)
-            t[i] = (ts_wtile){wbuf + i * 4 * G * 32, (float *)malloc(sizeof(float) * (size_t)(G * 4)),
-                              (float *)malloc(sizeof(float) * (size_t)(G * 4))};
+            t[i] = (ts_wtile){(int16_t *)malloc(sizeof(int16_t) * (size_t)(4 * G * 32)),
+                              (float *)malloc(sizeof(float) * (size_t)(G * 4)), (float *)malloc(sizeof(float) * (size_t)(G * 4))};
         float *f = (float *)malloc(sizeof(float) * (size_t)(4 * TB * a->mp));
 #pragma omp for schedule(static) nowait
         for (int64_t b = 0; b < nblk; b += TB) { /* TB blocks (4 * TB weight rows) per pass over the activations */
@@ -868,8 +872,7 @@ static void linear_body(const float *x, int64_t ldx, int64_t M, const ts_weight 
             const int64_t n = N - 4 * b < 4 * nb ? N - 4 * b : 4 * nb; /* the last block's padding rows are not stored */
             store_pass(f, a->mp, M, n, y + 4 * b, ldy, bias ? bias + 4 * b : NULL, accumulate);
         }
-        for (int i = 0; i < TB; i++) { free(t[i].sc); free(t[i].mn); }
-        free(wbuf);
+        for (int i = 0; i < TB; i++) { free(t[i].w); free(t[i].sc); free(t[i].mn); }
         free(f);
         bar_wait(bar);
         return;
