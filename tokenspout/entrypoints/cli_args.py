@@ -73,6 +73,15 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="do not serve the playground page at / and /playground (README, Playground)")
     p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
                    help="split <think> reasoning into message.reasoning_content (README, Reasoning)")
+    from tokenspout.entrypoints.openai import limits
+
+    p.add_argument("--max-request-body-bytes", type=int, default=limits.DEFAULT_MAX_BODY_BYTES,
+                   help="a larger request body is a 413, refused before it is parsed (default: 8 MiB)")
+    p.add_argument("--max-request-fanout", type=int, default=limits.DEFAULT_MAX_FANOUT,
+                   help="at most this many completions (prompts x n) per request, else a 400 (default: 256)")
+    p.add_argument("--max-queued-requests", type=int, default=limits.DEFAULT_MAX_QUEUED_REQUESTS,
+                   help="requests (each prompt x n counted) that may wait beyond the --max-num-seqs the engines "
+                        "run; past it a new request is a 503 with Retry-After (default: 1024; negative: no limit)")
 
 
 def resolve_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -92,7 +101,17 @@ def server_app_options(args: argparse.Namespace, environ: dict[str, str] | None 
     return {"api_key": keys, "allowed_origins": args.allowed_origins, "allowed_methods": args.allowed_methods,
             "allowed_headers": args.allowed_headers, "allow_credentials": args.allow_credentials,
             "tool_call_parser": args.tool_call_parser, "reasoning_parser": args.reasoning_parser,
-            "playground": not args.no_playground}
+            "playground": not args.no_playground, "limits": server_limits(args)}
+
+
+def server_limits(args: argparse.Namespace) -> Any:
+    """limits.ServerLimits from the flags; the engines run --max-num-seqs each."""
+    from tokenspout.entrypoints.openai.limits import ServerLimits
+
+    engines = getattr(args, "data_parallel_size", 1) or 1
+    return ServerLimits(max_body_bytes=args.max_request_body_bytes, max_fanout=args.max_request_fanout,
+                        max_queued_requests=None if args.max_queued_requests < 0 else args.max_queued_requests,
+                        running_capacity=getattr(args, "max_num_seqs", 64) * engines)
 
 
 def parse_cli(parser: argparse.ArgumentParser, commands: dict[str, argparse.ArgumentParser],

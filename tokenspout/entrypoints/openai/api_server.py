@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from tokenspout.engine.chat_tools import check_parser_names
+from tokenspout.entrypoints.openai.limits import RETRY_AFTER_S, AdmissionGate, BodyLimitMiddleware, ServerLimits
 from tokenspout.entrypoints.openai.middleware import install_middleware
 from tokenspout.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -59,6 +60,7 @@ class ServerState:
     metrics: ServerMetrics
     chat: OpenAIServingChat
     completion: OpenAIServingCompletion
+    gate: AdmissionGate
 
 
 def _json(model: BaseModel, status: int = 200) -> Response:
@@ -66,7 +68,10 @@ def _json(model: BaseModel, status: int = 200) -> Response:
 
 
 def _error(err: OpenAIServingError) -> Response:
-    return _json(err.to_response(), err.status)
+    response = _json(err.to_response(), err.status)
+    if err.status == HTTPStatus.SERVICE_UNAVAILABLE:
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+    return response
 
 
 def _is_engine(obj: Any) -> bool:
@@ -74,7 +79,8 @@ def _is_engine(obj: Any) -> bool:
 
 
 def _install(app: FastAPI, engine: EngineClient, metrics: ServerMetrics | None, record_request_metrics: bool,
-             metrics_prefix: str = DEFAULT_PREFIX, chat_options: dict[str, Any] | None = None) -> None:
+             metrics_prefix: str = DEFAULT_PREFIX, chat_options: dict[str, Any] | None = None,
+             limits: ServerLimits = ServerLimits()) -> None:
     if metrics is None:  # share the engine frontend's metrics object when it has one
         engine_metrics = getattr(engine, "metrics", None)
         metrics = engine_metrics if isinstance(engine_metrics, ServerMetrics) else ServerMetrics(
@@ -83,7 +89,7 @@ def _install(app: FastAPI, engine: EngineClient, metrics: ServerMetrics | None, 
     request_metrics = metrics if record_request_metrics else None
     app.state.server = ServerState(
         engine, metrics, OpenAIServingChat(engine, request_metrics, **(chat_options or {})),
-        OpenAIServingCompletion(engine, request_metrics)
+        OpenAIServingCompletion(engine, request_metrics), AdmissionGate(limits)
     )
 
 
@@ -111,6 +117,7 @@ def build_app(
     tool_call_parser: str | None = "auto",
     reasoning_parser: str | None = None,
     playground: bool = True,
+    limits: ServerLimits = ServerLimits(),
 ) -> FastAPI:
     """`engine`: a constructed AsyncLLM (or anything meeting EngineClient), or a zero-argument factory called in
     the server's event loop at startup (for engines that bind to the running loop).  `owns_engine` (default: True
@@ -120,7 +127,7 @@ def build_app(
     (`allowed_origins` None: no CORS): see middleware.install_middleware.  `metrics_prefix`: the families' prefix
     ("vllm" for vLLM's dashboards) when the metrics object is made here.  `tool_call_parser` / `reasoning_parser`:
     --tool-call-parser / --reasoning-parser (see engine/chat_tools.py).  `playground`: serve the playground page at
-    / and /playground (--no-playground turns it off)."""
+    / and /playground (--no-playground turns it off).  `limits`: body size, fan-out and admission (limits.py)."""
     check_prefix(metrics_prefix)  # a bad prefix fails here, not at the server's start
     check_parser_names(tool_call_parser, reasoning_parser)
     chat_options = {"tool_call_parser": tool_call_parser, "reasoning_parser": reasoning_parser}
@@ -130,7 +137,8 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if factory is not None:
-            _install(app, factory(), metrics, record_request_metrics, metrics_prefix, chat_options)  # type: ignore[operator]
+            _install(app, factory(), metrics, record_request_metrics, metrics_prefix, chat_options,  # type: ignore[operator]
+                     limits)
         freeze_startup_heap()
         try:
             yield
@@ -143,7 +151,8 @@ def build_app(
 
     app = FastAPI(title="tokenspout", lifespan=lifespan)
     if factory is None:
-        _install(app, engine, metrics, record_request_metrics, metrics_prefix, chat_options)  # type: ignore[arg-type]
+        _install(app, engine, metrics, record_request_metrics, metrics_prefix, chat_options,  # type: ignore[arg-type]
+                 limits)
 
     def state(request: Request) -> ServerState:
         return request.app.state.server
@@ -169,32 +178,43 @@ def build_app(
         if st.engine.errored:
             raise OpenAIServingError("The engine is dead; the server cannot serve requests.", status=500)
 
-    async def respond(request: Request, serving: Any, job: Any, stream: bool) -> Response:
+    async def respond(request: Request, serving: Any, job: Any, stream: bool, count: int) -> Response:
+        """Runs an admitted job: `count` engine requests held in the admission gate until the response ends."""
+        gate = state(request).gate
+        release = gate.admit(count)
         if stream:
-            return SSEResponse(serving.stream(job))
+            return SSEResponse(serving.stream(job), on_close=release)
         try:
             result = await run_until_disconnect(request.receive, serving.complete(job))
         except ClientDisconnected:
             logger.info("client disconnected before the response was ready; request aborted")
             return Response(status_code=499)
+        finally:
+            release()
         return _json(result)
 
     # Typed bodies: FastAPI validates them (errors -> 400 via the handler above) and /openapi.json describes them.
     json_only = [Depends(_require_json)]
-    errors: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 404, 415, 500)}
+    errors: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 404, 413, 415, 500,
+                                                                                           503)}
 
     @app.post("/v1/chat/completions", dependencies=json_only,
               responses={200: {"model": ChatCompletionResponse}, **errors})
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         st = state(request)
         check_alive(st)
-        return await respond(request, st.chat, st.chat.prepare(req), bool(req.stream))
+        job = st.chat.prepare(req)
+        st.gate.check_fanout(job.params.n)
+        return await respond(request, st.chat, job, bool(req.stream), job.params.n)
 
     @app.post("/v1/completions", dependencies=json_only, responses={200: {"model": CompletionResponse}, **errors})
     async def completions(req: CompletionRequest, request: Request) -> Response:
         st = state(request)
         check_alive(st)
-        return await respond(request, st.completion, st.completion.prepare(req), bool(req.stream))
+        job = st.completion.prepare(req)
+        count = len(job.prompts) * job.params.n
+        st.gate.check_fanout(count)
+        return await respond(request, st.completion, job, bool(req.stream), count)
 
     if playground:
         install_playground(app)
@@ -233,6 +253,7 @@ def build_app(
     install_tokenization_routes(app)
     install_middleware(app, api_key=api_key, allowed_origins=allowed_origins, allowed_methods=allowed_methods,
                        allowed_headers=allowed_headers, allow_credentials=allow_credentials)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes)  # outermost: before any body is read
     return app
 
 

@@ -20,8 +20,9 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenspout.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+from tokenspout.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, OpenAIServingError
 from tokenspout.entrypoints.openai.request_ids import REQUEST_ID_HEADER, new_request_id, reset_current, set_current
+from tokenspout.entrypoints.openai.sse import send_json_error
 from tokenspout.playground import is_page
 
 logger = logging.getLogger(__name__)
@@ -30,6 +31,9 @@ logger = logging.getLogger(__name__)
 # Every other path needs the key, so a route added later is protected by default.
 PUBLIC_PATHS = ("/health", "/ping", "/metrics", "/version", "/docs", "/docs/oauth2-redirect", "/redoc",
                 "/openapi.json")
+
+
+MAX_REQUEST_ID_CHARS = 256
 
 
 def is_public(path: str) -> bool:
@@ -107,6 +111,11 @@ class RequestIdMiddleware:
             return
         raw = next((v for k, v in scope["headers"] if k == REQUEST_ID_HEADER.encode()), b"")
         client_id = raw.decode("latin-1").strip()
+        if len(client_id) > MAX_REQUEST_ID_CHARS or not all(" " <= c <= "~" for c in client_id):
+            # echoed in the response and logged: bounded and printable ASCII only
+            await send_json_error(send, OpenAIServingError(
+                f"X-Request-Id must be at most {MAX_REQUEST_ID_CHARS} printable ASCII characters", param=None))
+            return
         value = client_id or new_request_id()
         header = (REQUEST_ID_HEADER.encode(), value.encode("latin-1"))
 

@@ -15,7 +15,7 @@ the official openai client raises APIError on such a frame.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
@@ -82,9 +82,10 @@ class SSEResponse(Response):
 
     media_type = "text/event-stream"
 
-    def __init__(self, frames: AsyncIterator[bytes]) -> None:
+    def __init__(self, frames: AsyncIterator[bytes], on_close: Callable[[], None] | None = None) -> None:
         super().__init__(content=None, status_code=200)
         self.frames = frames
+        self.on_close = on_close  # called once the stream has ended, however (an admission slot's release)
         self.client_disconnected = False
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -109,6 +110,8 @@ class SSEResponse(Response):
             # even when this task is being cancelled.
             with anyio.CancelScope(shield=True):
                 await self.frames.aclose()  # type: ignore[attr-defined]
+            if self.on_close is not None:
+                self.on_close()
         if failure:
             raise failure[0]
 

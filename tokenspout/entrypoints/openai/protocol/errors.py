@@ -13,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 _ERROR_TYPES = {
     400: "BadRequestError",
     404: "NotFoundError",
+    413: "RequestTooLargeError",
     415: "UnsupportedMediaTypeError",
     499: "ClientClosedRequest",
     500: "InternalServerError",

@@ -1,0 +1,128 @@
+"""Bounds on what one HTTP request, or all of them together, may ask of the server (hostile input).
+
+* Body size: a body over `max_body_bytes` is a 413 -- at once when its Content-Length says so, else as soon as the
+  bytes read pass the limit (a chunked body), before any of it is parsed.  A 20 MB prompt otherwise held the event
+  loop for ~24 s and grew the server by 1.3 GB.
+* Fan-out: one /v1/completions request starts prompts x n engine requests; more than `max_fanout` is a 400
+  (`prompt: ["hi"] * 2000, n: 128` in a 40 KB body asked for 256,000).
+* Admission: engine requests in flight (every admitted API request counts its fan-out until its response ends or
+  its client goes away) may exceed what the engines run at once (`running_capacity`: --max-num-seqs x engines) by
+  at most `max_queued_requests`; past that a new request is a 503 with Retry-After at once, instead of joining a
+  queue whose wait no client would sit out.
+Each limit is a `serve` flag (README, "Operating tokenspout"); the errors are in OpenAI's shape and name the flag.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from http import HTTPStatus
+
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tokenspout.entrypoints.openai.protocol import OpenAIServingError
+from tokenspout.entrypoints.openai.sse import send_json_error
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20  # a 128k-token prompt is ~0.5-1 MB of JSON
+DEFAULT_MAX_FANOUT = 256  # two prompts at OpenAI's largest n (128)
+DEFAULT_MAX_QUEUED_REQUESTS = 1024
+RETRY_AFTER_S = 1
+
+
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_fanout: int = DEFAULT_MAX_FANOUT
+    max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS  # None: no admission control
+    running_capacity: int = 64  # engine requests the engines run at once (--max-num-seqs x engines)
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_fanout", "running_capacity"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+
+
+def _too_large(limit: int) -> str:
+    return f"Request body too large: the limit is {limit} bytes (--max-request-body-bytes)."
+
+
+class BodyTooLarge(StarletteHTTPException):
+    """Raised from the body's receive channel; FastAPI re-raises HTTPExceptions met while reading a body, and the
+    app's handler answers it in OpenAI's shape."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, _too_large(limit))
+
+
+class BodyLimitMiddleware:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if declared is not None:  # answered without reading the body
+            err = (OpenAIServingError("Content-Length is not a number", status=400) if not declared.isdigit() else
+                   OpenAIServingError(_too_large(self.max_bytes), status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+                   if int(declared) > self.max_bytes else None)
+            if err is not None:
+                await send_json_error(send, err)
+                return
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise BodyTooLarge(self.max_bytes)
+            return message
+
+        await self.app(scope, counted, send)
+
+
+class ServerBusy(OpenAIServingError):
+    def __init__(self, limits: ServerLimits, in_flight: int) -> None:
+        super().__init__(f"The server is busy: {in_flight} requests are running or queued (at most "
+                         f"{limits.running_capacity} run at once and {limits.max_queued_requests} may wait, "
+                         f"--max-queued-requests); retry later.", status=HTTPStatus.SERVICE_UNAVAILABLE)
+
+
+class AdmissionGate:
+    """Counts the engine requests of admitted API requests; all calls come from the event loop (no lock)."""
+
+    def __init__(self, limits: ServerLimits) -> None:
+        self.limits = limits
+        self.in_flight = 0
+
+    def check_fanout(self, count: int, param: str = "n") -> None:
+        if count > self.limits.max_fanout:
+            raise OpenAIServingError(
+                f"This request asks for {count} completions (prompts x n); the server allows at most "
+                f"{self.limits.max_fanout} per request (--max-request-fanout).", param=param)
+
+    def admit(self, count: int) -> Callable[[], None]:
+        """Admits `count` engine requests or raises ServerBusy; returns the release (idempotent).  A request larger
+        than the whole capacity (a fan-out the limits allow) is admitted when nothing else is in flight, so it can
+        always run, alone."""
+        lim = self.limits
+        if lim.max_queued_requests is not None and self.in_flight and \
+                self.in_flight + count > lim.running_capacity + lim.max_queued_requests:
+            raise ServerBusy(lim, self.in_flight)
+        self.in_flight += count
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                self.in_flight -= count
+
+        return release
