@@ -125,3 +125,40 @@ def test_admission_rejects_past_the_queue_at_once_and_every_slot_comes_back(serv
 
 
 VOCAB_OUTSIDE = 10**6
+
+
+@pytest.fixture(scope="module")
+def roomy(engine):
+    """The default limits (8 MiB bodies): the list bounds are met before the body limit."""
+    with background_server(engine) as srv:
+        yield srv
+
+
+def nested_schema(levels: int) -> dict:
+    s: dict = {"type": "string"}
+    for _ in range(levels):
+        s = {"type": "object", "properties": {"a": s}}
+    return s
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("stop", ["x"] * 65, "at most 64 stop strings"),
+    ("bad_words", ["w"] * 1025, "at most 1024 items"),
+    ("guided_choice", ["c"] * 1025, "at most 1024 items"),
+    ("stop_token_ids", [5] * 1025, "at most 1024 items"),
+    ("logit_bias", {str(i): 1.0 for i in range(1025)}, "at most 1024 items"),
+    ("guided_json", nested_schema(40), "nested deeper than 64 levels"),
+    ("messages", [{"role": "user", "content": "hi"}] * 4097, "at most 4096 items"),
+])
+def test_lists_and_nesting_are_bounded_with_a_400_naming_the_field(roomy, engine, field, value, message):
+    """Each bound a 400 that names the field; the largest allowed size of each is accepted."""
+    c = client(roomy)
+    base = {"model": engine.model_name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    with pytest.raises(openai.BadRequestError) as exc:
+        c.chat.completions.create(**{**base, "extra_body": {field: value}} if field != "messages" else
+                                  {**base, "messages": value})
+    assert exc.value.body["param"] == field and message in exc.value.body["message"], exc.value.body
+    within = {"stop": ["x"] * 64, "bad_words": ["w"] * 1024, "guided_json": nested_schema(30)}
+    if field in within:
+        assert c.chat.completions.create(**base, extra_body={field: within[field]}).choices
+    wait_idle(roomy)

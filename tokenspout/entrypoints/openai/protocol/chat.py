@@ -17,6 +17,9 @@ from tokenspout.entrypoints.openai.protocol.errors import OpenAIServingError
 from tokenspout.entrypoints.openai.protocol.sampling import SamplingRequest, StrictModel
 from tokenspout.sampling_params import MAX_LOGPROBS, SamplingParams
 
+MAX_MESSAGES = 4096  # 10^5 messages held the event loop 5 s while rendered
+MAX_TOOLS = 128  # OpenAI's bound
+
 
 class ContentPart(BaseModel):
     """Extra keys are kept (not forbidden) so that an image or audio part is refused by its type, in
@@ -61,7 +64,7 @@ class NamedToolChoice(StrictModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -78,7 +81,7 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool = False  # the reply starts with the last message's content when it has the reply's role
     # tool calling (see engine/chat_tools.py)
-    tools: list[ChatTool] | None = None
+    tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 

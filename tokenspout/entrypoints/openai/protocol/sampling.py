@@ -13,10 +13,21 @@ from tokenspout.entrypoints.openai.structured import structured_outputs_from_req
 from tokenspout.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, SamplingParams
 
 MAX_N = 128  # OpenAI's bound on n
+# Bounds on a request's lists and nesting (hostile input: 10^5 guided_choice entries held the event loop 17 s, 10^4
+# bad_words 9 s); generous for any real use, each a 400 naming the field.
+MAX_JSON_DEPTH = 64  # a JSON schema 30 levels deep still fits (each level is "properties" + a name)
+MAX_STOP = 64  # strings (OpenAI allows 4)
+MAX_TOKEN_LIST = 1024  # stop_token_ids, bad_words, logit_bias entries, guided choices
+MAX_ALLOWED_TOKEN_IDS = 262144  # the largest vocabularies (Gemma's 256k) listed whole
 
 
-def _check_text(value: Any, path: str) -> None:
-    """Strings must be encodable as UTF-8: JSON allows lone UTF-16 surrogates ("\\ud800"), tokenizers do not."""
+def _check_text(value: Any, path: str, depth: int = 0) -> None:
+    """Strings must be encodable as UTF-8: JSON allows lone UTF-16 surrogates ("\\ud800"), tokenizers do not.
+    Objects and lists nest at most MAX_JSON_DEPTH deep (the walk stops there, and later code that recurses over a
+    schema or a message can never meet a deeper one)."""
+    if depth > MAX_JSON_DEPTH:
+        field = path.split(".", 1)[0] or "body"
+        raise ValueError(f"{field}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -25,11 +36,11 @@ def _check_text(value: Any, path: str) -> None:
                 from None
     elif isinstance(value, dict):
         for k, v in value.items():
-            _check_text(k, path)
-            _check_text(v, f"{path}.{k}" if path else str(k))
+            _check_text(k, path, depth + 1)
+            _check_text(v, f"{path}.{k}" if path else str(k), depth + 1)
     elif isinstance(value, list):
         for i, v in enumerate(value):
-            _check_text(v, f"{path}.{i}")
+            _check_text(v, f"{path}.{i}", depth + 1)
 
 
 class StrictModel(BaseModel):
@@ -63,7 +74,7 @@ class StructuredOutputsRequest(StrictModel):
 
     json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
     regex: str | None = None
-    choice: list[str] | None = None
+    choice: list[str] | None = Field(default=None, max_length=MAX_TOKEN_LIST)
     grammar: str | None = None
     json_object: bool | None = None
 
@@ -82,7 +93,7 @@ class SamplingRequest(StrictModel):
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_TOKEN_LIST)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # OpenAI's end-user id: informational only
@@ -93,12 +104,12 @@ class SamplingRequest(StrictModel):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_TOKEN_LIST)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = Field(default=None, max_length=MAX_ALLOWED_TOKEN_IDS)
+    bad_words: list[str] | None = Field(default=None, max_length=MAX_TOKEN_LIST)
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     truncation_side: Literal["left", "right"] | None = None
     return_token_ids: bool = False
@@ -107,7 +118,7 @@ class SamplingRequest(StrictModel):
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | bool | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: list[str] | None = Field(default=None, max_length=MAX_TOKEN_LIST)
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     # classifier-free guidance
@@ -123,6 +134,8 @@ class SamplingRequest(StrictModel):
     @classmethod
     def _valid_text(cls, data: Any) -> Any:
         _check_text(data, "")
+        if isinstance(data, dict) and isinstance(data.get("stop"), list) and len(data["stop"]) > MAX_STOP:
+            raise ValueError(f"stop: at most {MAX_STOP} stop strings, got {len(data['stop'])}")
         return data
 
     @model_validator(mode="after")
