@@ -162,3 +162,22 @@ def test_lists_and_nesting_are_bounded_with_a_400_naming_the_field(roomy, engine
     if field in within:
         assert c.chat.completions.create(**base, extra_body={field: within[field]}).choices
     wait_idle(roomy)
+
+
+def test_tokenizing_a_huge_prompt_does_not_stall_the_event_loop(engine):
+    """/tokenize of a 16 MB prompt (the fake engine tokenizes in Python, ~3 s) runs on the preparation worker: the
+    loop keeps answering /health meanwhile (on the loop it answered none until the prompt was done)."""
+    big = ServerLimits(max_body_bytes=64 << 20)
+    with background_server(engine, limits=big) as srv, httpx.Client(base_url=srv.url, timeout=120) as h, \
+            httpx.Client(base_url=srv.url, timeout=120) as probe, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        heavy = pool.submit(h.post, "/tokenize", json={"prompt": "ab" * 8_000_000})
+        time.sleep(0.3)  # the body is sent and being tokenized
+        answered, worst = 0, 0.0
+        while not heavy.done():
+            t0 = time.monotonic()
+            assert probe.get("/health").status_code == 200
+            worst = max(worst, time.monotonic() - t0)
+            answered += 1 if not heavy.done() else 0
+            time.sleep(0.02)
+        assert heavy.result().json()["count"] == 16_000_000
+        assert answered >= 10, (answered, worst)

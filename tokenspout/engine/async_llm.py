@@ -21,6 +21,7 @@ from tokenspout.engine.messages import SchedulerStats
 from tokenspout.engine.output_processor import OutputProcessor, RequestOutputCollector
 from tokenspout.engine.processor import Processor, read_generation_config, sampling_defaults
 from tokenspout.engine.tokenizer import load_tokenizer
+from tokenspout.offload import Offloader
 from tokenspout.outputs import RequestOutput
 from tokenspout.sampling_params import SamplingParams
 
@@ -68,6 +69,7 @@ class AsyncLLM:
         self.last_batch_num_tokens = 0  # tokens of the last batch of outputs (prompts done + generated), for them
         self._handler: asyncio.Task | None = None
         self._dead: str | None = None
+        self._prep = Offloader("tokenspout-process")  # tokenization and validation off the event loop
 
     # ---- the contract the server uses --------------------------------------------------------------------------
     @property
@@ -98,8 +100,8 @@ class AsyncLLM:
             raise EngineDeadError(self.dead_reason or "engine is dead")
         self._ensure_handler()
         queue = RequestOutputCollector(sampling_params.output_kind)
-        processed = self.processor.process(request_id, prompt, sampling_params, time.time(),
-                                           add_special_tokens=add_special_tokens)
+        processed = await self._prep.run(self.processor.process, request_id, prompt, sampling_params, time.time(),
+                                         add_special_tokens=add_special_tokens)
         self.output_processor.add_processed(processed, self.client, queue)
         finished = False
         try:
@@ -145,6 +147,7 @@ class AsyncLLM:
     def shutdown(self) -> None:
         if self._handler is not None:
             self._handler.cancel()
+        self._prep.shutdown()
         self.client.shutdown()
 
     # ---- internals -----------------------------------------------------------------------------------------

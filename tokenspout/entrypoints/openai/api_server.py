@@ -46,6 +46,7 @@ from tokenspout.entrypoints.openai.serving_completion import OpenAIServingComple
 from tokenspout.entrypoints.openai.serving_tokenization import install_tokenization_routes
 from tokenspout.entrypoints.openai.sse import ClientDisconnected, SSEResponse, run_until_disconnect
 from tokenspout.metrics import DEFAULT_PREFIX, PROMETHEUS_CONTENT_TYPE, ServerMetrics, check_prefix
+from tokenspout.offload import Offloader
 from tokenspout.platform import freeze_startup_heap
 from tokenspout.playground import install_playground
 
@@ -61,6 +62,7 @@ class ServerState:
     chat: OpenAIServingChat
     completion: OpenAIServingCompletion
     gate: AdmissionGate
+    prep: Offloader  # request preparation (chat templates, grammars) off the event loop
 
 
 def _json(model: BaseModel, status: int = 200) -> Response:
@@ -89,7 +91,7 @@ def _install(app: FastAPI, engine: EngineClient, metrics: ServerMetrics | None, 
     request_metrics = metrics if record_request_metrics else None
     app.state.server = ServerState(
         engine, metrics, OpenAIServingChat(engine, request_metrics, **(chat_options or {})),
-        OpenAIServingCompletion(engine, request_metrics), AdmissionGate(limits)
+        OpenAIServingCompletion(engine, request_metrics), AdmissionGate(limits), Offloader("tokenspout-prepare")
     )
 
 
@@ -145,6 +147,8 @@ def build_app(
         finally:
             if hasattr(app.state, "detach_metrics"):
                 app.state.detach_metrics()
+            if hasattr(app.state, "server"):
+                app.state.server.prep.shutdown()
             if owns and hasattr(app.state, "server"):
                 logger.info("shutting down the engine")
                 app.state.server.engine.shutdown()
@@ -203,7 +207,7 @@ def build_app(
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         st = state(request)
         check_alive(st)
-        job = st.chat.prepare(req)
+        job = await st.prep.run(st.chat.prepare, req)
         st.gate.check_fanout(job.params.n)
         return await respond(request, st.chat, job, bool(req.stream), job.params.n)
 
@@ -211,7 +215,7 @@ def build_app(
     async def completions(req: CompletionRequest, request: Request) -> Response:
         st = state(request)
         check_alive(st)
-        job = st.completion.prepare(req)
+        job = await st.prep.run(st.completion.prepare, req)
         count = len(job.prompts) * job.params.n
         st.gate.check_fanout(count)
         return await respond(request, st.completion, job, bool(req.stream), count)

@@ -32,6 +32,7 @@ from tokenspout.entrypoints.openai.protocol import (
 )
 from tokenspout.entrypoints.openai.protocol.chat import MAX_MESSAGES, MAX_TOOLS
 from tokenspout.entrypoints.openai.serving_common import EngineClient, check_model
+from tokenspout.offload import Offloader
 
 logger = logging.getLogger(__name__)
 
@@ -189,17 +190,21 @@ def detokenize(engine: EngineClient, req: DetokenizeRequest) -> DetokenizeRespon
     return DetokenizeResponse(prompt=engine.tokenizer.decode(req.tokens))
 
 
-def tokenization_router(get_engine: Callable[[Request], EngineClient]) -> APIRouter:
-    """The routes; `get_engine(request)` finds the engine (it may be built at startup, after the app)."""
+def tokenization_router(get_engine: Callable[[Request], EngineClient],
+                        get_offloader: Callable[[Request], Offloader]) -> APIRouter:
+    """The routes; `get_engine(request)` finds the engine (it may be built at startup, after the app), and
+    `get_offloader(request)` the worker that renders and tokenizes off the event loop."""
     router = APIRouter(route_class=_OpenAIErrorRoute)
 
     @router.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize_route(request: Request, body: TokenizeCompletionRequest | TokenizeChatRequest) -> Response:
-        return _json(tokenize(get_engine(request), body))
+        engine = get_engine(request)
+        return await get_offloader(request).run(lambda: _json(tokenize(engine, body)))  # and the JSON: 7M ids
 
     @router.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize_route(request: Request, body: DetokenizeRequest) -> Response:
-        return _json(detokenize(get_engine(request), body))
+        engine = get_engine(request)
+        return await get_offloader(request).run(lambda: _json(detokenize(engine, body)))
 
     @router.get("/version", response_model=VersionResponse)
     async def version() -> Response:
@@ -210,4 +215,5 @@ def tokenization_router(get_engine: Callable[[Request], EngineClient]) -> APIRou
 
 def install_tokenization_routes(app: FastAPI) -> None:
     """build_app's hook."""
-    app.include_router(tokenization_router(lambda request: request.app.state.server.engine))
+    app.include_router(tokenization_router(lambda request: request.app.state.server.engine,
+                                           lambda request: request.app.state.server.prep))
