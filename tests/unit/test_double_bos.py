@@ -18,6 +18,7 @@ from starlette.testclient import TestClient
 
 from tokenspout.config import EngineConfig
 from tokenspout.engine.async_llm import AsyncLLM
+from tokenspout.offload import Offloader
 from tokenspout.engine.llm import LLM
 from tokenspout.engine.messages import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from tokenspout.engine.output_processor import OutputProcessor
@@ -112,6 +113,7 @@ class FakeCore:
         self.requests: list = []
         self._ready: list[EngineCoreOutput] = []
         self._wake: asyncio.Event | None = None
+        self._wake_loop: asyncio.AbstractEventLoop | None = None
 
     def add_request(self, req) -> None:
         self.requests.append(req)
@@ -127,7 +129,9 @@ class FakeCore:
         return EngineCoreOutputs(outputs=out)
 
     async def get_output_async(self) -> EngineCoreOutputs:
-        self._wake = self._wake or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        if self._wake is None or self._wake_loop is not loop:  # TestClient runs each request in a loop of its own
+            self._wake, self._wake_loop = asyncio.Event(), loop
         while not self._ready:
             self._wake.clear()
             await self._wake.wait()
@@ -146,6 +150,7 @@ def fake_async_llm(hf) -> AsyncLLM:
     llm.output_processor = OutputProcessor(hf, log_stats=True)
     llm.scheduler_stats, llm.stats_listeners, llm._handler, llm._dead = SchedulerStats(), [], None, None
     llm.config, llm.default_sampling_params = EngineConfig(), {}
+    llm._prep = Offloader("test-process")
     return llm
 
 
