@@ -108,10 +108,9 @@ def server_limits(args: argparse.Namespace) -> Any:
     """limits.ServerLimits from the flags; the engines run --max-num-seqs each."""
     from tokenspout.entrypoints.openai.limits import ServerLimits
 
-    engines = getattr(args, "data_parallel_size", 1) or 1
     return ServerLimits(max_body_bytes=args.max_request_body_bytes, max_fanout=args.max_request_fanout,
                         max_queued_requests=None if args.max_queued_requests < 0 else args.max_queued_requests,
-                        running_capacity=getattr(args, "max_num_seqs", 64) * engines)
+                        running_capacity=args.max_num_seqs * args.data_parallel_size)
 
 
 def parse_cli(parser: argparse.ArgumentParser, commands: dict[str, argparse.ArgumentParser],

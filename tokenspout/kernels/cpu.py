@@ -35,9 +35,9 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "decode_cpu.c", CSRC / "sample_cpu.c")
 HEADERS = (CSRC / "simd.h",)
-WT_F32 = 0
+WT_F32, WT_Q8, WT_Q4, WT_BF16, WT_F16 = 0, 1, 2, 3, 4  # the kernels' weight types (ts_weight.wt in decode_cpu.c)
 # float weights the kernels read as they are (16-bit ones widened to float32 in registers): torch dtype -> C type
-FLOAT_WEIGHT_TYPES = {torch.float32: WT_F32, torch.bfloat16: 3, torch.float16: 4}
+FLOAT_WEIGHT_TYPES = {torch.float32: WT_F32, torch.bfloat16: WT_BF16, torch.float16: WT_F16}
 
 i64, f32, vp = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 

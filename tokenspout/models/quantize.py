@@ -26,11 +26,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tokenspout.kernels.cpu import WT_BF16, WT_F16, WT_Q4, WT_Q8
 from tokenspout.models.llama import LlamaForCausalLM
 
 QUANTIZATIONS = ("int8", "int4", "bf16", "fp16")
 GROUP = 32
-WT_Q8, WT_Q4, WT_BF16, WT_F16 = 1, 2, 3, 4  # kernel weight types (csrc/decode_cpu.c)
 HALF_FORMATS = {"bf16": (torch.bfloat16, WT_BF16), "fp16": (torch.float16, WT_F16)}  # 16-bit float weights
 
 

@@ -149,9 +149,9 @@ def build_app(
                 app.state.detach_metrics()
             if hasattr(app.state, "server"):
                 app.state.server.prep.shutdown()
-            if owns and hasattr(app.state, "server"):
-                logger.info("shutting down the engine")
-                app.state.server.engine.shutdown()
+                if owns:
+                    logger.info("shutting down the engine")
+                    app.state.server.engine.shutdown()
 
     app = FastAPI(title="tokenspout", lifespan=lifespan)
     if factory is None:
@@ -183,9 +183,9 @@ def build_app(
             raise OpenAIServingError("The engine is dead; the server cannot serve requests.", status=500)
 
     async def respond(request: Request, serving: Any, job: Any, stream: bool, count: int) -> Response:
-        """Runs an admitted job: `count` engine requests held in the admission gate until the response ends."""
-        gate = state(request).gate
-        release = gate.admit(count)
+        """Runs the job once admitted: its `count` engine requests held in the admission gate until the response
+        ends."""
+        release = state(request).gate.admit(count)
         if stream:
             return SSEResponse(serving.stream(job), on_close=release)
         try:
@@ -208,7 +208,6 @@ def build_app(
         st = state(request)
         check_alive(st)
         job = await st.prep.run(st.chat.prepare, req)
-        st.gate.check_fanout(job.params.n)
         return await respond(request, st.chat, job, bool(req.stream), job.params.n)
 
     @app.post("/v1/completions", dependencies=json_only, responses={200: {"model": CompletionResponse}, **errors})
@@ -216,9 +215,7 @@ def build_app(
         st = state(request)
         check_alive(st)
         job = await st.prep.run(st.completion.prepare, req)
-        count = len(job.prompts) * job.params.n
-        st.gate.check_fanout(count)
-        return await respond(request, st.completion, job, bool(req.stream), count)
+        return await respond(request, st.completion, job, bool(req.stream), len(job.prompts) * job.params.n)
 
     if playground:
         install_playground(app)

@@ -67,13 +67,13 @@ class BodyLimitMiddleware:
             await self.app(scope, receive, send)
             return
         declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
-        if declared is not None:  # answered without reading the body
-            err = (OpenAIServingError("Content-Length is not a number", status=400) if not declared.isdigit() else
-                   OpenAIServingError(_too_large(self.max_bytes), status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
-                   if int(declared) > self.max_bytes else None)
-            if err is not None:
-                await send_json_error(send, err)
-                return
+        if declared is not None and not declared.isdigit():
+            await send_json_error(send, OpenAIServingError("Content-Length is not a number"))
+            return
+        if declared is not None and int(declared) > self.max_bytes:  # answered without reading the body
+            await send_json_error(send, OpenAIServingError(_too_large(self.max_bytes),
+                                                           status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE))
+            return
         seen = 0
 
         async def counted() -> Message:
@@ -102,17 +102,15 @@ class AdmissionGate:
         self.limits = limits
         self.in_flight = 0
 
-    def check_fanout(self, count: int, param: str = "n") -> None:
-        if count > self.limits.max_fanout:
+    def admit(self, count: int) -> Callable[[], None]:
+        """Admits one API request's `count` engine requests (prompts x n) or raises: a 400 past the fan-out limit,
+        ServerBusy past the queue.  Returns the release (idempotent).  A request larger than the whole capacity (a
+        fan-out the limits allow) is admitted when nothing else is in flight, so it can always run, alone."""
+        lim = self.limits
+        if count > lim.max_fanout:
             raise OpenAIServingError(
                 f"This request asks for {count} completions (prompts x n); the server allows at most "
-                f"{self.limits.max_fanout} per request (--max-request-fanout).", param=param)
-
-    def admit(self, count: int) -> Callable[[], None]:
-        """Admits `count` engine requests or raises ServerBusy; returns the release (idempotent).  A request larger
-        than the whole capacity (a fan-out the limits allow) is admitted when nothing else is in flight, so it can
-        always run, alone."""
-        lim = self.limits
+                f"{lim.max_fanout} per request (--max-request-fanout).", param="n")
         if lim.max_queued_requests is not None and self.in_flight and \
                 self.in_flight + count > lim.running_capacity + lim.max_queued_requests:
             raise ServerBusy(lim, self.in_flight)
