@@ -73,6 +73,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="do not serve the playground page at / and /playground (README, Playground)")
     p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
                    help="split <think> reasoning into message.reasoning_content (README, Reasoning)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a request's own Jinja chat template (chat_template, or inside chat_template_kwargs), "
+                        "rendered in a sandbox under a 5 s limit; without this flag such a request is a 400")
     from tokenspout.entrypoints.openai import limits
 
     p.add_argument("--max-request-body-bytes", type=int, default=limits.DEFAULT_MAX_BODY_BYTES,
@@ -101,7 +104,8 @@ def server_app_options(args: argparse.Namespace, environ: dict[str, str] | None 
     return {"api_key": keys, "allowed_origins": args.allowed_origins, "allowed_methods": args.allowed_methods,
             "allowed_headers": args.allowed_headers, "allow_credentials": args.allow_credentials,
             "tool_call_parser": args.tool_call_parser, "reasoning_parser": args.reasoning_parser,
-            "playground": not args.no_playground, "limits": server_limits(args)}
+            "playground": not args.no_playground, "limits": server_limits(args),
+            "trust_request_chat_template": args.trust_request_chat_template}
 
 
 def server_limits(args: argparse.Namespace) -> Any:

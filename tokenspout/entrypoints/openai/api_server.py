@@ -44,6 +44,7 @@ from tokenspout.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenspout.entrypoints.openai.serving_common import EngineClient
 from tokenspout.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenspout.entrypoints.openai.serving_tokenization import install_tokenization_routes
+from tokenspout.entrypoints.openai.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, Drain, DrainingServer, graceful_config
 from tokenspout.entrypoints.openai.sse import ClientDisconnected, SSEResponse, run_until_disconnect
 from tokenspout.metrics import DEFAULT_PREFIX, PROMETHEUS_CONTENT_TYPE, ServerMetrics, check_prefix
 from tokenspout.offload import Offloader
@@ -63,6 +64,7 @@ class ServerState:
     completion: OpenAIServingCompletion
     gate: AdmissionGate
     prep: Offloader  # request preparation (chat templates, grammars) off the event loop
+    drain: Drain  # the shutdown deadline (shutdown.py)
 
 
 def _json(model: BaseModel, status: int = 200) -> Response:
@@ -82,7 +84,7 @@ def _is_engine(obj: Any) -> bool:
 
 def _install(app: FastAPI, engine: EngineClient, metrics: ServerMetrics | None, record_request_metrics: bool,
              metrics_prefix: str = DEFAULT_PREFIX, chat_options: dict[str, Any] | None = None,
-             limits: ServerLimits = ServerLimits()) -> None:
+             limits: ServerLimits = ServerLimits(), drain: Drain | None = None) -> None:
     if metrics is None:  # share the engine frontend's metrics object when it has one
         engine_metrics = getattr(engine, "metrics", None)
         metrics = engine_metrics if isinstance(engine_metrics, ServerMetrics) else ServerMetrics(
@@ -91,7 +93,8 @@ def _install(app: FastAPI, engine: EngineClient, metrics: ServerMetrics | None, 
     request_metrics = metrics if record_request_metrics else None
     app.state.server = ServerState(
         engine, metrics, OpenAIServingChat(engine, request_metrics, **(chat_options or {})),
-        OpenAIServingCompletion(engine, request_metrics), AdmissionGate(limits), Offloader("tokenspout-prepare")
+        OpenAIServingCompletion(engine, request_metrics), AdmissionGate(limits), Offloader("tokenspout-prepare"),
+        drain or Drain()
     )
 
 
@@ -120,6 +123,7 @@ def build_app(
     reasoning_parser: str | None = None,
     playground: bool = True,
     limits: ServerLimits = ServerLimits(),
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """`engine`: a constructed AsyncLLM (or anything meeting EngineClient), or a zero-argument factory called in
     the server's event loop at startup (for engines that bind to the running loop).  `owns_engine` (default: True
@@ -129,18 +133,24 @@ def build_app(
     (`allowed_origins` None: no CORS): see middleware.install_middleware.  `metrics_prefix`: the families' prefix
     ("vllm" for vLLM's dashboards) when the metrics object is made here.  `tool_call_parser` / `reasoning_parser`:
     --tool-call-parser / --reasoning-parser (see engine/chat_tools.py).  `playground`: serve the playground page at
-    / and /playground (--no-playground turns it off).  `limits`: body size, fan-out and admission (limits.py)."""
+    / and /playground (--no-playground turns it off).  `limits`: body size, fan-out and admission (limits.py).
+    `trust_request_chat_template`: accept a request's own chat template (chat_render.py; refused by default)."""
     check_prefix(metrics_prefix)  # a bad prefix fails here, not at the server's start
     check_parser_names(tool_call_parser, reasoning_parser)
-    chat_options = {"tool_call_parser": tool_call_parser, "reasoning_parser": reasoning_parser}
+    chat_options = {"tool_call_parser": tool_call_parser, "reasoning_parser": reasoning_parser,
+                    "trust_request_chat_template": trust_request_chat_template}
     factory = None if _is_engine(engine) else engine
     owns = owns_engine if owns_engine is not None else factory is not None
+    drain = Drain()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if factory is not None:
             _install(app, factory(), metrics, record_request_metrics, metrics_prefix, chat_options,  # type: ignore[operator]
-                     limits)
+                     limits, drain)
+        supervise = getattr(app.state.server.engine, "start_supervision", None)
+        if supervise is not None:  # AsyncLLM: restart a dead or hung engine (or exit, via app.state.on_fatal)
+            supervise(lambda reason: getattr(app.state, "on_fatal", logger.error)(reason))
         freeze_startup_heap()
         try:
             yield
@@ -154,9 +164,11 @@ def build_app(
                     app.state.server.engine.shutdown()
 
     app = FastAPI(title="tokenspout", lifespan=lifespan)
+    app.state.drain = drain
+    app.state.trust_request_chat_template = trust_request_chat_template
     if factory is None:
         _install(app, engine, metrics, record_request_metrics, metrics_prefix, chat_options,  # type: ignore[arg-type]
-                 limits)
+                 limits, drain)
 
     def state(request: Request) -> ServerState:
         return request.app.state.server
@@ -179,17 +191,23 @@ def build_app(
         return _error(OpenAIServingError(f"internal server error: {type(exc).__name__}", status=500))
 
     def check_alive(st: ServerState) -> None:
+        if st.drain.draining:
+            raise OpenAIServingError("The server is shutting down.", status=HTTPStatus.SERVICE_UNAVAILABLE)
+        if getattr(st.engine, "recovering", False):
+            raise OpenAIServingError("The engine is restarting after a failure; retry shortly.",
+                                     status=HTTPStatus.SERVICE_UNAVAILABLE)
         if st.engine.errored:
             raise OpenAIServingError("The engine is dead; the server cannot serve requests.", status=500)
 
     async def respond(request: Request, serving: Any, job: Any, stream: bool, count: int) -> Response:
         """Runs the job once admitted: its `count` engine requests held in the admission gate until the response
         ends."""
-        release = state(request).gate.admit(count)
+        st = state(request)
+        release = st.gate.admit(count)
         if stream:
-            return SSEResponse(serving.stream(job), on_close=release)
+            return SSEResponse(serving.stream(job), on_close=release, drain=st.drain)
         try:
-            result = await run_until_disconnect(request.receive, serving.complete(job))
+            result = await run_until_disconnect(request.receive, serving.complete(job), st.drain)
         except ClientDisconnected:
             logger.info("client disconnected before the response was ready; request aborted")
             return Response(status_code=499)
@@ -267,14 +285,26 @@ def run_server(
     log_level: str = "info",
     access_log: bool = True,
     metrics_prefix: str = DEFAULT_PREFIX,
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
     **app_options: Any,
-) -> None:
+) -> int:
     """Serves until interrupted; the server owns the engine and shuts it down on exit.  `app_options`: build_app's
-    api_key / CORS keywords."""
+    api_key / CORS keywords.  SIGTERM / SIGINT drain with a deadline of `shutdown_timeout` seconds (shutdown.py).
+    Returns the exit code: 1 when the engine died for good (--no-engine-restart), else 0."""
     app = build_app(engine, metrics=metrics, owns_engine=True, metrics_prefix=metrics_prefix, **app_options)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log)
+    config = graceful_config(app, host, port, shutdown_timeout, log_level=log_level, access_log=access_log)
+
+    def kill_engines() -> None:
+        server_state = getattr(app.state, "server", None)
+        kill = getattr(server_state.engine, "kill", None) if server_state is not None else None
+        if kill is not None:
+            kill()
+
+    server = DrainingServer(config, app.state.drain, shutdown_timeout, kill_engines)
+    app.state.on_fatal = server.fail
     logger.info("serving on http://%s:%d/v1", host, port)
-    uvicorn.Server(config).run()
+    server.run()
+    return server.exit_code
 
 
 class BackgroundServer:

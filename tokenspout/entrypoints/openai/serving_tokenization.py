@@ -157,7 +157,9 @@ def _vocab_size(engine: EngineClient) -> int:
     return int(size)
 
 
-def tokenize(engine: EngineClient, req: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+def tokenize(engine: EngineClient, req: TokenizeCompletionRequest | TokenizeChatRequest,
+             trusted: bool = False) -> TokenizeResponse:
+    """`trusted`: --trust-request-chat-template (a template inside chat_template_kwargs is refused without it)."""
     check_model(engine, req.model)
     if isinstance(req, TokenizeChatRequest):
         # Through ChatCompletionRequest so the messages are flattened by the very code the chat route runs.
@@ -172,7 +174,8 @@ def tokenize(engine: EngineClient, req: TokenizeCompletionRequest | TokenizeChat
             except ValueError as e:  # e.g. two tools of one name, as the chat route says
                 raise value_error_to_serving_error(e, {"tools"}) from None
         text = render_chat_prompt(engine, messages, add_generation_prompt=req.add_generation_prompt,
-                                  continue_final_message=req.continue_final_message, chat_template_kwargs=kwargs)
+                                  continue_final_message=req.continue_final_message, chat_template_kwargs=kwargs,
+                                  trusted=trusted)
     else:
         text = req.prompt
     ids = [int(t) for t in engine.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)]
@@ -199,7 +202,8 @@ def tokenization_router(get_engine: Callable[[Request], EngineClient],
     @router.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize_route(request: Request, body: TokenizeCompletionRequest | TokenizeChatRequest) -> Response:
         engine = get_engine(request)
-        return await get_offloader(request).run(lambda: _json(tokenize(engine, body)))  # and the JSON: 7M ids
+        trusted = bool(getattr(request.app.state, "trust_request_chat_template", False))
+        return await get_offloader(request).run(lambda: _json(tokenize(engine, body, trusted)))  # + JSON: 7M ids
 
     @router.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize_route(request: Request, body: DetokenizeRequest) -> Response:
