@@ -48,7 +48,7 @@ from tokenspout.entrypoints.openai.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, D
 from tokenspout.entrypoints.openai.sse import ClientDisconnected, SSEResponse, run_until_disconnect
 from tokenspout.metrics import DEFAULT_PREFIX, PROMETHEUS_CONTENT_TYPE, ServerMetrics, check_prefix
 from tokenspout.offload import Offloader
-from tokenspout.platform import freeze_startup_heap
+from tokenspout.platform import freeze_startup_heap, return_large_frees_to_the_os
 from tokenspout.playground import install_playground
 
 logger = logging.getLogger(__name__)
@@ -76,6 +76,14 @@ def _error(err: OpenAIServingError) -> Response:
     if err.status == HTTPStatus.SERVICE_UNAVAILABLE:
         response.headers["Retry-After"] = str(RETRY_AFTER_S)
     return response
+
+
+def num_prompts(prompt: Any) -> int:
+    """The prompts of a completions request's `prompt` (a string, a list of ids, or a list of either), counted
+    before it is validated: what admission charges for it."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return len(prompt)
+    return 1
 
 
 def _is_engine(obj: Any) -> bool:
@@ -199,12 +207,17 @@ def build_app(
         if st.engine.errored:
             raise OpenAIServingError("The engine is dead; the server cannot serve requests.", status=500)
 
-    async def respond(request: Request, serving: Any, job: Any, stream: bool, count: int) -> Response:
-        """Runs the job once admitted: its `count` engine requests held in the admission gate until the response
-        ends."""
+    async def prepare_and_respond(request: Request, serving: Any, req: Any, release: Callable[[], None]) -> Response:
+        """Prepares (off the event loop) and runs an admitted request; `release` frees its admission slots when the
+        response ends, however.  Admission comes first, from the request's own counts: a refusal is a 503 at once,
+        never queued behind other requests' preparation."""
         st = state(request)
-        release = st.gate.admit(count)
-        if stream:
+        try:
+            job = await st.prep.run(serving.prepare, req)
+        except BaseException:
+            release()
+            raise
+        if req.stream:
             return SSEResponse(serving.stream(job), on_close=release, drain=st.drain)
         try:
             result = await run_until_disconnect(request.receive, serving.complete(job), st.drain)
@@ -225,15 +238,15 @@ def build_app(
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
         st = state(request)
         check_alive(st)
-        job = await st.prep.run(st.chat.prepare, req)
-        return await respond(request, st.chat, job, bool(req.stream), job.params.n)
+        release = st.gate.admit(req.n or 1)
+        return await prepare_and_respond(request, st.chat, req, release)
 
     @app.post("/v1/completions", dependencies=json_only, responses={200: {"model": CompletionResponse}, **errors})
     async def completions(req: CompletionRequest, request: Request) -> Response:
         st = state(request)
         check_alive(st)
-        job = await st.prep.run(st.completion.prepare, req)
-        return await respond(request, st.completion, job, bool(req.stream), len(job.prompts) * job.params.n)
+        release = st.gate.admit(num_prompts(req.prompt) * (req.n or 1))
+        return await prepare_and_respond(request, st.completion, req, release)
 
     if playground:
         install_playground(app)
@@ -291,6 +304,8 @@ def run_server(
     """Serves until interrupted; the server owns the engine and shuts it down on exit.  `app_options`: build_app's
     api_key / CORS keywords.  SIGTERM / SIGINT drain with a deadline of `shutdown_timeout` seconds (shutdown.py).
     Returns the exit code: 1 when the engine died for good (--no-engine-restart), else 0."""
+    # A hostile request's buffers (a 7 MB prompt's encoding, its JSON) go back to the system once freed.
+    return_large_frees_to_the_os()
     app = build_app(engine, metrics=metrics, owns_engine=True, metrics_prefix=metrics_prefix, **app_options)
     config = graceful_config(app, host, port, shutdown_timeout, log_level=log_level, access_log=access_log)
 
