@@ -80,6 +80,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--max-request-body-bytes", type=int, default=limits.DEFAULT_MAX_BODY_BYTES,
                    help="a larger request body is a 413, refused before it is parsed (default: 8 MiB)")
+    p.add_argument("--max-request-header-bytes", type=int, default=limits.DEFAULT_MAX_HEADER_BYTES,
+                   help="request headers larger than this together (names + values) are a 431 (default: 32 KiB)")
     p.add_argument("--max-request-fanout", type=int, default=limits.DEFAULT_MAX_FANOUT,
                    help="at most this many completions (prompts x n) per request, else a 400 (default: 256)")
     p.add_argument("--max-queued-requests", type=int, default=limits.DEFAULT_MAX_QUEUED_REQUESTS,
@@ -113,6 +115,7 @@ def server_limits(args: argparse.Namespace) -> Any:
     from tokenspout.entrypoints.openai.limits import ServerLimits
 
     return ServerLimits(max_body_bytes=args.max_request_body_bytes, max_fanout=args.max_request_fanout,
+                        max_header_bytes=args.max_request_header_bytes,
                         max_queued_requests=None if args.max_queued_requests < 0 else args.max_queued_requests,
                         running_capacity=args.max_num_seqs * args.data_parallel_size)
 

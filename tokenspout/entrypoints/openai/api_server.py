@@ -285,7 +285,8 @@ def build_app(
     install_tokenization_routes(app)
     install_middleware(app, api_key=api_key, allowed_origins=allowed_origins, allowed_methods=allowed_methods,
                        allowed_headers=allowed_headers, allow_credentials=allow_credentials)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes)  # outermost: before any body is read
+    # outermost: before any body is read
+    app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes, max_header_bytes=limits.max_header_bytes)
     return app
 
 
