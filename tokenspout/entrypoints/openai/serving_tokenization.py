@@ -30,7 +30,7 @@ from tokenspout.entrypoints.openai.protocol import (
     validation_error_to_serving_error,
     value_error_to_serving_error,
 )
-from tokenspout.entrypoints.openai.protocol.chat import MAX_MESSAGES, MAX_TOOLS
+from tokenspout.entrypoints.openai.protocol.bounds import check_sizes
 from tokenspout.entrypoints.openai.serving_common import EngineClient, check_model
 from tokenspout.offload import Offloader
 
@@ -50,16 +50,21 @@ class TokenizeCompletionRequest(_Request):
 
 class TokenizeChatRequest(_Request):
     model: str | None = None
-    messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
+    messages: list[ChatMessage]
     add_generation_prompt: bool = Field(default=True, description="End with the assistant's turn header.")
     continue_final_message: bool = Field(
         default=False, description="Leave the last message open (prefill); excludes add_generation_prompt.")
     add_special_tokens: bool = Field(
         default=False, description="Add the tokenizer's special tokens on top of what the chat template writes.")
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS,
-                                         description="Rendered as the chat route renders them.")
+    tools: list[ChatTool] | None = Field(default=None, description="Rendered as the chat route renders them.")
     return_token_strs: bool | None = Field(default=False, description="Also return each token id's string.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded(cls, data: Any) -> Any:
+        check_sizes(data, {"messages": "messages", "tools": "tools"})
+        return data
 
     @model_validator(mode="after")
     def _generation_prompt(self) -> TokenizeChatRequest:
