@@ -142,8 +142,22 @@ _BODY_MODELS: dict[str, tuple[type[BaseModel], ...]] = {
 }
 
 
+_JSON_CHUNK = 1 << 16  # token ids serialized per GIL-holding call
+
+
 def _json(model: BaseModel) -> Response:
+    if isinstance(model, TokenizeResponse) and len(model.tokens) > _JSON_CHUNK and model.token_strs is None:
+        return Response(content=_tokens_json(model), media_type="application/json")
     return Response(content=model.model_dump_json(), media_type="application/json")
+
+
+def _tokens_json(r: TokenizeResponse) -> bytes:
+    """The same JSON as model_dump_json, with the ids written 65,536 at a time: pydantic serializes a 1.8M-id list
+    in one call that holds the GIL (~0.2 s), stalling the event loop's streams and /health for that long."""
+    head = r.model_copy(update={"tokens": []}).model_dump_json().encode()
+    before, after = head.split(b'"tokens":[]', 1)
+    chunks = [",".join(map(str, r.tokens[i:i + _JSON_CHUNK])).encode() for i in range(0, len(r.tokens), _JSON_CHUNK)]
+    return before + b'"tokens":[' + b",".join(chunks) + b"]" + after
 
 
 def _token_strs(tokenizer: Any, ids: list[int]) -> list[str]:
