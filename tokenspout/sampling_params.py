@@ -8,6 +8,7 @@ ValueError naming the field and the allowed range (the server maps them to HTTP 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # Temperatures below this are treated as greedy (as vLLM does); the sampler guards the division.
@@ -16,6 +17,19 @@ MAX_LOGPROBS = 20
 LOGIT_BIAS_CLAMP = 100.0
 # vLLM's seed range (a torch.long).
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
+
+# (field, low, high, low excluded, the rule a 400 states); _HALF_OPEN fields also exclude `high`.
+_WARPER_RANGES = (
+    ("typical_p", 0.0, 1.0, True, "in (0, 1] (1 = off)"),
+    ("epsilon_cutoff", 0.0, 1.0, False, "in [0, 1) (0 = off)"),
+    ("eta_cutoff", 0.0, 1.0, False, "in [0, 1) (0 = off)"),
+    ("top_n_sigma", 0.0, 100.0, False, "in [0, 100] (0 or -1 = off)"),
+    ("xtc_probability", 0.0, 1.0, False, "in [0, 1] (0 = off)"),
+    ("xtc_threshold", 0.0, 1.0, False, "in [0, 1] (above 0.5: off)"),
+    ("dynatemp_range", 0.0, 100.0, False, "in [0, 100] (0 = off)"),
+    ("dynatemp_exponent", 0.0, 100.0, False, "in [0, 100]"),
+)
+_HALF_OPEN = ("epsilon_cutoff", "eta_cutoff")
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -90,6 +104,16 @@ class SamplingParams:
     guidance_scale: float = 1.0
     negative_prompt: str | None = None
     negative_prompt_token_ids: list[int] | None = None  # filled by the frontend Processor
+    # Further truncation and reshaping (sample/ops/warpers.py; README "Sampling parameters" has the order and the
+    # source of each one's semantics).  Neutral values mean "off"; greedy rows ignore them all.
+    typical_p: float = 1.0  # transformers' TypicalLogitsWarper (locally typical sampling)
+    epsilon_cutoff: float = 0.0  # transformers' EpsilonLogitsWarper
+    eta_cutoff: float = 0.0  # transformers' EtaLogitsWarper
+    top_n_sigma: float = 0.0  # llama.cpp: keep logits >= max - n * std (0 = off; -1 accepted as off)
+    xtc_probability: float = 0.0  # llama.cpp's XTC: chance per step of excluding the top choices
+    xtc_threshold: float = 0.1  # ... the tokens with p >= this, all but the least likely of them
+    dynatemp_range: float = 0.0  # llama.cpp's entropy-scaled temperature in [T - range, T + range] (0 = off)
+    dynatemp_exponent: float = 1.0
     # Filled by the frontend Processor from the tokenizer (never by users):
     bad_words_token_ids: list[list[int]] | None = None
     eos_token_id: int | None = None
@@ -103,6 +127,8 @@ class SamplingParams:
             self.stop_token_ids = []
         if self.top_k == -1:
             self.top_k = 0
+        if self.top_n_sigma == -1:
+            self.top_n_sigma = 0.0
         self.validate()
 
     @property
@@ -165,6 +191,14 @@ class SamplingParams:
             raise bad("guidance_scale", "in [0, 100] (1 = off)", self.guidance_scale)
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
             raise bad("allowed_token_ids", "a non-empty list", self.allowed_token_ids)
+        self._validate_warpers(bad)
+
+    def _validate_warpers(self, bad: Callable[[str, str, object], ValueError]) -> None:
+        for name, lo, hi, lo_open, rule in _WARPER_RANGES:
+            v = getattr(self, name)
+            if (not isinstance(v, (int, float)) or isinstance(v, bool) or v != v or v < lo or v > hi
+                    or (lo_open and v == lo) or (name in _HALF_OPEN and v == hi)):
+                raise bad(name, rule, v)
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Checks that every token id the request names exists in the model's vocabulary."""
@@ -176,6 +210,17 @@ class SamplingParams:
             for t in ids:
                 if not 0 <= t < vocab_size:
                     raise ValueError(f"{name} has token id {t}, outside the vocabulary [0, {vocab_size})")
+
+    @property
+    def uses_warpers(self) -> bool:
+        """Whether a (random) row of this request takes the warpers' path (sample/ops/warpers.py)."""
+        return (self.typical_p < 1.0 or self.epsilon_cutoff > 0.0 or self.eta_cutoff > 0.0 or self.top_n_sigma > 0.0
+                or self.xtc_active or self.dynatemp_range > 0.0)
+
+    @property
+    def xtc_active(self) -> bool:
+        """XTC can act: llama.cpp's rule (a threshold above 0.5 can never have two tokens above it)."""
+        return self.xtc_probability > 0.0 and self.xtc_threshold <= 0.5
 
     @property
     def has_penalties(self) -> bool:

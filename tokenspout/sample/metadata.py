@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenspout.sample.ops.penalties import PenaltyBatch
+from tokenspout.sample.ops.warpers import WarpBatch
 from tokenspout.tensors import long_tensor
 
 
@@ -45,6 +46,9 @@ class SamplingMetadata:
     raw_logprob_rows: torch.Tensor  # rows asking for raw logprobs (log_softmax before any processing)
     processed_logprob_rows: torch.Tensor  # rows asking for logprobs of the processed distribution
     grammar_bitmask: torch.Tensor | None = None  # [R, ceil(V/32)] int32, bit set = allowed; set by the caller
+    # Random rows using typical_p / epsilon / eta / top_n_sigma / XTC / dynatemp (ops/warpers.py); None when no row
+    # does, and then the sampler pays nothing for them.  These rows are never kernel rows.
+    warp: WarpBatch | None = None
 
     @property
     def num_rows(self) -> int:

@@ -2,7 +2,8 @@
 
 Order (DESIGN invariant 2): raw logprobs -> float32 -> allowed / bad-word / grammar masks -> min_tokens,
 logit_bias, penalties -> greedy argmax (an all-greedy batch stops here: no top-k, no sort, no noise) ->
-temperature -> min_p -> top-k / top-p on a candidate set (ops/topk_topp.py) -> two-level Gumbel-max
+top_n_sigma -> temperature (or dynatemp) -> min_p -> top-k / top-p on a candidate set (ops/topk_topp.py) -> typical_p
+-> epsilon -> eta -> XTC (ops/warpers.py, only on the rows that use one) -> two-level Gumbel-max
 draw from counter-based noise (ops/draw.py, ops/noise.py) -> per row, the argmax on greedy rows and the draw on
 the others (one index_copy of the greedy rows' argmax into the draws).
 
@@ -12,14 +13,15 @@ saves a [B, V] copy per step.  Callers that need them afterwards pass a clone.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
 import torch
 
 from tokenspout.sample.metadata import SamplingMetadata
-from tokenspout.sample.ops import rows_cpu
-from tokenspout.sample.ops.draw import draw_dense, draw_sparse
+from tokenspout.sample.ops import rows_cpu, warpers
+from tokenspout.sample.ops.draw import block_mass, draw_dense, draw_sparse
 from tokenspout.sample.ops.logprobs import gather_logprobs
 from tokenspout.sample.ops.masks import apply_allowed, apply_bans, apply_bias, apply_grammar_bitmask
 from tokenspout.sample.ops.noise import keys_from_seed_keys
@@ -77,6 +79,31 @@ def draw(kept: Kept, meta: SamplingMetadata, vocab: int, block_size: int) -> tor
     return drawn
 
 
+def truncate_and_warp(x: torch.Tensor, meta: SamplingMetadata, tiers: TierConfig,
+                      only: tuple[list[int], list[int], list[int]] | None = None) -> Kept:
+    """truncate() with the warpers (ops/warpers.py) around it on the rows that use one: top_n_sigma (in place on
+    x) and dynatemp before, typical / epsilon / eta / XTC on the kept rows after.  Without such rows: truncate()."""
+    wb = meta.warp
+    if wb is None:
+        return truncate(x, meta, tiers, only)
+    temperature = warpers.pre_truncation(x, meta.temperature, wb)
+    tmeta = meta if temperature is meta.temperature else dataclasses.replace(meta, temperature=temperature)
+    kept = truncate(x, tmeta, tiers, only)
+    parts: list[SparseKept | DenseKept] = [*kept.sparse, *kept.dense]
+    for part in parts:
+        sel, idx = wb.local(part.rows, meta.num_rows)
+        if not sel.numel():
+            continue
+        rows = part.rows.index_select(0, sel)
+        y = warpers.post_truncation(part.logits.index_select(0, sel), wb, idx, meta.seed_keys.index_select(0, rows),
+                                    meta.positions.index_select(0, rows))
+        # Out of place: a dense part's logits may be x itself (temperature 1, no min_p).
+        part.logits = part.logits.index_copy(0, sel, y)
+        if isinstance(part, DenseKept):
+            part.mass = part.mass.index_copy(0, sel, block_mass(y.softmax(-1), tiers.block_size))
+    return kept
+
+
 def _float32(logits: torch.Tensor) -> torch.Tensor:
     x = logits if logits.dtype == torch.float32 else logits.float()
     return x.contiguous()
@@ -93,7 +120,7 @@ def compute_processed_logits(
     apply_logits_processors(x, metadata)
     if metadata.all_greedy:
         return x
-    return materialize(x, truncate(x, metadata, tiers or TierConfig()))
+    return materialize(x, truncate_and_warp(x, metadata, tiers or TierConfig()))
 
 
 class Sampler(torch.nn.Module):
@@ -135,7 +162,7 @@ class Sampler(torch.nn.Module):
                 greedy_rows = long_tensor(meta.greedy_rows, x.device)
                 greedy = (greedy_rows, x.index_select(0, greedy_rows).argmax(-1))
             kernel_rows, others = self._kernel_split(x, meta)
-            kept = truncate(x, meta, self.tiers, others)
+            kept = truncate_and_warp(x, meta, self.tiers, others)
             if kernel_rows is not None and kernel_rows.numel() == batch:  # every row (ascending): the identity
                 assert self._lib is not None  # _kernel_split gives rows only when the kernel loaded
                 sampled = rows_cpu.sample_rows(self._lib, x, kernel_rows, meta, self.tiers.block_size)

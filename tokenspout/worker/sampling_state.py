@@ -22,6 +22,7 @@ from tokenspout.sample.ops.noise import seed_key
 from tokenspout.sample.ops.penalties import PenaltyBatch
 from tokenspout.sample.ops.rows_cpu import KERNEL_MAX_TOP_K
 from tokenspout.sample.ops.token_counts import SeenTokens
+from tokenspout.sample.ops.warpers import WarpBatch
 from tokenspout.sampling_params import LOGIT_BIAS_CLAMP, SamplingParams
 from tokenspout.tensors import long_tensor
 
@@ -56,6 +57,7 @@ class _Slot:
     processed: bool
     position: int
     output: list[int] | None  # only kept for multi-token bad words
+    warp: tuple[float, ...] | None  # a random row's warper knobs (WarpBatch.build's order), None if it uses none
 
     def banned_now(self) -> list[int]:
         """Ids this row may not sample at its current position: single-token bad words, the last token of each
@@ -101,6 +103,9 @@ def _new_slot(params: SamplingParams, top_k: int, top_p: float, num_logprobs: in
         bias_ids=bias_ids, bias_vals=bias_vals, num_logprobs=num_logprobs,
         processed=params.logprobs_mode == "processed_logprobs", position=len(output_token_ids),
         output=list(output_token_ids) if bad_multi else None,
+        warp=None if greedy or not params.uses_warpers else (
+            params.typical_p, params.epsilon_cutoff, params.eta_cutoff, params.top_n_sigma, params.xtc_probability,
+            params.xtc_threshold, params.dynatemp_range, params.dynatemp_exponent),
     )
 
 
@@ -129,8 +134,10 @@ def _row_classes(infos: list[_Slot]) -> _RowClasses:
             c.any_min_p |= info.min_p_on
         else:
             c.plain.append(row)
-        # The kernel draws a row without keeping its distribution, so not one that wants processed logprobs.
-        if not info.greedy and info.top_k <= KERNEL_MAX_TOP_K and not (info.num_logprobs >= 0 and info.processed):
+        # The kernel draws a row without keeping its distribution, so not one that wants processed logprobs, and it
+        # knows none of the warpers (ops/warpers.py): their rows take the torch path.
+        if (not info.greedy and info.top_k <= KERNEL_MAX_TOP_K and not (info.num_logprobs >= 0 and info.processed)
+                and info.warp is None):
             c.kernel.append(row)
     return c
 
@@ -179,6 +186,13 @@ def _logprob_rows(infos: list[_Slot], device: torch.device) -> tuple[int, torch.
             (processed if info.processed else raw).append(row)
             max_lp = max(max_lp, info.num_logprobs)
     return max_lp, long_tensor(raw, device), long_tensor(processed, device)
+
+
+def _warp(infos: list[_Slot], device: torch.device) -> WarpBatch | None:
+    rows = [r for r, info in enumerate(infos) if info.warp is not None]
+    if not rows:
+        return None
+    return WarpBatch.build(rows, [cast("tuple[float, ...]", infos[r].warp) for r in rows], device)
 
 
 class SamplingState:
@@ -288,6 +302,7 @@ class SamplingState:
             max_num_logprobs=max_lp,
             raw_logprob_rows=raw_rows,
             processed_logprob_rows=processed_rows,
+            warp=_warp(infos, dev),
         )
         return md, any(info.follows_tokens() for info in infos)
 

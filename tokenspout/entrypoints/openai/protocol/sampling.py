@@ -19,6 +19,9 @@ MAX_JSON_DEPTH = 64  # a JSON schema 30 levels deep still fits (each level is "p
 MAX_STOP = 64  # strings (OpenAI allows 4)
 MAX_TOKEN_LIST = 1024  # stop_token_ids, bad_words, logit_bias entries, guided choices
 MAX_ALLOWED_TOKEN_IDS = 262144  # the largest vocabularies (Gemma's 256k) listed whole
+# Request fields passed to SamplingParams as they are when set (it validates them; unset: its neutral default).
+WARPER_FIELDS = ("typical_p", "epsilon_cutoff", "eta_cutoff", "top_n_sigma", "xtc_probability", "xtc_threshold",
+                 "dynatemp_range", "dynatemp_exponent")
 
 
 def _check_text(value: Any, path: str, depth: int = 0) -> None:
@@ -129,6 +132,15 @@ class SamplingRequest(StrictModel):
     # vLLM's --logprobs-mode, per request here: the model's distribution (raw) or the one the sampler drew from
     # (processed: after bans, bias, penalties, temperature, min-p, top-k/top-p)
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] | None = None
+    # Further warpers (SamplingParams has their ranges and semantics; README "Sampling parameters")
+    typical_p: float | None = None
+    epsilon_cutoff: float | None = None
+    eta_cutoff: float | None = None
+    top_n_sigma: float | None = None
+    xtc_probability: float | None = None
+    xtc_threshold: float | None = None
+    dynatemp_range: float | None = None
+    dynatemp_exponent: float | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -214,6 +226,7 @@ class SamplingRequest(StrictModel):
                 structured_outputs=structured_outputs_from_request(self),
                 guidance_scale=self.guidance_scale,
                 negative_prompt=self.negative_prompt,
+                **{name: getattr(self, name) for name in WARPER_FIELDS if getattr(self, name) is not None},
             )
         except ValueError as e:
             raise value_error_to_serving_error(e, set(type(self).model_fields)) from None
