@@ -30,6 +30,11 @@ _WARPER_RANGES = (
     ("dynatemp_exponent", 0.0, 100.0, False, "in [0, 100]"),
 )
 _HALF_OPEN = ("epsilon_cutoff", "eta_cutoff")
+MAX_NGRAM = 64  # no_repeat_ngram_size bound: each step looks up an (n-1)-token key
+DRY_DEFAULT_BREAKERS = ("\n", ":", "\"", "*")  # llama.cpp's defaults
+MAX_DRY_BREAKERS = 64  # dry_sequence_breakers: at most this many strings ...
+MAX_DRY_BREAKER_CHARS = 40  # ... of at most this many characters (llama.cpp truncates there)
+MAX_DRY_LAST_N = 1 << 20
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -114,8 +119,18 @@ class SamplingParams:
     xtc_threshold: float = 0.1  # ... the tokens with p >= this, all but the least likely of them
     dynatemp_range: float = 0.0  # llama.cpp's entropy-scaled temperature in [T - range, T + range] (0 = off)
     dynatemp_exponent: float = 1.0
+    # Repetition knobs over prompt + output (sample/ops/repeats.py), argmax-changing (greedy rows too), after the
+    # penalties.  no_repeat_ngram_size: transformers' NoRepeatNGramLogitsProcessor (0 = off).  DRY: llama.cpp's
+    # "don't repeat yourself" (dry_multiplier 0 = off; dry_penalty_last_n -1 = the whole context, 0 = off).
+    no_repeat_ngram_size: int = 0
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: list[str] = field(default_factory=lambda: list(DRY_DEFAULT_BREAKERS))
     # Filled by the frontend Processor from the tokenizer (never by users):
     bad_words_token_ids: list[list[int]] | None = None
+    dry_sequence_breaker_ids: list[list[int]] | None = None
     eos_token_id: int | None = None
 
     def __post_init__(self) -> None:
@@ -192,6 +207,28 @@ class SamplingParams:
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
             raise bad("allowed_token_ids", "a non-empty list", self.allowed_token_ids)
         self._validate_warpers(bad)
+        self._validate_repeats(bad)
+
+    def _validate_repeats(self, bad: Callable[[str, str, object], ValueError]) -> None:
+        def integer(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not integer(self.no_repeat_ngram_size) or not 0 <= self.no_repeat_ngram_size <= MAX_NGRAM:
+            raise bad("no_repeat_ngram_size", f"an integer in [0, {MAX_NGRAM}] (0 = off)", self.no_repeat_ngram_size)
+        if not isinstance(self.dry_multiplier, (int, float)) or not 0.0 <= self.dry_multiplier <= 100.0:
+            raise bad("dry_multiplier", "in [0, 100] (0 = off)", self.dry_multiplier)
+        if not isinstance(self.dry_base, (int, float)) or not 1.0 <= self.dry_base <= 100.0:
+            raise bad("dry_base", "in [1, 100]", self.dry_base)
+        if not integer(self.dry_allowed_length) or not 0 <= self.dry_allowed_length <= 1024:
+            raise bad("dry_allowed_length", "an integer in [0, 1024]", self.dry_allowed_length)
+        if not integer(self.dry_penalty_last_n) or not -1 <= self.dry_penalty_last_n <= MAX_DRY_LAST_N:
+            raise bad("dry_penalty_last_n", f"-1 (the whole context), 0 (off) or an integer up to {MAX_DRY_LAST_N}",
+                      self.dry_penalty_last_n)
+        brk = self.dry_sequence_breakers
+        if (not isinstance(brk, list) or len(brk) > MAX_DRY_BREAKERS
+                or any(not isinstance(b, str) or not 0 < len(b) <= MAX_DRY_BREAKER_CHARS for b in brk)):
+            raise bad("dry_sequence_breakers", f"a list of at most {MAX_DRY_BREAKERS} non-empty strings of at most "
+                      f"{MAX_DRY_BREAKER_CHARS} characters", brk)
 
     def _validate_warpers(self, bad: Callable[[str, str, object], ValueError]) -> None:
         for name, lo, hi, lo_open, rule in _WARPER_RANGES:
@@ -212,6 +249,10 @@ class SamplingParams:
                     raise ValueError(f"{name} has token id {t}, outside the vocabulary [0, {vocab_size})")
 
     @property
+    def uses_dry(self) -> bool:
+        return self.dry_multiplier > 0.0 and self.dry_penalty_last_n != 0
+
+    @property
     def uses_warpers(self) -> bool:
         """Whether a (random) row of this request takes the warpers' path (sample/ops/warpers.py)."""
         return (self.typical_p < 1.0 or self.epsilon_cutoff > 0.0 or self.eta_cutoff > 0.0 or self.top_n_sigma > 0.0
@@ -230,9 +271,10 @@ class SamplingParams:
         """Whether processing this request's logits depends on the tokens it has generated so far: penalties
         (they count them), bad words (a multi-token word is banned after its prefix; speculation treats single
         ones alike), or min_tokens not reached yet (stop tokens banned until then).  Such a row's sampling state
-        is rebuilt each step, and it never verifies drafts (a drafted position's processing would need the drafts
+        is rebuilt each step (no_repeat_ngram_size and DRY too), and it never verifies drafts (a drafted position's processing would need the drafts
         before it as outputs)."""
-        return self.has_penalties or bool(self.bad_words_token_ids) or num_output_tokens < self.min_tokens
+        return (self.has_penalties or bool(self.bad_words_token_ids) or num_output_tokens < self.min_tokens
+                or self.no_repeat_ngram_size > 0 or self.uses_dry)
 
     @property
     def uses_guidance(self) -> bool:

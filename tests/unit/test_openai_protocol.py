@@ -111,7 +111,9 @@ def test_sampling_errors_name_the_field(kw, param):
 
 
 WARPERS = {"typical_p": 0.9, "epsilon_cutoff": 3e-4, "eta_cutoff": 2e-3, "top_n_sigma": 1.5, "xtc_probability": 0.5,
-           "xtc_threshold": 0.2, "dynatemp_range": 0.4, "dynatemp_exponent": 1.5}
+           "xtc_threshold": 0.2, "dynatemp_range": 0.4, "dynatemp_exponent": 1.5, "no_repeat_ngram_size": 3,
+           "dry_multiplier": 0.8, "dry_base": 2.0, "dry_allowed_length": 3, "dry_penalty_last_n": 512,
+           "dry_sequence_breakers": ["\n", "###"]}
 
 
 @pytest.mark.parametrize("route", ["chat", "completion"])
@@ -129,7 +131,9 @@ def test_warper_fields_map_and_default_neutral(route):
 @pytest.mark.parametrize("kw", [{"typical_p": 0}, {"typical_p": 1.5}, {"epsilon_cutoff": 1}, {"eta_cutoff": -0.1},
                                 {"top_n_sigma": -2}, {"top_n_sigma": 101}, {"xtc_probability": 1.1},
                                 {"xtc_threshold": -0.1}, {"dynatemp_range": -1}, {"dynatemp_exponent": 1e9},
-                                {"typical_p": float("nan")}], ids=str)
+                                {"typical_p": float("nan")}, {"no_repeat_ngram_size": 100}, {"dry_base": 0.9},
+                                {"dry_multiplier": -1}, {"dry_allowed_length": -3}, {"dry_penalty_last_n": -5},
+                                {"dry_sequence_breakers": ["x" * 41]}, {"dry_sequence_breakers": ["a"] * 65}], ids=str)
 def test_warper_out_of_range_is_a_400_naming_the_field(kw):
     (name,) = kw
     err = serving_error(lambda: chat_req(**kw).to_sampling_params())

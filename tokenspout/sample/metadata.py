@@ -49,6 +49,7 @@ class SamplingMetadata:
     # Random rows using typical_p / epsilon / eta / top_n_sigma / XTC / dynatemp (ops/warpers.py); None when no row
     # does, and then the sampler pays nothing for them.  These rows are never kernel rows.
     warp: WarpBatch | None = None
+    dry: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (row, id, -penalty): DRY, after penalties
 
     @property
     def num_rows(self) -> int:

@@ -1,7 +1,7 @@
 """The sampler: logits [B, V] + SamplingMetadata -> one token id per row (and logprobs if asked).
 
-Order (DESIGN invariant 2): raw logprobs -> float32 -> allowed / bad-word / grammar masks -> min_tokens,
-logit_bias, penalties -> greedy argmax (an all-greedy batch stops here: no top-k, no sort, no noise) ->
+Order (DESIGN invariant 2): raw logprobs -> float32 -> allowed / bad-word / no-repeat-ngram / grammar masks ->
+min_tokens, logit_bias, penalties, DRY -> greedy argmax (an all-greedy batch stops here: no top-k, no sort, no noise) ->
 top_n_sigma -> temperature (or dynatemp) -> min_p -> top-k / top-p on a candidate set (ops/topk_topp.py) -> typical_p
 -> epsilon -> eta -> XTC (ops/warpers.py, only on the rows that use one) -> two-level Gumbel-max
 draw from counter-based noise (ops/draw.py, ops/noise.py) -> per row, the argmax on greedy rows and the draw on
@@ -57,6 +57,8 @@ def apply_logits_processors(x: torch.Tensor, meta: SamplingMetadata) -> None:
         apply_bias(x, *meta.bias)
     if meta.penalties is not None:
         apply_penalties(x, meta.penalties)
+    if meta.dry is not None:  # DRY's penalties (ops/repeats.py), subtracted as a bias after the other penalties
+        apply_bias(x, *meta.dry)
 
 
 def draw(kept: Kept, meta: SamplingMetadata, vocab: int, block_size: int) -> torch.Tensor:

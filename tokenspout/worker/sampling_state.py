@@ -21,6 +21,7 @@ from tokenspout.sample.metadata import SamplingMetadata
 from tokenspout.sample.ops.noise import seed_key
 from tokenspout.sample.ops.penalties import PenaltyBatch
 from tokenspout.sample.ops.rows_cpu import KERNEL_MAX_TOP_K
+from tokenspout.sample.ops.repeats import DryState, NgramBans
 from tokenspout.sample.ops.token_counts import SeenTokens
 from tokenspout.sample.ops.warpers import WarpBatch
 from tokenspout.sampling_params import LOGIT_BIAS_CLAMP, SamplingParams
@@ -58,6 +59,8 @@ class _Slot:
     position: int
     output: list[int] | None  # only kept for multi-token bad words
     warp: tuple[float, ...] | None  # a random row's warper knobs (WarpBatch.build's order), None if it uses none
+    ngram: NgramBans | None  # no_repeat_ngram_size's table over prompt + output
+    dry: DryState | None  # DRY's match lengths over prompt + output
 
     def banned_now(self) -> list[int]:
         """Ids this row may not sample at its current position: single-token bad words, the last token of each
@@ -71,6 +74,8 @@ class _Slot:
                     banned.append(word[-1])
         if self.position < self.min_tokens:
             banned += self.stop_ids
+        if self.ngram is not None:
+            banned += self.ngram.banned()
         return banned
 
     def follows_tokens(self) -> bool:
@@ -78,11 +83,12 @@ class _Slot:
         them, a multi-token bad word is banned after its prefix, stop ids are banned until min_tokens.  Narrower
         than SamplingParams.depends_on_output on purpose: single-token bad words and a min_tokens without stop
         ids to ban give fixed metadata, which the last-metadata cache may keep."""
-        return self.penalties or bool(self.bad_multi) or (self.position < self.min_tokens and bool(self.stop_ids))
+        return (self.penalties or bool(self.bad_multi) or (self.position < self.min_tokens and bool(self.stop_ids))
+                or self.ngram is not None or self.dry is not None)
 
 
-def _new_slot(params: SamplingParams, top_k: int, top_p: float, num_logprobs: int, output_token_ids: list[int],
-              device: torch.device) -> _Slot:
+def _new_slot(params: SamplingParams, top_k: int, top_p: float, num_logprobs: int, prompt_token_ids: list[int],
+              output_token_ids: list[int], device: torch.device) -> _Slot:
     greedy = params.is_greedy
     bad = params.bad_words_token_ids or []
     bias_ids = bias_vals = allowed = None
@@ -106,6 +112,11 @@ def _new_slot(params: SamplingParams, top_k: int, top_p: float, num_logprobs: in
         warp=None if greedy or not params.uses_warpers else (
             params.typical_p, params.epsilon_cutoff, params.eta_cutoff, params.top_n_sigma, params.xtc_probability,
             params.xtc_threshold, params.dynatemp_range, params.dynatemp_exponent),
+        ngram=NgramBans(params.no_repeat_ngram_size, [*prompt_token_ids, *output_token_ids])
+        if params.no_repeat_ngram_size > 0 else None,
+        dry=DryState(params.dry_multiplier, params.dry_base, params.dry_allowed_length, params.dry_penalty_last_n,
+                     params.dry_sequence_breaker_ids or [], [*prompt_token_ids, *output_token_ids])
+        if params.uses_dry else None,
     )
 
 
@@ -188,6 +199,22 @@ def _logprob_rows(infos: list[_Slot], device: torch.device) -> tuple[int, torch.
     return max_lp, long_tensor(raw, device), long_tensor(processed, device)
 
 
+def _dry(infos: list[_Slot], device: torch.device) -> Bias | None:
+    """(row, id, -penalty) of DRY's penalties this step, added like logit_bias."""
+    rows: list[int] = []
+    ids: list[int] = []
+    vals: list[float] = []
+    for row, info in enumerate(infos):
+        if info.dry is not None:
+            i, v = info.dry.penalties()
+            rows += [row] * len(i)
+            ids += i
+            vals += [-x for x in v]
+    if not rows:
+        return None
+    return long_tensor(rows, device), long_tensor(ids, device), torch.tensor(vals, dtype=torch.float32, device=device)
+
+
 def _warp(infos: list[_Slot], device: torch.device) -> WarpBatch | None:
     rows = [r for r, info in enumerate(infos) if info.warp is not None]
     if not rows:
@@ -228,7 +255,7 @@ class SamplingState:
                           params.presence_penalty, params.frequency_penalty)
         seed &= (1 << 63) - 1
         self._iv[slot] = (top_k, seed, seed_key(seed))
-        self._slots[slot] = _new_slot(params, top_k, top_p, n_lp, output_token_ids, self.device)
+        self._slots[slot] = _new_slot(params, top_k, top_p, n_lp, prompt_token_ids, output_token_ids, self.device)
         if params.has_penalties:
             self.seen.reset(slot, prompt_token_ids, output_token_ids)
         else:
@@ -247,6 +274,10 @@ class SamplingState:
             info.position += len(toks)
             if info.output is not None:
                 info.output.extend(toks)
+            if info.ngram is not None:
+                info.ngram.extend(toks)
+            if info.dry is not None:
+                info.dry.extend(toks)
         self.seen.append(slots, token_ids)
 
     def output_counts(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -303,6 +334,7 @@ class SamplingState:
             raw_logprob_rows=raw_rows,
             processed_logprob_rows=processed_rows,
             warp=_warp(infos, dev),
+            dry=_dry(infos, dev),
         )
         return md, any(info.follows_tokens() for info in infos)
 

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tokenspout.entrypoints.openai.protocol.errors import OpenAIServingError, value_error_to_serving_error
 from tokenspout.entrypoints.openai.structured import structured_outputs_from_request
-from tokenspout.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, SamplingParams
+from tokenspout.sampling_params import MAX_DRY_BREAKERS, SEED_MAX, SEED_MIN, RequestOutputKind, SamplingParams
 
 MAX_N = 128  # OpenAI's bound on n
 # Bounds on a request's lists and nesting (hostile input: 10^5 guided_choice entries held the event loop 17 s, 10^4
@@ -20,8 +20,9 @@ MAX_STOP = 64  # strings (OpenAI allows 4)
 MAX_TOKEN_LIST = 1024  # stop_token_ids, bad_words, logit_bias entries, guided choices
 MAX_ALLOWED_TOKEN_IDS = 262144  # the largest vocabularies (Gemma's 256k) listed whole
 # Request fields passed to SamplingParams as they are when set (it validates them; unset: its neutral default).
-WARPER_FIELDS = ("typical_p", "epsilon_cutoff", "eta_cutoff", "top_n_sigma", "xtc_probability", "xtc_threshold",
-                 "dynatemp_range", "dynatemp_exponent")
+EXTRA_SAMPLING_FIELDS = ("typical_p", "epsilon_cutoff", "eta_cutoff", "top_n_sigma", "xtc_probability", "xtc_threshold",
+                 "dynatemp_range", "dynatemp_exponent", "no_repeat_ngram_size", "dry_multiplier", "dry_base",
+                 "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers")
 
 
 def _check_text(value: Any, path: str, depth: int = 0) -> None:
@@ -141,6 +142,12 @@ class SamplingRequest(StrictModel):
     xtc_threshold: float | None = None
     dynatemp_range: float | None = None
     dynatemp_exponent: float | None = None
+    no_repeat_ngram_size: int | None = None
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    dry_sequence_breakers: list[str] | None = Field(default=None, max_length=MAX_DRY_BREAKERS)
 
     @model_validator(mode="before")
     @classmethod
@@ -226,7 +233,7 @@ class SamplingRequest(StrictModel):
                 structured_outputs=structured_outputs_from_request(self),
                 guidance_scale=self.guidance_scale,
                 negative_prompt=self.negative_prompt,
-                **{name: getattr(self, name) for name in WARPER_FIELDS if getattr(self, name) is not None},
+                **{name: getattr(self, name) for name in EXTRA_SAMPLING_FIELDS if getattr(self, name) is not None},
             )
         except ValueError as e:
             raise value_error_to_serving_error(e, set(type(self).model_fields)) from None
