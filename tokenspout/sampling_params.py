@@ -123,6 +123,11 @@ class SamplingParams:
     # penalties.  no_repeat_ngram_size: transformers' NoRepeatNGramLogitsProcessor (0 = off).  DRY: llama.cpp's
     # "don't repeat yourself" (dry_multiplier 0 = off; dry_penalty_last_n -1 = the whole context, 0 = off).
     no_repeat_ngram_size: int = 0
+    # Mirostat (sample/ops/mirostat.py; llama.cpp's v1 / v2): 0 = off.  Replaces top-k / top-p / min-p and the
+    # warpers (a 400 together with them); the running target mu is per request, carried across preemption.
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
     dry_multiplier: float = 0.0
     dry_base: float = 1.75
     dry_allowed_length: int = 2
@@ -208,6 +213,25 @@ class SamplingParams:
             raise bad("allowed_token_ids", "a non-empty list", self.allowed_token_ids)
         self._validate_warpers(bad)
         self._validate_repeats(bad)
+        self._validate_mirostat(bad)
+
+    def _validate_mirostat(self, bad: Callable[[str, str, object], ValueError]) -> None:
+        if self.mirostat not in (0, 1, 2) or isinstance(self.mirostat, bool):
+            raise bad("mirostat", "0 (off), 1 or 2", self.mirostat)
+        if not isinstance(self.mirostat_tau, (int, float)) or not 0.0 <= self.mirostat_tau <= 100.0:
+            raise bad("mirostat_tau", "in [0, 100]", self.mirostat_tau)
+        if not isinstance(self.mirostat_eta, (int, float)) or not 0.0 <= self.mirostat_eta <= 10.0:
+            raise bad("mirostat_eta", "in [0, 10]", self.mirostat_eta)
+        if self.mirostat:
+            clash = [name for name, on in (("top_k", self.top_k > 0), ("top_p", self.top_p < 1.0),
+                                           ("min_p", self.min_p > 0.0), ("typical_p", self.typical_p < 1.0),
+                                           ("epsilon_cutoff", self.epsilon_cutoff > 0.0),
+                                           ("eta_cutoff", self.eta_cutoff > 0.0), ("top_n_sigma", self.top_n_sigma > 0),
+                                           ("xtc_probability", self.xtc_active),
+                                           ("dynatemp_range", self.dynatemp_range > 0.0)) if on]
+            if clash:
+                raise ValueError(f"mirostat replaces top-k / top-p / min-p and the other truncation samplers (as in "
+                                 f"llama.cpp); it cannot be combined with {', '.join(clash)}")
 
     def _validate_repeats(self, bad: Callable[[str, str, object], ValueError]) -> None:
         def integer(v: object) -> bool:
@@ -274,7 +298,7 @@ class SamplingParams:
         is rebuilt each step (no_repeat_ngram_size and DRY too), and it never verifies drafts (a drafted position's processing would need the drafts
         before it as outputs)."""
         return (self.has_penalties or bool(self.bad_words_token_ids) or num_output_tokens < self.min_tokens
-                or self.no_repeat_ngram_size > 0 or self.uses_dry)
+                or self.no_repeat_ngram_size > 0 or self.uses_dry or self.mirostat > 0)
 
     @property
     def uses_guidance(self) -> bool:

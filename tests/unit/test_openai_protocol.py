@@ -140,6 +140,14 @@ def test_warper_out_of_range_is_a_400_naming_the_field(kw):
     assert err.status == 400 and err.param == name and err.message.startswith(name)
 
 
+def test_mirostat_fields_and_clash_named():
+    sp = chat_req(mirostat=2, mirostat_tau=4.0, mirostat_eta=0.2, temperature=0.8).to_sampling_params()
+    assert (sp.mirostat, sp.mirostat_tau, sp.mirostat_eta) == (2, 4.0, 0.2) and sp.depends_on_output(0)
+    for kw in ({"mirostat": 3}, {"mirostat": 1, "top_k": 40}, {"mirostat_tau": -1.0}):
+        err = serving_error(lambda: chat_req(**kw).to_sampling_params())
+        assert err.status == 400 and err.param == next(iter(kw))
+
+
 def test_completion_extras_rejected():
     assert serving_error(lambda: CompletionRequest(prompt="x", suffix="y").to_sampling_params()).param == "suffix"
     assert serving_error(lambda: CompletionRequest(prompt="x", best_of=3).to_sampling_params()).param == "best_of"

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenspout.sample.ops.mirostat import MirostatBatch
 from tokenspout.sample.ops.penalties import PenaltyBatch
 from tokenspout.sample.ops.warpers import WarpBatch
 from tokenspout.tensors import long_tensor
@@ -50,6 +51,7 @@ class SamplingMetadata:
     # does, and then the sampler pays nothing for them.  These rows are never kernel rows.
     warp: WarpBatch | None = None
     dry: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (row, id, -penalty): DRY, after penalties
+    mirostat: MirostatBatch | None = None  # random rows with mirostat 1 / 2 (ops/mirostat.py); never kernel rows
 
     @property
     def num_rows(self) -> int:

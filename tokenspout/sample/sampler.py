@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from tokenspout.sample.metadata import SamplingMetadata
-from tokenspout.sample.ops import rows_cpu, warpers
+from tokenspout.sample.ops import mirostat, rows_cpu, warpers
 from tokenspout.sample.ops.draw import block_mass, draw_dense, draw_sparse
 from tokenspout.sample.ops.logprobs import gather_logprobs
 from tokenspout.sample.ops.masks import apply_allowed, apply_bans, apply_bias, apply_grammar_bitmask
@@ -81,29 +82,78 @@ def draw(kept: Kept, meta: SamplingMetadata, vocab: int, block_size: int) -> tor
     return drawn
 
 
-def truncate_and_warp(x: torch.Tensor, meta: SamplingMetadata, tiers: TierConfig,
-                      only: tuple[list[int], list[int], list[int]] | None = None) -> Kept:
-    """truncate() with the warpers (ops/warpers.py) around it on the rows that use one: top_n_sigma (in place on
-    x) and dynatemp before, typical / epsilon / eta / XTC on the kept rows after.  Without such rows: truncate()."""
-    wb = meta.warp
-    if wb is None:
-        return truncate(x, meta, tiers, only)
-    temperature = warpers.pre_truncation(x, meta.temperature, wb)
-    tmeta = meta if temperature is meta.temperature else dataclasses.replace(meta, temperature=temperature)
-    kept = truncate(x, tmeta, tiers, only)
+def _locate(rows: list[int], part_rows: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices into part_rows of the batch rows in `rows`, their index in `rows`)."""
+    where = torch.full((num_rows,), -1, dtype=torch.int64, device=part_rows.device)
+    where[long_tensor(rows, part_rows.device)] = torch.arange(len(rows), device=part_rows.device)
+    w = where.index_select(0, part_rows)
+    sel = (w >= 0).nonzero().squeeze(-1)
+    return sel, w.index_select(0, sel)
+
+
+def _edit_rows(kept: Kept, rows: list[int], num_rows: int, block_size: int,
+               fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+    """Replaces the kept logits of `rows` by fn(their kept logits, their index in `rows`, their batch rows), in
+    whichever parts (candidate sets or dense rows) they are."""
     parts: list[SparseKept | DenseKept] = [*kept.sparse, *kept.dense]
     for part in parts:
-        sel, idx = wb.local(part.rows, meta.num_rows)
+        sel, idx = _locate(rows, part.rows, num_rows)
         if not sel.numel():
             continue
-        rows = part.rows.index_select(0, sel)
-        y = warpers.post_truncation(part.logits.index_select(0, sel), wb, idx, meta.seed_keys.index_select(0, rows),
-                                    meta.positions.index_select(0, rows))
+        y = fn(part.logits.index_select(0, sel), idx, part.rows.index_select(0, sel))
         # Out of place: a dense part's logits may be x itself (temperature 1, no min_p).
         part.logits = part.logits.index_copy(0, sel, y)
         if isinstance(part, DenseKept):
-            part.mass = part.mass.index_copy(0, sel, block_mass(y.softmax(-1), tiers.block_size))
+            part.mass = part.mass.index_copy(0, sel, block_mass(y.softmax(-1), block_size))
+
+
+def truncate_and_warp(x: torch.Tensor, meta: SamplingMetadata, tiers: TierConfig,
+                      only: tuple[list[int], list[int], list[int]] | None = None) -> Kept:
+    """truncate() with the warpers (ops/warpers.py) around it on the rows that use one -- top_n_sigma (in place on
+    x) and dynatemp before, typical / epsilon / eta / XTC on the kept rows after -- and mirostat's cut on its rows
+    (ops/mirostat.py).  Without such rows: truncate()."""
+    wb, mb = meta.warp, meta.mirostat
+    if wb is None and mb is None:
+        return truncate(x, meta, tiers, only)
+    tmeta = meta
+    if wb is not None:
+        temperature = warpers.pre_truncation(x, meta.temperature, wb)
+        if temperature is not meta.temperature:
+            tmeta = dataclasses.replace(meta, temperature=temperature)
+    kept = truncate(x, tmeta, tiers, only)
+    if wb is not None:
+        def warp(y: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+            assert wb is not None
+            return warpers.post_truncation(y, wb, idx, meta.seed_keys.index_select(0, rows),
+                                           meta.positions.index_select(0, rows))
+        _edit_rows(kept, wb.rows, meta.num_rows, tiers.block_size, warp)
+    if mb is not None:
+        def cut(y: torch.Tensor, idx: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+            assert mb is not None
+            return y.masked_fill(~mirostat.keep_mask(y, mb.mode.index_select(0, idx), mb.mu.index_select(0, idx)),
+                                 float("-inf"))
+        _edit_rows(kept, mb.rows, meta.num_rows, tiers.block_size, cut)
     return kept
+
+
+def update_mirostat(kept: Kept, meta: SamplingMetadata, sampled: torch.Tensor) -> None:
+    """Mirostat's mu update from each mirostat row's drawn token and kept distribution (writes the requests'
+    states; on CPU the values are already on the host)."""
+    mb = meta.mirostat
+    assert mb is not None
+    parts: list[SparseKept | DenseKept] = [*kept.sparse, *kept.dense]
+    for part in parts:
+        sel, idx = _locate(mb.rows, part.rows, meta.num_rows)
+        if not sel.numel():
+            continue
+        logits = part.logits.index_select(0, sel)
+        tok = sampled.index_select(0, part.rows.index_select(0, sel))
+        if isinstance(part, SparseKept):  # the drawn token's column among the candidates
+            col = (part.ids.index_select(0, sel) == tok.unsqueeze(-1)).float().argmax(-1)
+        else:
+            col = tok
+        mirostat.update([mb.states[i] for i in idx.tolist()], logits, col, mb.tau.index_select(0, idx),
+                        mb.eta.index_select(0, idx))
 
 
 def _float32(logits: torch.Tensor) -> torch.Tensor:
@@ -176,6 +226,8 @@ class Sampler(torch.nn.Module):
                     sampled.index_copy_(0, kernel_rows, drawn)
             if greedy is not None:  # per row: the argmax on greedy rows, the draw on the others
                 sampled = sampled.index_copy(0, *greedy)
+            if meta.mirostat is not None:
+                update_mirostat(kept, meta, sampled)
 
         lp_out = None
         if meta.max_num_logprobs >= 0:

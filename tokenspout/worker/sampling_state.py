@@ -18,6 +18,7 @@ from typing import cast
 import torch
 
 from tokenspout.sample.metadata import SamplingMetadata
+from tokenspout.sample.ops.mirostat import MirostatBatch, MirostatState
 from tokenspout.sample.ops.noise import seed_key
 from tokenspout.sample.ops.penalties import PenaltyBatch
 from tokenspout.sample.ops.rows_cpu import KERNEL_MAX_TOP_K
@@ -61,6 +62,8 @@ class _Slot:
     warp: tuple[float, ...] | None  # a random row's warper knobs (WarpBatch.build's order), None if it uses none
     ngram: NgramBans | None  # no_repeat_ngram_size's table over prompt + output
     dry: DryState | None  # DRY's match lengths over prompt + output
+    mirostat: MirostatState | None  # a random mirostat row's request state (mu), shared with the request
+    mirostat_knobs: tuple[int, float, float]  # (mode, tau, eta)
 
     def banned_now(self) -> list[int]:
         """Ids this row may not sample at its current position: single-token bad words, the last token of each
@@ -84,11 +87,11 @@ class _Slot:
         than SamplingParams.depends_on_output on purpose: single-token bad words and a min_tokens without stop
         ids to ban give fixed metadata, which the last-metadata cache may keep."""
         return (self.penalties or bool(self.bad_multi) or (self.position < self.min_tokens and bool(self.stop_ids))
-                or self.ngram is not None or self.dry is not None)
+                or self.ngram is not None or self.dry is not None or self.mirostat is not None)
 
 
 def _new_slot(params: SamplingParams, top_k: int, top_p: float, num_logprobs: int, prompt_token_ids: list[int],
-              output_token_ids: list[int], device: torch.device) -> _Slot:
+              output_token_ids: list[int], device: torch.device, mirostat: MirostatState | None) -> _Slot:
     greedy = params.is_greedy
     bad = params.bad_words_token_ids or []
     bias_ids = bias_vals = allowed = None
@@ -117,6 +120,9 @@ def _new_slot(params: SamplingParams, top_k: int, top_p: float, num_logprobs: in
         dry=DryState(params.dry_multiplier, params.dry_base, params.dry_allowed_length, params.dry_penalty_last_n,
                      params.dry_sequence_breaker_ids or [], [*prompt_token_ids, *output_token_ids])
         if params.uses_dry else None,
+        mirostat=None if greedy or not params.mirostat else (
+            mirostat or MirostatState.initial(params.mirostat, params.mirostat_tau)),
+        mirostat_knobs=(params.mirostat, params.mirostat_tau, params.mirostat_eta),
     )
 
 
@@ -148,7 +154,7 @@ def _row_classes(infos: list[_Slot]) -> _RowClasses:
         # The kernel draws a row without keeping its distribution, so not one that wants processed logprobs, and it
         # knows none of the warpers (ops/warpers.py): their rows take the torch path.
         if (not info.greedy and info.top_k <= KERNEL_MAX_TOP_K and not (info.num_logprobs >= 0 and info.processed)
-                and info.warp is None):
+                and info.warp is None and info.mirostat is None):
             c.kernel.append(row)
     return c
 
@@ -215,6 +221,18 @@ def _dry(infos: list[_Slot], device: torch.device) -> Bias | None:
     return long_tensor(rows, device), long_tensor(ids, device), torch.tensor(vals, dtype=torch.float32, device=device)
 
 
+def _mirostat(infos: list[_Slot], device: torch.device) -> MirostatBatch | None:
+    rows = [r for r, info in enumerate(infos) if info.mirostat is not None]
+    if not rows:
+        return None
+    states = [cast("MirostatState", infos[r].mirostat) for r in rows]
+    knobs = [infos[r].mirostat_knobs for r in rows]
+    return MirostatBatch(rows, long_tensor([k[0] for k in knobs], device),
+                         torch.tensor([k[1] for k in knobs], dtype=torch.float32, device=device),
+                         torch.tensor([k[2] for k in knobs], dtype=torch.float32, device=device),
+                         torch.tensor([s.mu for s in states], dtype=torch.float32, device=device), states)
+
+
 def _warp(infos: list[_Slot], device: torch.device) -> WarpBatch | None:
     rows = [r for r, info in enumerate(infos) if info.warp is not None]
     if not rows:
@@ -245,8 +263,10 @@ class SamplingState:
 
     def add_request(
         self, slot: int, params: SamplingParams, prompt_token_ids: list[int], output_token_ids: list[int],
-        seed: int,
+        seed: int, mirostat: MirostatState | None = None,
     ) -> None:
+        """`mirostat`: the request's state object (core.request.Request keeps it across preemption); a fresh one
+        (mu = 2 * tau) when None."""
         greedy = params.is_greedy
         top_k = params.top_k if 0 < params.top_k < self.vocab_size else 0
         top_p = min(1.0, params.top_p)
@@ -255,7 +275,8 @@ class SamplingState:
                           params.presence_penalty, params.frequency_penalty)
         seed &= (1 << 63) - 1
         self._iv[slot] = (top_k, seed, seed_key(seed))
-        self._slots[slot] = _new_slot(params, top_k, top_p, n_lp, prompt_token_ids, output_token_ids, self.device)
+        self._slots[slot] = _new_slot(params, top_k, top_p, n_lp, prompt_token_ids, output_token_ids, self.device,
+                                      mirostat)
         if params.has_penalties:
             self.seen.reset(slot, prompt_token_ids, output_token_ids)
         else:
@@ -335,6 +356,7 @@ class SamplingState:
             processed_logprob_rows=processed_rows,
             warp=_warp(infos, dev),
             dry=_dry(infos, dev),
+            mirostat=_mirostat(infos, dev),
         )
         return md, any(info.follows_tokens() for info in infos)
 

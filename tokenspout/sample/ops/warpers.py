@@ -69,15 +69,6 @@ class WarpBatch:
                          any(k[3] > 0 for k in knobs), any(k[4] > 0 and k[5] <= 0.5 for k in knobs),
                          any(k[6] > 0 for k in knobs))
 
-    def local(self, batch_rows: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(indices into batch_rows that are warped rows, their index in this batch)."""
-        where = torch.full((num_rows,), -1, dtype=torch.int64, device=batch_rows.device)
-        where[torch.tensor(self.rows, dtype=torch.int64, device=batch_rows.device)] = torch.arange(
-            len(self.rows), device=batch_rows.device)
-        w = where.index_select(0, batch_rows)
-        sel = (w >= 0).nonzero().squeeze(-1)
-        return sel, w.index_select(0, sel)
-
 
 def _entropy(y: torch.Tensor) -> torch.Tensor:
     """Entropy [R] of softmax(y) over the finite entries (0 * log 0 counted as 0)."""

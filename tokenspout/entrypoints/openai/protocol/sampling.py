@@ -22,7 +22,8 @@ MAX_ALLOWED_TOKEN_IDS = 262144  # the largest vocabularies (Gemma's 256k) listed
 # Request fields passed to SamplingParams as they are when set (it validates them; unset: its neutral default).
 EXTRA_SAMPLING_FIELDS = ("typical_p", "epsilon_cutoff", "eta_cutoff", "top_n_sigma", "xtc_probability", "xtc_threshold",
                  "dynatemp_range", "dynatemp_exponent", "no_repeat_ngram_size", "dry_multiplier", "dry_base",
-                 "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers")
+                 "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "mirostat", "mirostat_tau",
+                 "mirostat_eta")
 
 
 def _check_text(value: Any, path: str, depth: int = 0) -> None:
@@ -148,6 +149,9 @@ class SamplingRequest(StrictModel):
     dry_allowed_length: int | None = None
     dry_penalty_last_n: int | None = None
     dry_sequence_breakers: list[str] | None = Field(default=None, max_length=MAX_DRY_BREAKERS)
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
 
     @model_validator(mode="before")
     @classmethod
