@@ -35,6 +35,7 @@ DRY_DEFAULT_BREAKERS = ("\n", ":", "\"", "*")  # llama.cpp's defaults
 MAX_DRY_BREAKERS = 64  # dry_sequence_breakers: at most this many strings ...
 MAX_DRY_BREAKER_CHARS = 40  # ... of at most this many characters (llama.cpp truncates there)
 MAX_DRY_LAST_N = 1 << 20
+MAX_THINKING_BUDGET = 1 << 20
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -128,6 +129,11 @@ class SamplingParams:
     mirostat: int = 0
     mirostat_tau: float = 5.0
     mirostat_eta: float = 0.1
+    # After this many reasoning tokens the reasoning's end marker is forced (needs a reasoning parser: the server /
+    # LLM.chat sets reasoning_end / reasoning_start from it; sample/ops/thinking.py).  None = no budget.
+    thinking_token_budget: int | None = None
+    reasoning_end: str | None = None
+    reasoning_start: str | None = None  # None: the reply starts inside the reasoning
     dry_multiplier: float = 0.0
     dry_base: float = 1.75
     dry_allowed_length: int = 2
@@ -136,6 +142,8 @@ class SamplingParams:
     # Filled by the frontend Processor from the tokenizer (never by users):
     bad_words_token_ids: list[list[int]] | None = None
     dry_sequence_breaker_ids: list[list[int]] | None = None
+    reasoning_end_token_ids: list[int] | None = None
+    reasoning_start_token_ids: list[int] | None = None
     eos_token_id: int | None = None
 
     def __post_init__(self) -> None:
@@ -214,6 +222,10 @@ class SamplingParams:
         self._validate_warpers(bad)
         self._validate_repeats(bad)
         self._validate_mirostat(bad)
+        if self.thinking_token_budget is not None and (
+                not isinstance(self.thinking_token_budget, int) or isinstance(self.thinking_token_budget, bool)
+                or not 0 <= self.thinking_token_budget <= MAX_THINKING_BUDGET):
+            raise bad("thinking_token_budget", f"an integer in [0, {MAX_THINKING_BUDGET}]", self.thinking_token_budget)
 
     def _validate_mirostat(self, bad: Callable[[str, str, object], ValueError]) -> None:
         if self.mirostat not in (0, 1, 2) or isinstance(self.mirostat, bool):
@@ -298,7 +310,8 @@ class SamplingParams:
         is rebuilt each step (no_repeat_ngram_size and DRY too), and it never verifies drafts (a drafted position's processing would need the drafts
         before it as outputs)."""
         return (self.has_penalties or bool(self.bad_words_token_ids) or num_output_tokens < self.min_tokens
-                or self.no_repeat_ngram_size > 0 or self.uses_dry or self.mirostat > 0)
+                or self.no_repeat_ngram_size > 0 or self.uses_dry or self.mirostat > 0
+                or self.thinking_token_budget is not None)
 
     @property
     def uses_guidance(self) -> bool:

@@ -143,3 +143,18 @@ def test_new_knobs_seeded_batch_invariant(llm):
     fillers = [SamplingParams(temperature=0.7, top_p=0.9, max_tokens=16, seed=i) for i in range(4)]
     batch = llm.generate([prompt] * 4 + ["Tell me about the moon."] * 4, kinds + fillers)
     assert [r.outputs[0].text for r in batch[:4]] == alone
+
+
+def test_thinking_token_budget_forces_the_end_marker(llm, tokenizer):
+    """With a reasoning parser (deepseek_r1: the reply starts inside the reasoning), after the budget the reply's
+    next tokens are `</think>` and the rest is the answer; without one, a ValueError that says why."""
+    end = tokenizer.encode("</think>", add_special_tokens=False)
+    msgs = [{"role": "user", "content": "Count to twenty."}]
+    for budget in (0, 6):
+        out = llm.chat(msgs, SamplingParams(temperature=0.0, max_tokens=budget + len(end) + 6, ignore_eos=True,
+                                            thinking_token_budget=budget), reasoning_parser="deepseek_r1")[0]
+        c = out.outputs[0]
+        assert c.token_ids[budget:budget + len(end)] == end
+        assert (c.message.reasoning or "") == tokenizer.decode(c.token_ids[:budget]) and c.message.content
+    with pytest.raises(ValueError, match="reasoning parser"):
+        llm.generate("hi", SamplingParams(thinking_token_budget=4))

@@ -23,6 +23,7 @@ from tokenspout.sample.ops.noise import seed_key
 from tokenspout.sample.ops.penalties import PenaltyBatch
 from tokenspout.sample.ops.rows_cpu import KERNEL_MAX_TOP_K
 from tokenspout.sample.ops.repeats import DryState, NgramBans
+from tokenspout.sample.ops.thinking import ThinkingBudget
 from tokenspout.sample.ops.token_counts import SeenTokens
 from tokenspout.sample.ops.warpers import WarpBatch
 from tokenspout.sampling_params import LOGIT_BIAS_CLAMP, SamplingParams
@@ -64,6 +65,7 @@ class _Slot:
     dry: DryState | None  # DRY's match lengths over prompt + output
     mirostat: MirostatState | None  # a random mirostat row's request state (mu), shared with the request
     mirostat_knobs: tuple[int, float, float]  # (mode, tau, eta)
+    thinking: ThinkingBudget | None  # thinking_token_budget's state over the output (rebuilt after preemption)
 
     def banned_now(self) -> list[int]:
         """Ids this row may not sample at its current position: single-token bad words, the last token of each
@@ -87,7 +89,8 @@ class _Slot:
         than SamplingParams.depends_on_output on purpose: single-token bad words and a min_tokens without stop
         ids to ban give fixed metadata, which the last-metadata cache may keep."""
         return (self.penalties or bool(self.bad_multi) or (self.position < self.min_tokens and bool(self.stop_ids))
-                or self.ngram is not None or self.dry is not None or self.mirostat is not None)
+                or self.ngram is not None or self.dry is not None or self.mirostat is not None
+                or self.thinking is not None)
 
 
 def _new_slot(params: SamplingParams, top_k: int, top_p: float, num_logprobs: int, prompt_token_ids: list[int],
@@ -123,6 +126,9 @@ def _new_slot(params: SamplingParams, top_k: int, top_p: float, num_logprobs: in
         mirostat=None if greedy or not params.mirostat else (
             mirostat or MirostatState.initial(params.mirostat, params.mirostat_tau)),
         mirostat_knobs=(params.mirostat, params.mirostat_tau, params.mirostat_eta),
+        thinking=ThinkingBudget(params.thinking_token_budget, params.reasoning_start_token_ids,
+                                params.reasoning_end_token_ids, output_token_ids)
+        if params.thinking_token_budget is not None and params.reasoning_end_token_ids else None,
     )
 
 
@@ -186,10 +192,12 @@ def _allowed(infos: list[_Slot], device: torch.device) -> Allowed | None:
     rows: list[int] = []
     local, ids = [], []
     for row, info in enumerate(infos):
-        if info.allowed is not None:
-            local.append(torch.full_like(info.allowed, len(rows)))
+        forced = info.thinking.forced_now() if info.thinking is not None else None
+        allowed = info.allowed if forced is None else torch.tensor([forced], dtype=torch.int64, device=device)
+        if allowed is not None:  # a forced end-of-reasoning token is the only allowed one
+            local.append(torch.full_like(allowed, len(rows)))
             rows.append(row)
-            ids.append(info.allowed)
+            ids.append(allowed)
     return (long_tensor(rows, device), torch.cat(local), torch.cat(ids)) if rows else None
 
 
@@ -299,6 +307,8 @@ class SamplingState:
                 info.ngram.extend(toks)
             if info.dry is not None:
                 info.dry.extend(toks)
+            if info.thinking is not None:
+                info.thinking.extend(toks)
         self.seen.append(slots, token_ids)
 
     def output_counts(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:

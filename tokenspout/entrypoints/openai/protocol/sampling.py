@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tokenspout.entrypoints.openai.protocol.errors import OpenAIServingError, value_error_to_serving_error
 from tokenspout.entrypoints.openai.structured import structured_outputs_from_request
+from tokenspout.reasoning.budget import EFFORT_BUDGETS
 from tokenspout.sampling_params import MAX_DRY_BREAKERS, SEED_MAX, SEED_MIN, RequestOutputKind, SamplingParams
 
 MAX_N = 128  # OpenAI's bound on n
@@ -152,6 +153,9 @@ class SamplingRequest(StrictModel):
     mirostat: int | None = None
     mirostat_tau: float | None = None
     mirostat_eta: float | None = None
+    # Reasoning budget (chat with --reasoning-parser only; README "Reasoning")
+    thinking_token_budget: int | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -188,6 +192,14 @@ class SamplingRequest(StrictModel):
                     f"logit_bias keys must be token ids (integers as strings), got {key!r}", param="logit_bias"
                 ) from None
         return ids
+
+    def _thinking_budget(self) -> int | None:
+        if self.thinking_token_budget is not None and self.reasoning_effort is not None:
+            raise OpenAIServingError("reasoning_effort and thinking_token_budget both set a reasoning budget; send one",
+                                     param="reasoning_effort")
+        if self.reasoning_effort is not None:
+            return EFFORT_BUDGETS[self.reasoning_effort]
+        return self.thinking_token_budget
 
     def _user_prompt_logprobs(self) -> int | None:
         """prompt_logprobs as sent; as vLLM, a stream cannot carry them (its chunks have no place for them)."""
@@ -238,6 +250,7 @@ class SamplingRequest(StrictModel):
                 guidance_scale=self.guidance_scale,
                 negative_prompt=self.negative_prompt,
                 **{name: getattr(self, name) for name in EXTRA_SAMPLING_FIELDS if getattr(self, name) is not None},
+                thinking_token_budget=self._thinking_budget(),
             )
         except ValueError as e:
             raise value_error_to_serving_error(e, set(type(self).model_fields)) from None
