@@ -8,7 +8,7 @@ derived from those cheaply.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -52,6 +52,9 @@ class SamplingMetadata:
     warp: WarpBatch | None = None
     dry: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (row, id, -penalty): DRY, after penalties
     mirostat: MirostatBatch | None = None  # random rows with mirostat 1 / 2 (ops/mirostat.py); never kernel rows
+    # Warped rows the CPU kernel may draw (1 <= top_k <= KERNEL_MAX_TOP_K, no processed logprobs): the sampler takes
+    # them out of `warp` when it does.
+    warp_kernel_rows: list[int] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:

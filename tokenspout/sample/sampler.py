@@ -100,11 +100,20 @@ def _edit_rows(kept: Kept, rows: list[int], num_rows: int, block_size: int,
         sel, idx = _locate(rows, part.rows, num_rows)
         if not sel.numel():
             continue
-        y = fn(part.logits.index_select(0, sel), idx, part.rows.index_select(0, sel))
+        every = sel.numel() == part.rows.numel()  # (index_select of whole [R, V] rows is very slow on CPU torch)
+        y = fn(part.logits if every else part.logits[sel], idx, part.rows if every else part.rows[sel])
         # Out of place: a dense part's logits may be x itself (temperature 1, no min_p).
-        part.logits = part.logits.index_copy(0, sel, y)
+        if every:
+            part.logits = y
+        else:
+            part.logits = part.logits.clone()
+            part.logits[sel] = y
         if isinstance(part, DenseKept):
-            part.mass = part.mass.index_copy(0, sel, block_mass(y.softmax(-1), block_size))
+            mass = block_mass(y.softmax(-1), block_size)
+            if every:
+                part.mass = mass
+            else:
+                part.mass[sel] = mass
 
 
 def truncate_and_warp(x: torch.Tensor, meta: SamplingMetadata, tiers: TierConfig,
@@ -146,8 +155,9 @@ def update_mirostat(kept: Kept, meta: SamplingMetadata, sampled: torch.Tensor) -
         sel, idx = _locate(mb.rows, part.rows, meta.num_rows)
         if not sel.numel():
             continue
-        logits = part.logits.index_select(0, sel)
-        tok = sampled.index_select(0, part.rows.index_select(0, sel))
+        every = sel.numel() == part.rows.numel()
+        logits = part.logits if every else part.logits[sel]
+        tok = sampled.index_select(0, part.rows if every else part.rows[sel])
         if isinstance(part, SparseKept):  # the drawn token's column among the candidates
             col = (part.ids.index_select(0, sel) == tok.unsqueeze(-1)).float().argmax(-1)
         else:
@@ -184,15 +194,17 @@ class Sampler(torch.nn.Module):
 
     def _kernel_split(
         self, x: torch.Tensor, meta: SamplingMetadata
-    ) -> tuple[torch.Tensor | None, tuple[list[int], list[int], list[int]] | None]:
-        """(random rows the kernel draws, (the other truncated rows, their top_k, the other plain rows) for the
-        torch path)."""
-        if self._lib is None or x.device.type != "cpu" or not meta.kernel_rows:
-            return None, None
-        ok = set(meta.kernel_rows)
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[list[int], list[int], list[int]] | None]:
+        """(random rows the kernel draws, warped rows the warped kernel draws, (the other truncated rows, their
+        top_k, the other plain rows) for the torch path)."""
+        if self._lib is None or x.device.type != "cpu" or not (meta.kernel_rows or meta.warp_kernel_rows):
+            return None, None, None
+        ok = set(meta.kernel_rows) | set(meta.warp_kernel_rows)
         trunc = [(r, k) for r, k in zip(meta.truncated_rows, meta.truncated_top_k) if r not in ok]
         plain = [r for r in meta.plain_rows if r not in ok]
-        return long_tensor(meta.kernel_rows), ([r for r, _ in trunc], [k for _, k in trunc], plain)
+        return (long_tensor(meta.kernel_rows) if meta.kernel_rows else None,
+                long_tensor(meta.warp_kernel_rows) if meta.warp_kernel_rows else None,
+                ([r for r, _ in trunc], [k for _, k in trunc], plain))
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         meta = metadata
@@ -213,17 +225,27 @@ class Sampler(torch.nn.Module):
             if meta.any_greedy:  # argmax of the greedy rows only, before anything below touches x
                 greedy_rows = long_tensor(meta.greedy_rows, x.device)
                 greedy = (greedy_rows, x.index_select(0, greedy_rows).argmax(-1))
-            kernel_rows, others = self._kernel_split(x, meta)
+            kernel_rows, warp_rows, others = self._kernel_split(x, meta)
+            warped = None
+            if warp_rows is not None:  # before truncate_and_warp, which edits x on the torch path's warped rows
+                assert self._lib is not None and meta.warp is not None
+                warped = rows_cpu.sample_rows_warped(self._lib, x, warp_rows, meta, self.tiers.block_size,
+                                                     meta.warp.table(batch))
+                meta = dataclasses.replace(meta, warp=meta.warp.without(set(meta.warp_kernel_rows)))
             kept = truncate_and_warp(x, meta, self.tiers, others)
             if kernel_rows is not None and kernel_rows.numel() == batch:  # every row (ascending): the identity
                 assert self._lib is not None  # _kernel_split gives rows only when the kernel loaded
                 sampled = rows_cpu.sample_rows(self._lib, x, kernel_rows, meta, self.tiers.block_size)
+            elif warp_rows is not None and warped is not None and warp_rows.numel() == batch:
+                sampled = warped
             else:
                 sampled = draw(kept, meta, vocab, self.tiers.block_size)
                 if kernel_rows is not None:
                     assert self._lib is not None
                     drawn = rows_cpu.sample_rows(self._lib, x, kernel_rows, meta, self.tiers.block_size)
                     sampled.index_copy_(0, kernel_rows, drawn)
+                if warp_rows is not None and warped is not None:
+                    sampled.index_copy_(0, warp_rows, warped)
             if greedy is not None:  # per row: the argmax on greedy rows, the draw on the others
                 sampled = sampled.index_copy(0, *greedy)
             if meta.mirostat is not None:

@@ -141,6 +141,7 @@ class _RowClasses:
     truncated_top_k: list[int] = field(default_factory=list)
     plain: list[int] = field(default_factory=list)
     kernel: list[int] = field(default_factory=list)
+    warp_kernel: list[int] = field(default_factory=list)
     any_top_p: bool = False
     any_min_p: bool = False
 
@@ -160,8 +161,11 @@ def _row_classes(infos: list[_Slot]) -> _RowClasses:
         # The kernel draws a row without keeping its distribution, so not one that wants processed logprobs, and it
         # knows none of the warpers (ops/warpers.py): their rows take the torch path.
         if (not info.greedy and info.top_k <= KERNEL_MAX_TOP_K and not (info.num_logprobs >= 0 and info.processed)
-                and info.warp is None and info.mirostat is None):
-            c.kernel.append(row)
+                and info.mirostat is None):
+            if info.warp is None:
+                c.kernel.append(row)
+            elif info.top_k > 0:  # the warped kernel works on top-k candidate sets only
+                c.warp_kernel.append(row)
     return c
 
 
@@ -367,6 +371,7 @@ class SamplingState:
             warp=_warp(infos, dev),
             dry=_dry(infos, dev),
             mirostat=_mirostat(infos, dev),
+            warp_kernel_rows=classes.warp_kernel,
         )
         return md, any(info.follows_tokens() for info in infos)
 

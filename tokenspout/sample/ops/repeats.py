@@ -56,6 +56,7 @@ class DryState:
             if seq:
                 self.breakers.setdefault(seq[0], []).append(list(seq[1:]))
         self.single = {h for h, tails in self.breakers.items() if any(not t for t in tails)}
+        self._heads = np.asarray(list(self.breakers), dtype=np.int64)
         self.max_exp = int(FLOAT_MAX_LOG / math.log(base)) if base > 1.000001 else 0
         self.ctx = np.zeros(0, dtype=np.int64)
         self.m = np.zeros(0, dtype=np.int64)  # m[j]: the repeat ending at j (m[-1], the end itself, is unused)
@@ -93,10 +94,11 @@ class DryState:
         """The distance back (within the last w tokens) to the newest complete breaker, as llama.cpp's step 1."""
         c = self.ctx
         end = len(c) - 1
-        for i in range(w):
-            tails = self.breakers.get(int(c[end - i]))
-            if tails is None:
-                continue
+        win = c[len(c) - w:]
+        heads = np.flatnonzero(np.isin(win, self._heads))  # only breaker heads need a look, newest first
+        for pos in heads[::-1].tolist():
+            i = w - 1 - pos
+            tails = self.breakers[int(win[pos])]
             longest = -1
             for tail in tails:
                 k = len(tail)

@@ -36,6 +36,7 @@ from tokenspout.sampling_params import GREEDY_EPS
 
 NEG_INF = float("-inf")
 SALT_XTC = 0x2B7E151628AED2A6  # the XTC coin's domain (not the draw's block / token salts)
+NEUTRAL = (1.0, 0.0, 0.0, 0.0, 0.0, 0.1, 0.0, 1.0)  # WarpBatch.build's knob order, every one off
 
 
 @dataclass(slots=True)
@@ -57,6 +58,7 @@ class WarpBatch:
     any_sigma: bool
     any_xtc: bool
     any_dynatemp: bool
+    knobs: list[tuple[float, ...]]  # the host copy, row by row (subsets and the kernel's table are built from it)
 
     @staticmethod
     def build(rows: list[int], knobs: list[tuple[float, ...]], device: torch.device) -> WarpBatch:
@@ -67,7 +69,22 @@ class WarpBatch:
         return WarpBatch(rows, typ, eps, eta, sig, xp, xt, dr, de,
                          any(k[0] < 1 for k in knobs), any(k[1] > 0 for k in knobs), any(k[2] > 0 for k in knobs),
                          any(k[3] > 0 for k in knobs), any(k[4] > 0 and k[5] <= 0.5 for k in knobs),
-                         any(k[6] > 0 for k in knobs))
+                         any(k[6] > 0 for k in knobs), knobs)
+
+    def without(self, rows: set[int]) -> WarpBatch | None:
+        """This batch less `rows` (those the CPU kernel draws), None when nothing is left."""
+        keep = [i for i, r in enumerate(self.rows) if r not in rows]
+        if len(keep) == len(self.rows):
+            return self
+        if not keep:
+            return None
+        return WarpBatch.build([self.rows[i] for i in keep], [self.knobs[i] for i in keep], self.typical_p.device)
+
+    def table(self, num_rows: int) -> torch.Tensor:
+        """[num_rows, 8] float32 knobs per batch row for the CPU kernel (neutral on rows not in this batch)."""
+        t = torch.tensor([NEUTRAL] * num_rows, dtype=torch.float32)
+        t[torch.tensor(self.rows, dtype=torch.int64)] = torch.tensor(self.knobs, dtype=torch.float32)
+        return t
 
 
 def _entropy(y: torch.Tensor) -> torch.Tensor:
@@ -147,16 +164,16 @@ def xtc_coin(seed_keys: torch.Tensor, positions: torch.Tensor, probability: torc
 def pre_truncation(x: torch.Tensor, temperature: torch.Tensor, wb: WarpBatch) -> torch.Tensor:
     """top_n_sigma on the warped rows of x [B, V] (in place), and the batch's temperature [B] with the dynatemp
     rows' replaced (a new tensor when any; the caller's otherwise)."""
+    # (Advanced indexing, not index_select: the latter is very slow on whole [R, V] CPU rows.)
     rows = torch.tensor(wb.rows, dtype=torch.int64, device=x.device)
     if wb.any_sigma:
         on = (wb.top_n_sigma > 0).nonzero().squeeze(-1)
-        r = rows.index_select(0, on)
-        x.index_copy_(0, r, top_n_sigma(x.index_select(0, r), wb.top_n_sigma.index_select(0, on)))
+        r = rows[on]
+        x[r] = top_n_sigma(x[r], wb.top_n_sigma[on])
     if wb.any_dynatemp:
         on = (wb.dynatemp_range > 0).nonzero().squeeze(-1)
-        r = rows.index_select(0, on)
-        t = dynatemp(x.index_select(0, r), temperature.index_select(0, r), wb.dynatemp_range.index_select(0, on),
-                     wb.dynatemp_exponent.index_select(0, on))
+        r = rows[on]
+        t = dynatemp(x[r], temperature[r], wb.dynatemp_range[on], wb.dynatemp_exponent[on])
         temperature = temperature.index_copy(0, r, t)
     return temperature
 
