@@ -52,9 +52,10 @@ def zipf_logits(rng: random.Random) -> torch.Tensor:
     return (-s * torch.log(torch.rand(V, generator=g) * V + 1)).float()
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "torch"])
 @pytest.mark.parametrize("mode", [1, 2])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_running_mu_follows_the_recurrence(mode: int, temperature: float) -> None:
+def test_running_mu_follows_the_recurrence(mode: int, temperature: float, kernel: bool) -> None:
     """Steps of the real sampler: the kept set each step is the reference's for the mu the state held, and the
     state's mu follows mu - eta * (-log2 p_kept(drawn) - tau), p renormalised over the kept tokens."""
     rng = random.Random(mode * 10 + int(temperature * 10))
@@ -65,7 +66,9 @@ def test_running_mu_follows_the_recurrence(mode: int, temperature: float) -> Non
     state.add_request(1, SamplingParams(top_p=0.9), [1], [], 6)  # a kernel row beside it
     ms = state._slots[0].mirostat
     assert ms is not None and ms.mu == 2 * tau
-    sampler = Sampler(TierConfig(block_size=16))
+    sampler = Sampler(TierConfig(block_size=16), cpu_kernel=kernel)
+    if kernel and sampler._lib is None:
+        pytest.skip("the kernel does not build here")
     mu = 2 * tau
     for _ in range(40):
         logits = torch.stack([zipf_logits(rng), zipf_logits(rng)])
@@ -102,8 +105,9 @@ def test_state_survives_preemption() -> None:
     assert Request(EngineCoreRequest("s", [1], SamplingParams()), seed=1, max_model_len=64).mirostat is None
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["cpu-kernel", "torch"])
 @pytest.mark.parametrize("mode,mu", [(2, 4.0), (2, 7.5), (1, 6.0)])
-def test_draws_match_the_truncated_distribution(mode: int, mu: float) -> None:
+def test_draws_match_the_truncated_distribution(mode: int, mu: float, kernel: bool) -> None:
     """One step, N seeds, the same mu: chi-square against the reference's kept distribution (and a different mu's
     must fail)."""
     n = 12_000
@@ -112,7 +116,9 @@ def test_draws_match_the_truncated_distribution(mode: int, mu: float) -> None:
     p = SamplingParams(mirostat=mode)
     for i in range(n):
         state.add_request(i, p, [1], [], 1_000_003 * i, MirostatState(mu))
-    ids = Sampler()(x.expand(n, V).contiguous(), state.metadata(list(range(n)))).sampled_token_ids
+    meta = state.metadata(list(range(n)))
+    assert meta.mirostat is not None and meta.mirostat.kernel_rows == list(range(n))
+    ids = Sampler(cpu_kernel=kernel)(x.expand(n, V).contiguous(), meta).sampled_token_ids
 
     def target(m: float) -> np.ndarray:
         keep = ref_keep(x.double().tolist(), mode, m)

@@ -194,17 +194,46 @@ class Sampler(torch.nn.Module):
 
     def _kernel_split(
         self, x: torch.Tensor, meta: SamplingMetadata
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[list[int], list[int], list[int]] | None]:
-        """(random rows the kernel draws, warped rows the warped kernel draws, (the other truncated rows, their
-        top_k, the other plain rows) for the torch path)."""
-        if self._lib is None or x.device.type != "cpu" or not (meta.kernel_rows or meta.warp_kernel_rows):
-            return None, None, None
-        ok = set(meta.kernel_rows) | set(meta.warp_kernel_rows)
+    ) -> tuple[list[int], list[int], list[int], tuple[list[int], list[int], list[int]] | None]:
+        """(random rows the kernel draws, warped rows the warped kernel draws, mirostat rows the mirostat kernel
+        draws, (the other truncated rows, their top_k, the other plain rows) for the torch path)."""
+        mirostat_rows = meta.mirostat.kernel_rows if meta.mirostat is not None else []
+        if self._lib is None or x.device.type != "cpu" or not (meta.kernel_rows or meta.warp_kernel_rows
+                                                               or mirostat_rows):
+            return [], [], [], None
+        ok = set(meta.kernel_rows) | set(meta.warp_kernel_rows) | set(mirostat_rows)
         trunc = [(r, k) for r, k in zip(meta.truncated_rows, meta.truncated_top_k) if r not in ok]
         plain = [r for r in meta.plain_rows if r not in ok]
-        return (long_tensor(meta.kernel_rows) if meta.kernel_rows else None,
-                long_tensor(meta.warp_kernel_rows) if meta.warp_kernel_rows else None,
+        return (meta.kernel_rows, meta.warp_kernel_rows, mirostat_rows,
                 ([r for r, _ in trunc], [k for _, k in trunc], plain))
+
+    def _kernels(self, x: torch.Tensor, meta: SamplingMetadata, plain: list[int], warp: list[int],
+                 miro: list[int]) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], SamplingMetadata]:
+        """The rows the CPU kernels draw, as (rows, drawn ids) pairs, and the metadata left for the torch path
+        (the warped and mirostat batches without those rows).  Runs before truncate_and_warp, which edits x on the
+        torch path's warped rows."""
+        lib, bs = self._lib, self.tiers.block_size
+        assert lib is not None
+        done = []
+        if plain:
+            rows = long_tensor(plain)
+            done.append((rows, rows_cpu.sample_rows(lib, x, rows, meta, bs)))
+        if warp:
+            assert meta.warp is not None
+            rows = long_tensor(warp)
+            done.append((rows, rows_cpu.sample_rows_warped(lib, x, rows, meta, bs, meta.warp.table(meta.num_rows))))
+            meta = dataclasses.replace(meta, warp=meta.warp.without(set(warp)))
+        if miro:
+            mb = meta.mirostat
+            assert mb is not None
+            taken = set(miro)
+            pos = [i for i, r in enumerate(mb.rows) if r in taken]
+            idx = long_tensor(pos)
+            ids, lp = rows_cpu.sample_rows_mirostat(lib, x, meta, bs, miro, mb.mode[idx], mb.mu[idx])
+            mirostat.update_from_logprobs([mb.states[i] for i in pos], lp, mb.tau[idx], mb.eta[idx])
+            done.append((long_tensor(miro), ids))
+            meta = dataclasses.replace(meta, mirostat=mb.select([i for i in range(len(mb.rows)) if i not in pos]))
+        return done, meta
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         meta = metadata
@@ -225,27 +254,17 @@ class Sampler(torch.nn.Module):
             if meta.any_greedy:  # argmax of the greedy rows only, before anything below touches x
                 greedy_rows = long_tensor(meta.greedy_rows, x.device)
                 greedy = (greedy_rows, x.index_select(0, greedy_rows).argmax(-1))
-            kernel_rows, warp_rows, others = self._kernel_split(x, meta)
-            warped = None
-            if warp_rows is not None:  # before truncate_and_warp, which edits x on the torch path's warped rows
-                assert self._lib is not None and meta.warp is not None
-                warped = rows_cpu.sample_rows_warped(self._lib, x, warp_rows, meta, self.tiers.block_size,
-                                                     meta.warp.table(batch))
-                meta = dataclasses.replace(meta, warp=meta.warp.without(set(meta.warp_kernel_rows)))
+            plain, warp, miro, others = self._kernel_split(x, meta)
+            done: list[tuple[torch.Tensor, torch.Tensor]] = []
+            if others is not None:
+                done, meta = self._kernels(x, meta, plain, warp, miro)
             kept = truncate_and_warp(x, meta, self.tiers, others)
-            if kernel_rows is not None and kernel_rows.numel() == batch:  # every row (ascending): the identity
-                assert self._lib is not None  # _kernel_split gives rows only when the kernel loaded
-                sampled = rows_cpu.sample_rows(self._lib, x, kernel_rows, meta, self.tiers.block_size)
-            elif warp_rows is not None and warped is not None and warp_rows.numel() == batch:
-                sampled = warped
+            if len(done) == 1 and done[0][0].numel() == batch:  # one kernel drew every row (ascending): the identity
+                sampled = done[0][1]
             else:
                 sampled = draw(kept, meta, vocab, self.tiers.block_size)
-                if kernel_rows is not None:
-                    assert self._lib is not None
-                    drawn = rows_cpu.sample_rows(self._lib, x, kernel_rows, meta, self.tiers.block_size)
-                    sampled.index_copy_(0, kernel_rows, drawn)
-                if warp_rows is not None and warped is not None:
-                    sampled.index_copy_(0, warp_rows, warped)
+                for rows, drawn in done:
+                    sampled.index_copy_(0, rows, drawn)
             if greedy is not None:  # per row: the argmax on greedy rows, the draw on the others
                 sampled = sampled.index_copy(0, *greedy)
             if meta.mirostat is not None:

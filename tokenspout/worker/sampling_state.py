@@ -242,7 +242,8 @@ def _mirostat(infos: list[_Slot], device: torch.device) -> MirostatBatch | None:
     return MirostatBatch(rows, long_tensor([k[0] for k in knobs], device),
                          torch.tensor([k[1] for k in knobs], dtype=torch.float32, device=device),
                          torch.tensor([k[2] for k in knobs], dtype=torch.float32, device=device),
-                         torch.tensor([s.mu for s in states], dtype=torch.float32, device=device), states)
+                         torch.tensor([s.mu for s in states], dtype=torch.float32, device=device), states,
+                         [r for r in rows if not (infos[r].num_logprobs >= 0 and infos[r].processed)])
 
 
 def _warp(infos: list[_Slot], device: torch.device) -> WarpBatch | None:

@@ -635,6 +635,106 @@ void ts_sample_rows_warped(const float *x, int64_t ldx, int64_t V, const int64_t
     }
 }
 
+/* ---- Mirostat rows (ops/mirostat.py's semantics; temperature only, no top-k / top-p / min-p) ----
+ * v2 keeps the tokens with -log2 p <= mu (and the top one); v1 estimates s from the 100 most likely tokens and keeps
+ * the top max(int(k), 1), k = ((s - 1) 2^mu / (1 - V^(1 - s)))^(1/s) (ties at the k-th value stay).  Then the dense
+ * draw; *lp is the drawn token's log probability among the kept ones (the mu update is done by the caller). */
+static int64_t sample_mirostat(const float *x, int64_t V, float t, int mode, float mu, uint64_t key, int64_t bs,
+                               double *lp) {
+    const __m256 tv = _mm256_set1_ps(t);
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 8 <= V; i += 8) mv = _mm256_max_ps(mv, load_scaled(x + i, tv, t));
+    float m = hmax8(mv);
+    for (; i < V; i++) m = x[i] / t > m ? x[i] / t : m;
+    *lp = 0.0;
+    if (m == -INFINITY) return 0;
+    int64_t V8 = (V + 7) & ~(int64_t)7;
+    float *w = malloc((size_t)V8 * sizeof(float));
+    const __m256 mb = _mm256_set1_ps(m);
+    double z = 0.0;
+    for (i = 0; i < V8; i += 1024) { /* w = exp(y - m), z = sum w (float lanes folded into double per 1024) */
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t j = i; j < i + 1024 && j < V8; j += 8) {
+            __m256 v;
+            if (j + 8 <= V) {
+                v = load_scaled(x + j, tv, t);
+            } else {
+                float tail[8];
+                for (int b = 0; b < 8; b++) tail[b] = j + b < V ? x[j + b] / t : -INFINITY;
+                v = _mm256_loadu_ps(tail);
+            }
+            __m256 e = exp_neg(_mm256_sub_ps(v, mb));
+            _mm256_storeu_ps(w + j, e);
+            acc = _mm256_add_ps(acc, e);
+        }
+        z += hsum8(acc);
+    }
+    float thr; /* keep y - m >= thr (the top token has y - m = 0 and always stays) */
+    if (mode == 2) {
+        thr = (float)(log(z) - (double)mu * 0.69314718055994530942);
+        thr = thr > 0.0f ? 0.0f : thr;
+    } else {
+        int64_t mm = V < 100 ? V : 100;
+        float *heap = malloc((size_t)mm * sizeof(float));
+        float kth = kth_largest(x, V, t, mm, heap);
+        cand *c = malloc(CAND_CAP * sizeof(cand));
+        int64_t n = collect(x, V, t, kth, c, CAND_CAP);
+        if (n > CAND_CAP) {
+            free(c);
+            c = malloc((size_t)n * sizeof(cand));
+            collect(x, V, t, kth, c, n);
+        }
+        qsort(c, (size_t)n, sizeof(cand), cand_order);
+        double num = 0.0, den = 0.0;
+        for (int64_t q = 0; q + 1 < mm && q + 1 < n; q++) {
+            double ti = log((double)(q + 2) / (double)(q + 1));
+            double bi = (double)c[q].y - (double)c[q + 1].y; /* log(p_q / p_q+1) */
+            if (!isfinite(bi)) bi = 0.0;
+            num += ti * bi;
+            den += ti * ti;
+        }
+        double sh = num / den, eps = sh - 1.0;
+        double k = pow(eps * pow(2.0, (double)mu) / (1.0 - pow((double)V, -eps)), 1.0 / sh);
+        if (isnan(k)) k = 1.0;
+        if (!(k < (double)V)) k = (double)V;
+        if (k < 1.0) k = 1.0;
+        int64_t ki = (int64_t)floor(k);
+        float kv;
+        if (ki <= n) {
+            kv = c[ki - 1].y;
+        } else {
+            float *h2 = malloc((size_t)ki * sizeof(float));
+            kv = kth_largest(x, V, t, ki, h2);
+            free(h2);
+        }
+        free(c);
+        free(heap);
+        thr = kv - m;
+    }
+    double zk = 0.0;
+    for (i = 0; i < V; i++) {
+        float d = x[i] / t - m;
+        if (!(d >= thr)) w[i] = 0.0f;
+        zk += w[i];
+    }
+    int64_t out = draw_dense(x, t, w, V, key, bs);
+    *lp = (double)(x[out] / t - m) - log(zk);
+    free(w);
+    return out;
+}
+
+void ts_sample_rows_mirostat(const float *x, int64_t ldx, int64_t V, const int64_t *rows, int64_t n,
+                             const float *temperature, const int64_t *seed_keys, const int64_t *positions,
+                             int64_t block_size, const int64_t *mode, const float *mu, int64_t *out, double *lp) {
+#pragma omp parallel for schedule(dynamic, 1) if (n >= 8)
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        uint64_t key = mix64((uint64_t)seed_keys[r] + (uint64_t)(positions[r] + 1) * GOLDEN);
+        out[i] = sample_mirostat(x + r * ldx, V, temperature[r], (int)mode[i], mu[i], key, block_size, lp + i);
+    }
+}
+
 /* Draws one token for each of the n rows `rows` of x [*, V] (row stride ldx), with the per-batch-row knobs
  * temperature, top_k (0 = off), top_p, min_p, seed_keys and positions indexed by those rows; out[i] for rows[i]. */
 void ts_sample_rows(const float *x, int64_t ldx, int64_t V, const int64_t *rows, int64_t n, const float *temperature,

@@ -40,6 +40,16 @@ class MirostatBatch:
     eta: torch.Tensor
     mu: torch.Tensor  # float32, read from the states when the metadata was built
     states: list[MirostatState]
+    kernel_rows: list[int]  # those the CPU kernel may draw (no processed logprobs)
+
+    def select(self, keep: list[int]) -> MirostatBatch | None:
+        """The rows at positions `keep` of this batch (None if none)."""
+        if not keep:
+            return None
+        idx = torch.tensor(keep, dtype=torch.int64, device=self.tau.device)
+        rows = [self.rows[i] for i in keep]
+        return MirostatBatch(rows, self.mode[idx], self.tau[idx], self.eta[idx], self.mu[idx],
+                             [self.states[i] for i in keep], [r for r in self.kernel_rows if r in set(rows)])
 
 
 def keep_mask(y: torch.Tensor, mode: torch.Tensor, mu: torch.Tensor) -> torch.Tensor:
@@ -72,6 +82,12 @@ def update(states: list[MirostatState], kept_logits: torch.Tensor, drawn: torch.
     """mu <- mu - eta * (surprise of the drawn token in the kept distribution - tau); writes the states, returns
     the new mu [M]."""
     lp = kept_logits.log_softmax(-1).gather(1, drawn.unsqueeze(-1)).squeeze(-1).double()
+    return update_from_logprobs(states, lp, tau, eta)
+
+
+def update_from_logprobs(states: list[MirostatState], lp: torch.Tensor, tau: torch.Tensor,
+                         eta: torch.Tensor) -> torch.Tensor:
+    """update() given the drawn tokens' log probabilities among the kept ones (natural log) [M]."""
     mu = torch.tensor([s.mu for s in states], dtype=torch.float64)
     new = mu - eta.double() * (-lp / math.log(2.0) - tau.double())
     for s, v in zip(states, new.tolist()):
