@@ -225,6 +225,8 @@ KNOBS: dict[str, dict] = {
     "no_repeat_ngram": {"no_repeat_ngram_size": 3},
     "dry": {"dry_multiplier": 0.8},
     "mirostat_2": {"mirostat": 2},
+    "mirostat_1": {"mirostat": 1},
+    "temperature_only": {"top_k": 0, "top_p": 1.0},  # no knob: the dense path mirostat rows take, for reference
     "thinking_budget": {"thinking_token_budget": 10_000},
 }
 
@@ -257,6 +259,7 @@ def knob_rows(batch: int = 64, vocab: int = 128_256, budget_s: float = 1.5) -> l
     rows = []
     for name, knob in KNOBS.items():
         kw = ({"temperature": 0.8} if "mirostat" in knob else dict(RANDOM)) | knob
+        kw = {k: v for k, v in kw.items() if not (k == "top_k" and v == 0) and not (k == "top_p" and v == 1.0)}
         times = interleaved({"plain": step_fn(base), name: step_fn([SamplingParams(**kw) for _ in range(batch)])},
                             budget_s=budget_s)
         rows.append({"knob": name, "params": kw, "batch": batch, "vocab": vocab, "plain_ms": times["plain"],

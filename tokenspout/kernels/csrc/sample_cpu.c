@@ -712,11 +712,25 @@ static int64_t sample_mirostat(const float *x, int64_t V, float t, int mode, flo
         free(heap);
         thr = kv - m;
     }
+    /* Zero the dropped weights (vectorised: y - m >= thr, the same test torch makes on log p) and sum the kept. */
+    const __m256 thv = _mm256_set1_ps(thr);
     double zk = 0.0;
-    for (i = 0; i < V; i++) {
-        float d = x[i] / t - m;
-        if (!(d >= thr)) w[i] = 0.0f;
-        zk += w[i];
+    for (i = 0; i < V8; i += 1024) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t j = i; j < i + 1024 && j < V8; j += 8) {
+            __m256 v;
+            if (j + 8 <= V) {
+                v = load_scaled(x + j, tv, t);
+            } else {
+                float tail[8];
+                for (int b = 0; b < 8; b++) tail[b] = j + b < V ? x[j + b] / t : -INFINITY;
+                v = _mm256_loadu_ps(tail);
+            }
+            __m256 e = _mm256_and_ps(_mm256_loadu_ps(w + j), _mm256_cmp_ps(_mm256_sub_ps(v, mb), thv, _CMP_GE_OQ));
+            _mm256_storeu_ps(w + j, e);
+            acc = _mm256_add_ps(acc, e);
+        }
+        zk += hsum8(acc);
     }
     int64_t out = draw_dense(x, t, w, V, key, bs);
     *lp = (double)(x[out] / t - m) - log(zk);
