@@ -306,9 +306,10 @@ class SamplingParams:
     def depends_on_output(self, num_output_tokens: int) -> bool:
         """Whether processing this request's logits depends on the tokens it has generated so far: penalties
         (they count them), bad words (a multi-token word is banned after its prefix; speculation treats single
-        ones alike), or min_tokens not reached yet (stop tokens banned until then).  Such a row's sampling state
-        is rebuilt each step (no_repeat_ngram_size and DRY too), and it never verifies drafts (a drafted position's processing would need the drafts
-        before it as outputs)."""
+        ones alike), min_tokens not reached yet (stop tokens banned until then), no_repeat_ngram_size and DRY (they
+        read the history), mirostat (its mu moves with each token) and a thinking budget (it counts them).  Such a
+        row's sampling state is rebuilt each step, and it never verifies drafts (a drafted position's processing
+        would need the drafts before it as outputs)."""
         return (self.has_penalties or bool(self.bad_words_token_ids) or num_output_tokens < self.min_tokens
                 or self.no_repeat_ngram_size > 0 or self.uses_dry or self.mirostat > 0
                 or self.thinking_token_budget is not None)

@@ -15,7 +15,7 @@ import torch
 from scipy.stats import binomtest
 
 from tests.stats.chi2 import gof
-from tests.stats.test_sampler_stats import BLOCKS, FALLBACK, LOGITS, N, V, draws
+from tests.stats.test_sampler_stats import BLOCKS, FALLBACK, LOGITS, N, draws
 from tests.unit.test_sampler_warpers import hf_scores, ref_dynatemp, ref_top_n_sigma, ref_xtc
 from tokenspout.sampling_params import SamplingParams
 

@@ -160,14 +160,15 @@ def test_dry_through_the_sampler() -> None:
         state.append_tokens([0, 1], [[out[k]], [out[k]]])
 
 
-@pytest.mark.parametrize(("kw", "name"), [({"no_repeat_ngram_size": -1}, "no_repeat_ngram_size"),
-                                           ({"no_repeat_ngram_size": 65}, "no_repeat_ngram_size"),
-                                           ({"dry_multiplier": -0.1}, "dry_multiplier"), ({"dry_base": 0.5}, "dry_base"),
-                                           ({"dry_allowed_length": -1}, "dry_allowed_length"),
-                                           ({"dry_penalty_last_n": -2}, "dry_penalty_last_n"),
-                                           ({"dry_sequence_breakers": [""]}, "dry_sequence_breakers"),
-                                           ({"dry_sequence_breakers": ["x" * 41]}, "dry_sequence_breakers"),
-                                           ({"dry_sequence_breakers": ["a"] * 65}, "dry_sequence_breakers")])
+BAD = [({"no_repeat_ngram_size": -1}, "no_repeat_ngram_size"), ({"no_repeat_ngram_size": 65}, "no_repeat_ngram_size"),
+       ({"dry_multiplier": -0.1}, "dry_multiplier"), ({"dry_base": 0.5}, "dry_base"),
+       ({"dry_allowed_length": -1}, "dry_allowed_length"), ({"dry_penalty_last_n": -2}, "dry_penalty_last_n"),
+       ({"dry_sequence_breakers": [""]}, "dry_sequence_breakers"),
+       ({"dry_sequence_breakers": ["x" * 41]}, "dry_sequence_breakers"),
+       ({"dry_sequence_breakers": ["a"] * 65}, "dry_sequence_breakers")]
+
+
+@pytest.mark.parametrize(("kw", "name"), BAD)
 def test_repeat_knob_ranges(kw, name) -> None:
     with pytest.raises(ValueError, match=f"^{name}"):
         SamplingParams(**kw)

@@ -199,7 +199,6 @@ def test_xtc_reference(threshold: float, extra: dict) -> None:
 
 
 def test_xtc_threshold_above_half_is_off() -> None:
-    x = random_logits(random.Random(1)).unsqueeze(0)
     md = build_metadata([SamplingParams(xtc_probability=1.0, xtc_threshold=0.6)], V)
     assert md.warp is None
 
