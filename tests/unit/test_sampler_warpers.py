@@ -267,3 +267,22 @@ def test_warpers_on_dense_and_sparse_paths_agree() -> None:
         assert_same_distribution(sparse[0], want)
         if torch.equal(torch.isfinite(want), torch.isfinite(hf_scores(x[0], SamplingParams(**knobs)))):
             assert_same_distribution(dense[0], want)
+
+
+@pytest.mark.parametrize("mass", [0.2, 0.5, 0.9, 0.99])
+def test_typical_buckets_equal_the_sort(mass: float) -> None:
+    """Whole rows take typical's bucketed cut (no vocabulary sort): the same kept set as sorting, on 128k-token
+    rows with ties (bf16 logits) and masked tokens, and on small rows against transformers."""
+    from tokenspout.sample.ops.warpers import typical
+
+    g = torch.Generator().manual_seed(int(mass * 100))
+    s = 1.0 + 2.0 * torch.rand(8, 1, generator=g)
+    y = (-s * torch.log(torch.rand(8, 128_256, generator=g) * 128_256 + 1)).bfloat16().float()
+    y[:, ::7] = float("-inf")
+    m = torch.full((8,), mass)
+    assert torch.equal(typical(y, m, buckets=True), typical(y, m, buckets=False))
+    rng = random.Random(int(mass * 1000))
+    for _ in range(6):
+        x = random_logits(rng)
+        hf = torch.isfinite(TypicalLogitsWarper(mass)(torch.zeros(1, 1, dtype=torch.long), x.double().unsqueeze(0))[0])
+        assert torch.equal(typical(x.unsqueeze(0), m[:1], buckets=True)[0], hf)

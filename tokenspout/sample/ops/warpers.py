@@ -21,8 +21,8 @@ Each one works on the renormalised survivors of the steps before it, as transfor
 
 Rows are [R, K] scaled logits with -inf where dropped: either candidate sets (a top-k / top-p row's kept tokens all
 lie among its candidates, topk_topp.py) or whole rows [R, V].  typical_p orders the kept tokens by |-log p - H|:
-on a candidate set that is a sort of K values; on a whole row (no top-k / top-p in front of it) it is a sort of the
-row, the one knob whose rows pay a vocabulary sort (README says so).
+on a candidate set that is a sort of K values; on a whole row (no top-k / top-p in front of it) the cut is found
+from bucketed sums of the row's mass instead (no vocabulary sort).
 """
 
 from __future__ import annotations
@@ -116,17 +116,50 @@ def dynatemp(x: torch.Tensor, temperature: torch.Tensor, rng: torch.Tensor, expo
     return torch.where(n > 1, t, temperature).clamp(min=GREEDY_EPS)
 
 
-def typical(y: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+SORT_MAX = 4096  # typical(): rows up to this wide sort their scores; wider ones (whole rows) bucket them
+
+
+def typical(y: torch.Tensor, mass: torch.Tensor, buckets: bool | None = None) -> torch.Tensor:
     """Keep mask [R, K]: the tokens whose |-log p - H| is at most the smallest value v at which the mass of
     {|-log p - H| <= v} reaches `mass` (TypicalLogitsWarper: sort ascending, cut where the cumulative mass first
-    reaches `mass`; ties at that value all stay, whatever order the sort left them in)."""
+    reaches `mass`; ties at that value all stay, whatever order the sort left them in).  `buckets`: find v without
+    sorting the row (default: for rows wider than SORT_MAX, i.e. whole vocabularies)."""
     logp = y.log_softmax(-1)
-    h = -(logp.exp() * logp).nan_to_num_(nan=0.0).sum(-1, keepdim=True)
+    p = logp.exp()
+    h = -(p * logp).nan_to_num_(nan=0.0).sum(-1, keepdim=True)
     s = (-logp - h).abs()  # +inf where dropped
+    if buckets if buckets is not None else y.shape[1] > SORT_MAX:
+        return s <= _weighted_quantile(s, p, mass)
     s_sorted, order = s.sort(-1)
-    cum = logp.exp().gather(1, order).cumsum(-1)
+    cum = p.gather(1, order).cumsum(-1)
     last = (cum < mass.unsqueeze(-1)).sum(-1, keepdim=True).clamp_(max=s.shape[1] - 1)
     return s <= s_sorted.gather(1, last)
+
+
+def _weighted_quantile(s: torch.Tensor, p: torch.Tensor, mass: torch.Tensor, shift: int = 16) -> torch.Tensor:
+    """[R, 1]: the smallest s value v with sum(p[s <= v]) >= mass (the largest finite s if rounding never gets
+    there), without sorting the row -- nucleus.py's method on s instead of p: for s >= 0 the float32 bit pattern is
+    monotone in s, so buckets `bits >> shift` are ordered like s; the bucket where the cumulative mass reaches the
+    target is found from per-bucket sums, and only its few tokens are ordered."""
+    finite = torch.isfinite(s) & (p > 0)
+    s0 = torch.where(finite, s, 0.0)
+    key = (s0.view(torch.int32) >> shift).to(torch.int64)
+    nb = int(key.max()) + 1
+    w = torch.where(finite, p, 0.0)
+    bmass = torch.zeros(s.shape[0], nb, dtype=p.dtype, device=p.device).scatter_add_(1, key, w)
+    cum = bmass.cumsum(-1)
+    target = mass.unsqueeze(-1).to(cum.dtype)
+    b = (cum < target).sum(-1, keepdim=True).clamp_(max=nb - 1)  # the boundary bucket
+    below = torch.where(b > 0, cum.gather(1, (b - 1).clamp(min=0)), 0.0)
+    inside = finite & (key == b)
+    width = max(int(torch.count_nonzero(inside, dim=-1).max()), 1)
+    vals, ids = torch.where(inside, s, float("inf")).topk(width, -1, largest=False)  # ascending
+    run = below + p.gather(1, ids).masked_fill_(~torch.isfinite(vals), 0.0).cumsum(-1)
+    j = (run < target).sum(-1, keepdim=True).clamp_(max=width - 1)
+    v = vals.gather(1, j)
+    # A boundary past every finite token (rounding kept the mass below the target): keep them all.
+    top = torch.where(finite, s, float("-inf")).amax(-1, keepdim=True)
+    return torch.where(torch.isfinite(v), v, top)
 
 
 def _cutoff(y: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
