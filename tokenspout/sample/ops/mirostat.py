@@ -87,7 +87,9 @@ def update(states: list[MirostatState], kept_logits: torch.Tensor, drawn: torch.
 
 def update_from_logprobs(states: list[MirostatState], lp: torch.Tensor, tau: torch.Tensor,
                          eta: torch.Tensor) -> torch.Tensor:
-    """update() given the drawn tokens' log probabilities among the kept ones (natural log) [M]."""
+    """update() given the drawn tokens' log probabilities among the kept ones (natural log) [M].  The states live
+    on the host: on an accelerator this reads M values back (steps with mirostat rows only)."""
+    lp, tau, eta = lp.double().cpu(), tau.double().cpu(), eta.double().cpu()
     mu = torch.tensor([s.mu for s in states], dtype=torch.float64)
     new = mu - eta.double() * (-lp / math.log(2.0) - tau.double())
     for s, v in zip(states, new.tolist()):
