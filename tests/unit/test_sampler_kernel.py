@@ -8,6 +8,8 @@ The distribution itself is checked by tests/stats/test_sampler_stats.py (path "c
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -182,3 +184,24 @@ def test_warped_and_plain_kernel_rows_in_one_batch() -> None:
     alone = [int(Sampler()(x[i : i + 1].clone(), build_metadata([p], V)).sampled_token_ids[0])
              for i, p in enumerate(params)]
     assert kernel.tolist() == alone
+
+
+def test_warped_kernel_whole_rows() -> None:
+    """Warped rows without top-k (no typical_p) take the kernel's whole-row path: top_n_sigma, dynatemp, min_p,
+    top-p (bucketed), epsilon, eta, XTC; token for token the torch path's draw.  typical_p rows without top-k stay
+    on the torch path."""
+    g = torch.Generator().manual_seed(23)
+    mismatches = total = 0
+    for trial in range(8):
+        rows = 16
+        x = torch.randn(rows, V, generator=g) * (1.0 + trial % 4)
+        params = [dataclasses.replace(p, top_k=0, typical_p=1.0) for p in warped_params(g, rows, trial)]
+        meta = build_metadata(params, V)
+        warped = [i for i, p in enumerate(params) if p.uses_warpers]  # (rows whose one knob was typical_p: plain)
+        assert meta.warp_kernel_rows == warped and len(warped) >= rows // 2
+        kernel, ref = both(x, params, outputs=[[1] * (trial + i) for i in range(rows)])
+        mismatches += int((kernel != ref).sum())
+        total += rows
+    assert total == 128 and mismatches <= 1
+    assert build_metadata([SamplingParams(typical_p=0.5), SamplingParams(top_k=5, typical_p=0.5)],
+                          V).warp_kernel_rows == [1]

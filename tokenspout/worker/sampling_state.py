@@ -164,7 +164,7 @@ def _row_classes(infos: list[_Slot]) -> _RowClasses:
                 and info.mirostat is None):
             if info.warp is None:
                 c.kernel.append(row)
-            elif info.top_k > 0:  # the warped kernel works on top-k candidate sets only
+            elif info.top_k > 0 or info.warp[0] >= 1.0:  # whole rows only without typical_p (it orders them)
                 c.warp_kernel.append(row)
     return c
 

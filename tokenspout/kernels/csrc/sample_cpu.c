@@ -619,9 +619,73 @@ static int64_t sample_top_k_warped(const float *x, int64_t V, float t, int64_t k
     return out;
 }
 
+/* A warped row without top-k (and without typical_p, which needs its candidates ordered: rows_cpu.py sends those
+ * to the torch path): the whole row's weights after top_n_sigma, dynatemp, min_p and top-p (nucleus.py's bucketed
+ * cut), then epsilon / eta / XTC as masks on them, then the dense draw. */
+static int64_t sample_dense_warped(const float *x, int64_t V, float t, float top_p, float min_p, uint64_t key,
+                                   int64_t bs, const float *wk) {
+    float one;
+    double st[4];
+    kth_and_stats(x, V, 1, &one, st); /* st[0]: the row's max */
+    if (!(st[1] > 0.0)) return 0;
+    float bound = -INFINITY;
+    if (wk[W_SIGMA] > 0.0f) {
+        double mean = st[2] / st[1], var = fmax(st[3] / st[1] - mean * mean, 0.0);
+        bound = (float)(st[0] - wk[W_SIGMA] * sqrt(var));
+    }
+    float tw = wk[W_DYN_R] > 0.0f ? dyn_temp(x, V, bound, (float)st[0], t, wk) : t;
+    float m = (float)st[0] / tw;
+    float *w = malloc((size_t)V * sizeof(float));
+    double z = 0.0;
+    for (int64_t i = 0; i < V; i++) {
+        float e = x[i] >= bound && x[i] > -INFINITY ? expf(x[i] / tw - m) : 0.0f;
+        if (min_p > 0.0f && e < min_p) e = 0.0f;
+        w[i] = e;
+        z += e;
+    }
+    if (top_p < 1.0f) {
+        wide_top_p(x, tw, w, V, (float)(top_p * z));
+        z = 0.0;
+        for (int64_t i = 0; i < V; i++) z += w[i];
+    }
+    for (int pass = 0; pass < 2; pass++) { /* epsilon, then eta: p < bound dropped, the top token stays */
+        float e = pass ? wk[W_ETA] : wk[W_EPS];
+        if (!(e > 0.0f)) continue;
+        double b = e;
+        if (pass) {
+            double swl = 0.0;
+            for (int64_t i = 0; i < V; i++)
+                if (w[i] > 0.0f) swl += w[i] * log((double)w[i]);
+            double h = log(z) - swl / z;
+            b = fmin((double)e, sqrt((double)e) * exp(-h));
+        }
+        double cut = b * z, z2 = 0.0;
+        for (int64_t i = 0; i < V; i++) {
+            if (w[i] > 0.0f && w[i] < cut && w[i] < 1.0f) w[i] = 0.0f; /* w = 1: the row's max, which stays */
+            z2 += w[i];
+        }
+        z = z2;
+    }
+    if (wk[W_XTC_P] > 0.0f && wk[W_XTC_T] <= 0.5f && xtc_uniform(key) < (double)wk[W_XTC_P]) {
+        double thr = wk[W_XTC_T] * z, least = INFINITY;
+        int64_t above = 0;
+        for (int64_t i = 0; i < V; i++)
+            if (w[i] > 0.0f && w[i] >= thr) {
+                above++;
+                least = fmin(least, w[i]);
+            }
+        if (above >= 2)
+            for (int64_t i = 0; i < V; i++)
+                if (w[i] >= thr && w[i] > least) w[i] = 0.0f;
+    }
+    int64_t out = draw_dense(x, tw, w, V, key, bs);
+    free(w);
+    return out;
+}
+
 /* ts_sample_rows for rows that may use the warpers: wk [*, W_NUM] per batch row (typical_p, epsilon, eta,
  * top_n_sigma, xtc_probability, xtc_threshold, dynatemp_range, dynatemp_exponent; neutral values: off); rows with
- * top_k 0 must not come here. */
+ * top_k 0 must not use typical_p. */
 void ts_sample_rows_warped(const float *x, int64_t ldx, int64_t V, const int64_t *rows, int64_t n,
                            const float *temperature, const int64_t *top_k, const float *top_p, const float *min_p,
                            const int64_t *seed_keys, const int64_t *positions, int64_t block_size, const float *wk,
@@ -630,8 +694,10 @@ void ts_sample_rows_warped(const float *x, int64_t ldx, int64_t V, const int64_t
     for (int64_t i = 0; i < n; i++) {
         int64_t r = rows[i];
         uint64_t key = mix64((uint64_t)seed_keys[r] + (uint64_t)(positions[r] + 1) * GOLDEN);
-        out[i] = sample_top_k_warped(x + r * ldx, V, temperature[r], top_k[r], top_p[r], min_p[r], key, block_size,
-                                     wk + r * W_NUM);
+        out[i] = top_k[r] > 0 ? sample_top_k_warped(x + r * ldx, V, temperature[r], top_k[r], top_p[r], min_p[r], key,
+                                                     block_size, wk + r * W_NUM)
+                               : sample_dense_warped(x + r * ldx, V, temperature[r], top_p[r], min_p[r], key,
+                                                     block_size, wk + r * W_NUM);
     }
 }
 
