@@ -227,6 +227,9 @@ KNOBS: dict[str, dict] = {
     "mirostat_2": {"mirostat": 2},
     "mirostat_1": {"mirostat": 1},
     "temperature_only": {"top_k": 0, "top_p": 1.0},  # no knob: the dense path mirostat rows take, for reference
+    # Whole rows (no top-k / top-p): the kernel's whole-row warped path, to compare with temperature_only.
+    "top_n_sigma_alone": {"top_n_sigma": 1.0, "top_k": 0, "top_p": 1.0},
+    "xtc_min_p": {"xtc_probability": 0.5, "min_p": 0.05, "top_k": 0, "top_p": 1.0},
     "thinking_budget": {"thinking_token_budget": 10_000},
 }
 

@@ -637,7 +637,23 @@ static int64_t sample_dense_warped(const float *x, int64_t V, float t, float top
     float m = (float)st[0] / tw;
     float *w = malloc((size_t)V * sizeof(float));
     double z = 0.0;
-    for (int64_t i = 0; i < V; i++) {
+    const __m256 tv = _mm256_set1_ps(tw), mv = _mm256_set1_ps(m), bv = _mm256_set1_ps(bound),
+                 ninf = _mm256_set1_ps(-INFINITY), mpv = _mm256_set1_ps(min_p);
+    int64_t i = 0;
+    while (i + 8 <= V) { /* w = exp(y - max y) where kept (sigma, min_p), float lanes folded into double per 1024 */
+        __m256 acc = _mm256_setzero_ps();
+        int64_t end = i + 1024 < V ? i + 1024 : V;
+        for (; i + 8 <= end; i += 8) {
+            __m256 xv = _mm256_loadu_ps(x + i);
+            __m256 ok = _mm256_and_ps(_mm256_cmp_ps(xv, bv, _CMP_GE_OQ), _mm256_cmp_ps(xv, ninf, _CMP_GT_OQ));
+            __m256 e = _mm256_and_ps(ok, exp_neg(_mm256_sub_ps(load_scaled(x + i, tv, tw), mv)));
+            if (min_p > 0.0f) e = _mm256_and_ps(e, _mm256_cmp_ps(e, mpv, _CMP_GE_OQ));
+            _mm256_storeu_ps(w + i, e);
+            acc = _mm256_add_ps(acc, e);
+        }
+        z += hsum8(acc);
+    }
+    for (; i < V; i++) {
         float e = x[i] >= bound && x[i] > -INFINITY ? expf(x[i] / tw - m) : 0.0f;
         if (min_p > 0.0f && e < min_p) e = 0.0f;
         w[i] = e;
