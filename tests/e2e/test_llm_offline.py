@@ -158,3 +158,19 @@ def test_thinking_token_budget_forces_the_end_marker(llm, tokenizer):
         assert (c.message.reasoning or "") == tokenizer.decode(c.token_ids[:budget]) and c.message.content
     with pytest.raises(ValueError, match="reasoning parser"):
         llm.generate("hi", SamplingParams(thinking_token_budget=4))
+
+
+def test_thinking_budget_then_the_grammar_applies_to_the_answer(llm, tokenizer):
+    """A forced end of reasoning followed by a grammar-constrained answer: the answer (after `</think>`) matches the
+    regex, the reasoning before it is unconstrained and exactly `budget` tokens long."""
+    import re
+
+    from tokenspout.sampling_params import StructuredOutputsParams
+
+    end = tokenizer.encode("</think>", add_special_tokens=False)
+    out = llm.chat([{"role": "user", "content": "Pick a number."}],
+                   SamplingParams(temperature=0.0, max_tokens=24, thinking_token_budget=5,
+                                  structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}")),
+                   reasoning_parser="deepseek_r1")[0].outputs[0]
+    assert out.token_ids[5:5 + len(end)] == end
+    assert re.fullmatch(r"\s*[0-9]{3}", out.message.content), out.text
