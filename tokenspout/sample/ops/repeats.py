@@ -63,8 +63,10 @@ class DryState:
         self._init(tokens)
 
     def _init(self, tokens: list[int]) -> None:
-        """m for a whole history at once: the Z-function of the reversed sequence (z[k] = m[L - 1 - k])."""
-        c = np.asarray(tokens, dtype=np.int64)
+        """m for a whole history at once: the Z-function of the reversed sequence (z[k] = m[L - 1 - k]).  With a
+        window only its tokens are kept: a repeat is capped at the window's start anyway, and the window only moves
+        forward."""
+        c = np.asarray(tokens[-self.last_n:] if self.last_n > 0 else tokens, dtype=np.int64)
         n = len(c)
         s = c[::-1].tolist()
         z = [0] * n
@@ -89,6 +91,8 @@ class DryState:
             new[-1] = 0
             self.m = new
             self.ctx = np.append(c, t)
+            if 0 < self.last_n < len(self.ctx):
+                self.ctx, self.m = self.ctx[-self.last_n:], self.m[-self.last_n:]
 
     def _rep_limit(self, w: int) -> int:
         """The distance back (within the last w tokens) to the newest complete breaker, as llama.cpp's step 1."""
