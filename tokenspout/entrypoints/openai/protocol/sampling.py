@@ -20,11 +20,6 @@ MAX_JSON_DEPTH = 64  # a JSON schema 30 levels deep still fits (each level is "p
 MAX_STOP = 64  # strings (OpenAI allows 4)
 MAX_TOKEN_LIST = 1024  # stop_token_ids, bad_words, logit_bias entries, guided choices
 MAX_ALLOWED_TOKEN_IDS = 262144  # the largest vocabularies (Gemma's 256k) listed whole
-# Request fields passed to SamplingParams as they are when set (it validates them; unset: its neutral default).
-EXTRA_SAMPLING_FIELDS = ("typical_p", "epsilon_cutoff", "eta_cutoff", "top_n_sigma", "xtc_probability", "xtc_threshold",
-                 "dynatemp_range", "dynatemp_exponent", "no_repeat_ngram_size", "dry_multiplier", "dry_base",
-                 "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers", "mirostat", "mirostat_tau",
-                 "mirostat_eta")
 
 
 def _check_text(value: Any, path: str, depth: int = 0) -> None:
@@ -85,6 +80,14 @@ class StructuredOutputsRequest(StrictModel):
     json_object: bool | None = None
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+# Request fields passed to SamplingParams as they are when set (it validates them; unset: its neutral default).
+EXTRA_SAMPLING_FIELDS = (
+    "typical_p", "epsilon_cutoff", "eta_cutoff", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range",
+    "dynatemp_exponent", "no_repeat_ngram_size", "dry_multiplier", "dry_base", "dry_allowed_length",
+    "dry_penalty_last_n", "dry_sequence_breakers", "mirostat", "mirostat_tau", "mirostat_eta",
+)
 
 
 class SamplingRequest(StrictModel):
