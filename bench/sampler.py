@@ -2,6 +2,7 @@
 
     python -m bench.sampler            # batch 1/16/64/256 x vocab 49,152/128,256 (~2-3 min on 2 cores)
     python -m bench.sampler --quick    # batch 1/64 x vocab 128,256
+    python -m bench.sampler --knobs    # issue #31's knobs at batch 64 x vocab 128,256 against plain random sampling
 
 Cases: greedy (all rows); random (T 0.8, top_p 0.95, top_k 50); top_p (0.9 only); mixed (rows cycle
 greedy / T 0.8 top_p 0.95 top_k 50 / top_p 0.9 / T 0.7 only, every row with repetition 1.1, presence
@@ -212,6 +213,66 @@ def bench_case(case: str, batch: int, vocab: int, sampler: Sampler, with_hf: boo
     return row
 
 
+# Each knob on top of RANDOM (mirostat replaces top-k / top-p, so its row is T 0.8 alone); every row has a 256-token
+# history (prompt) that DRY and no_repeat_ngram read.
+KNOBS: dict[str, dict] = {
+    "typical_p": {"typical_p": 0.9},
+    "epsilon_cutoff": {"epsilon_cutoff": 3e-4},
+    "eta_cutoff": {"eta_cutoff": 2e-3},
+    "top_n_sigma": {"top_n_sigma": 1.5},
+    "xtc": {"xtc_probability": 0.5, "xtc_threshold": 0.1},
+    "dynatemp": {"dynatemp_range": 0.5},
+    "no_repeat_ngram": {"no_repeat_ngram_size": 3},
+    "dry": {"dry_multiplier": 0.8},
+    "mirostat_2": {"mirostat": 2},
+    "mirostat_1": {"mirostat": 1},
+    "temperature_only": {"top_k": 0, "top_p": 1.0},  # no knob: the dense path mirostat rows take, for reference
+    # Whole rows (no top-k / top-p): the kernel's whole-row warped path, to compare with temperature_only.
+    "top_n_sigma_alone": {"top_n_sigma": 1.0, "top_k": 0, "top_p": 1.0},
+    "xtc_min_p": {"xtc_probability": 0.5, "min_p": 0.05, "top_k": 0, "top_p": 1.0},
+    "thinking_budget": {"thinking_token_budget": 10_000},
+}
+
+
+def knob_rows(batch: int = 64, vocab: int = 128_256, budget_s: float = 3.0) -> list[dict]:
+    """ms per decode step (metadata build + sampler + appending the sampled tokens) of a batch where every row uses
+    one knob, against plain random sampling (RANDOM) measured interleaved in the same run on the same logits."""
+    gen = torch.Generator().manual_seed(31)
+    logits = llm_like_logits(batch, vocab, gen)
+    history = torch.randint(0, 500, (batch, 256), generator=gen).tolist()  # a small alphabet: repeats to find
+    sampler = Sampler()
+
+    def step_fn(params: list[SamplingParams]) -> Callable[[], object]:
+        state = SamplingState(batch, vocab, torch.device("cpu"))
+        for i, p in enumerate(params):
+            if p.thinking_token_budget is not None:
+                p.reasoning_end_token_ids = [1, 2]
+            if p.uses_dry:
+                p.dry_sequence_breaker_ids = [[198], [25]]
+            state.add_request(i, p, history[i], [], 1000 + i)
+        slots = list(range(batch))
+
+        def run() -> object:
+            out = sampler(logits, state.metadata(slots)).sampled_token_ids
+            state.append_tokens(slots, [[t] for t in out.tolist()])
+            return out
+        return run
+
+    base = [SamplingParams(**RANDOM) for _ in range(batch)]
+    rows = []
+    for name, knob in KNOBS.items():
+        kw = ({"temperature": 0.8} if "mirostat" in knob else dict(RANDOM)) | knob
+        kw = {k: v for k, v in kw.items() if not (k == "top_k" and v == 0) and not (k == "top_p" and v == 1.0)}
+        times = interleaved({"plain": step_fn(base), name: step_fn([SamplingParams(**kw) for _ in range(batch)])},
+                            budget_s=budget_s)
+        rows.append({"knob": name, "params": kw, "batch": batch, "vocab": vocab, "plain_ms": times["plain"],
+                     "knob_ms": times[name], "ratio": times[name] / times["plain"],
+                     "ratio_min": times[f"{name}_min"] / times["plain_min"], "loadavg_1min": os.getloadavg()[0]})
+        print(f"{name:>16} {rows[-1]['plain_ms']:8.2f} {rows[-1]['knob_ms']:8.2f} {rows[-1]['ratio']:6.2f}x "
+              f"(min-based {rows[-1]['ratio_min']:5.2f}x)  load {rows[-1]['loadavg_1min']:.2f}", flush=True)
+    return rows
+
+
 def components(vocab: int = 128_256) -> dict[str, float]:
     """Costs behind the design choices, [64, vocab] float32 rows unless the name says otherwise."""
     gen = torch.Generator().manual_seed(0)
@@ -253,9 +314,28 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", help="override the batch sizes")
     ap.add_argument("--out", type=Path, default=RESULTS, help=f"JSON results (default {RESULTS})")
     ap.add_argument("--vocabs", type=int, nargs="+", help="override the vocabulary sizes")
+    ap.add_argument("--knobs", action="store_true", help="only issue #31's knob rows (bench/results/sampler_knobs.json "
+                    "unless --out)")
     args = ap.parse_args()
     torch.set_num_threads(2)
     tuned = False if args.default_malloc else keep_freed_memory()
+    if args.knobs:
+        print(f"{'knob':>16} {'plain ms':>8} {'knob ms':>8} {'ratio':>7}   (batch 64, vocab 128,256, per decode step)")
+        out = args.out if args.out != RESULTS else RESULTS.with_name("sampler_knobs.json")
+        # Three runs, the median ratio per knob: this machine is shared, a single run moves by ~30%.
+        runs = [knob_rows() for _ in range(3)]
+        summary = [{"knob": r["knob"], "ratios": [run[i]["ratio"] for run in runs],
+                    "median_ratio": statistics.median(run[i]["ratio"] for run in runs),
+                    "plain_ms": statistics.median(run[i]["plain_ms"] for run in runs),
+                    "knob_ms": statistics.median(run[i]["knob_ms"] for run in runs)} for i, r in enumerate(runs[0])]
+        for r in summary:
+            print(f"{r['knob']:>16} median ratio {r['median_ratio']:.2f}x  (runs: "
+                  f"{', '.join(f'{x:.2f}' for x in r['ratios'])})")
+        out.write_text(json.dumps({"machine": {"platform": platform.platform(), "threads": torch.get_num_threads(),
+                                               "torch": torch.__version__}, "summary": summary, "runs": runs},
+                                  indent=1))
+        print(f"wrote {out}")
+        return
     batches = args.batches or ((1, 64) if args.quick else (1, 16, 64, 256))
     vocabs = args.vocabs or ((128_256,) if args.quick else (49_152, 128_256))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, glibc keeps freed memory: {tuned}")

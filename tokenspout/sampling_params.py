@@ -8,6 +8,7 @@ ValueError naming the field and the allowed range (the server maps them to HTTP 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # Temperatures below this are treated as greedy (as vLLM does); the sampler guards the division.
@@ -16,6 +17,25 @@ MAX_LOGPROBS = 20
 LOGIT_BIAS_CLAMP = 100.0
 # vLLM's seed range (a torch.long).
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
+
+# (field, low, high, low excluded, the rule a 400 states); _HALF_OPEN fields also exclude `high`.
+_WARPER_RANGES = (
+    ("typical_p", 0.0, 1.0, True, "in (0, 1] (1 = off)"),
+    ("epsilon_cutoff", 0.0, 1.0, False, "in [0, 1) (0 = off)"),
+    ("eta_cutoff", 0.0, 1.0, False, "in [0, 1) (0 = off)"),
+    ("top_n_sigma", 0.0, 100.0, False, "in [0, 100] (0 or -1 = off)"),
+    ("xtc_probability", 0.0, 1.0, False, "in [0, 1] (0 = off)"),
+    ("xtc_threshold", 0.0, 1.0, False, "in [0, 1] (above 0.5: off)"),
+    ("dynatemp_range", 0.0, 100.0, False, "in [0, 100] (0 = off)"),
+    ("dynatemp_exponent", 0.0, 100.0, False, "in [0, 100]"),
+)
+_HALF_OPEN = ("epsilon_cutoff", "eta_cutoff")
+MAX_NGRAM = 64  # no_repeat_ngram_size bound: each step looks up an (n-1)-token key
+DRY_DEFAULT_BREAKERS = ("\n", ":", "\"", "*")  # llama.cpp's defaults
+MAX_DRY_BREAKERS = 64  # dry_sequence_breakers: at most this many strings ...
+MAX_DRY_BREAKER_CHARS = 40  # ... of at most this many characters (llama.cpp truncates there)
+MAX_DRY_LAST_N = 1 << 20
+MAX_THINKING_BUDGET = 1 << 20
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -90,8 +110,40 @@ class SamplingParams:
     guidance_scale: float = 1.0
     negative_prompt: str | None = None
     negative_prompt_token_ids: list[int] | None = None  # filled by the frontend Processor
+    # Further truncation and reshaping (sample/ops/warpers.py; README "Sampling parameters" has the order and the
+    # source of each one's semantics).  Neutral values mean "off"; greedy rows ignore them all.
+    typical_p: float = 1.0  # transformers' TypicalLogitsWarper (locally typical sampling)
+    epsilon_cutoff: float = 0.0  # transformers' EpsilonLogitsWarper
+    eta_cutoff: float = 0.0  # transformers' EtaLogitsWarper
+    top_n_sigma: float = 0.0  # llama.cpp: keep logits >= max - n * std (0 = off; -1 accepted as off)
+    xtc_probability: float = 0.0  # llama.cpp's XTC: chance per step of excluding the top choices
+    xtc_threshold: float = 0.1  # ... the tokens with p >= this, all but the least likely of them
+    dynatemp_range: float = 0.0  # llama.cpp's entropy-scaled temperature in [T - range, T + range] (0 = off)
+    dynatemp_exponent: float = 1.0
+    # Repetition knobs over prompt + output (sample/ops/repeats.py), argmax-changing (greedy rows too), after the
+    # penalties.  no_repeat_ngram_size: transformers' NoRepeatNGramLogitsProcessor (0 = off).  DRY: llama.cpp's
+    # "don't repeat yourself" (dry_multiplier 0 = off; dry_penalty_last_n -1 = the whole context, 0 = off).
+    no_repeat_ngram_size: int = 0
+    # Mirostat (sample/ops/mirostat.py; llama.cpp's v1 / v2): 0 = off.  Replaces top-k / top-p / min-p and the
+    # warpers (a 400 together with them); the running target mu is per request, carried across preemption.
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    # After this many reasoning tokens the reasoning's end marker is forced (needs a reasoning parser: the server /
+    # LLM.chat sets reasoning_end / reasoning_start from it; sample/ops/thinking.py).  None = no budget.
+    thinking_token_budget: int | None = None
+    reasoning_end: str | None = None
+    reasoning_start: str | None = None  # None: the reply starts inside the reasoning
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: list[str] = field(default_factory=lambda: list(DRY_DEFAULT_BREAKERS))
     # Filled by the frontend Processor from the tokenizer (never by users):
     bad_words_token_ids: list[list[int]] | None = None
+    dry_sequence_breaker_ids: list[list[int]] | None = None
+    reasoning_end_token_ids: list[int] | None = None
+    reasoning_start_token_ids: list[int] | None = None
     eos_token_id: int | None = None
 
     def __post_init__(self) -> None:
@@ -103,6 +155,8 @@ class SamplingParams:
             self.stop_token_ids = []
         if self.top_k == -1:
             self.top_k = 0
+        if self.top_n_sigma == -1:
+            self.top_n_sigma = 0.0
         self.validate()
 
     @property
@@ -165,6 +219,59 @@ class SamplingParams:
             raise bad("guidance_scale", "in [0, 100] (1 = off)", self.guidance_scale)
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
             raise bad("allowed_token_ids", "a non-empty list", self.allowed_token_ids)
+        self._validate_warpers(bad)
+        self._validate_repeats(bad)
+        self._validate_mirostat(bad)
+        if self.thinking_token_budget is not None and (
+                not isinstance(self.thinking_token_budget, int) or isinstance(self.thinking_token_budget, bool)
+                or not 0 <= self.thinking_token_budget <= MAX_THINKING_BUDGET):
+            raise bad("thinking_token_budget", f"an integer in [0, {MAX_THINKING_BUDGET}]", self.thinking_token_budget)
+
+    def _validate_mirostat(self, bad: Callable[[str, str, object], ValueError]) -> None:
+        if self.mirostat not in (0, 1, 2) or isinstance(self.mirostat, bool):
+            raise bad("mirostat", "0 (off), 1 or 2", self.mirostat)
+        if not isinstance(self.mirostat_tau, (int, float)) or not 0.0 <= self.mirostat_tau <= 100.0:
+            raise bad("mirostat_tau", "in [0, 100]", self.mirostat_tau)
+        if not isinstance(self.mirostat_eta, (int, float)) or not 0.0 <= self.mirostat_eta <= 10.0:
+            raise bad("mirostat_eta", "in [0, 10]", self.mirostat_eta)
+        if self.mirostat:
+            clash = [name for name, on in (("top_k", self.top_k > 0), ("top_p", self.top_p < 1.0),
+                                           ("min_p", self.min_p > 0.0), ("typical_p", self.typical_p < 1.0),
+                                           ("epsilon_cutoff", self.epsilon_cutoff > 0.0),
+                                           ("eta_cutoff", self.eta_cutoff > 0.0), ("top_n_sigma", self.top_n_sigma > 0),
+                                           ("xtc_probability", self.xtc_active),
+                                           ("dynatemp_range", self.dynatemp_range > 0.0)) if on]
+            if clash:
+                raise ValueError(f"mirostat replaces top-k / top-p / min-p and the other truncation samplers (as in "
+                                 f"llama.cpp); it cannot be combined with {', '.join(clash)}")
+
+    def _validate_repeats(self, bad: Callable[[str, str, object], ValueError]) -> None:
+        def integer(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        if not integer(self.no_repeat_ngram_size) or not 0 <= self.no_repeat_ngram_size <= MAX_NGRAM:
+            raise bad("no_repeat_ngram_size", f"an integer in [0, {MAX_NGRAM}] (0 = off)", self.no_repeat_ngram_size)
+        if not isinstance(self.dry_multiplier, (int, float)) or not 0.0 <= self.dry_multiplier <= 100.0:
+            raise bad("dry_multiplier", "in [0, 100] (0 = off)", self.dry_multiplier)
+        if not isinstance(self.dry_base, (int, float)) or not 1.0 <= self.dry_base <= 100.0:
+            raise bad("dry_base", "in [1, 100]", self.dry_base)
+        if not integer(self.dry_allowed_length) or not 0 <= self.dry_allowed_length <= 1024:
+            raise bad("dry_allowed_length", "an integer in [0, 1024]", self.dry_allowed_length)
+        if not integer(self.dry_penalty_last_n) or not -1 <= self.dry_penalty_last_n <= MAX_DRY_LAST_N:
+            raise bad("dry_penalty_last_n", f"-1 (the whole context), 0 (off) or an integer up to {MAX_DRY_LAST_N}",
+                      self.dry_penalty_last_n)
+        brk = self.dry_sequence_breakers
+        if (not isinstance(brk, list) or len(brk) > MAX_DRY_BREAKERS
+                or any(not isinstance(b, str) or not 0 < len(b) <= MAX_DRY_BREAKER_CHARS for b in brk)):
+            raise bad("dry_sequence_breakers", f"a list of at most {MAX_DRY_BREAKERS} non-empty strings of at most "
+                      f"{MAX_DRY_BREAKER_CHARS} characters", brk)
+
+    def _validate_warpers(self, bad: Callable[[str, str, object], ValueError]) -> None:
+        for name, lo, hi, lo_open, rule in _WARPER_RANGES:
+            v = getattr(self, name)
+            if (not isinstance(v, (int, float)) or isinstance(v, bool) or v != v or v < lo or v > hi
+                    or (lo_open and v == lo) or (name in _HALF_OPEN and v == hi)):
+                raise bad(name, rule, v)
 
     def validate_for_vocab(self, vocab_size: int) -> None:
         """Checks that every token id the request names exists in the model's vocabulary."""
@@ -178,16 +285,34 @@ class SamplingParams:
                     raise ValueError(f"{name} has token id {t}, outside the vocabulary [0, {vocab_size})")
 
     @property
+    def uses_dry(self) -> bool:
+        return self.dry_multiplier > 0.0 and self.dry_penalty_last_n != 0
+
+    @property
+    def uses_warpers(self) -> bool:
+        """Whether a (random) row of this request takes the warpers' path (sample/ops/warpers.py)."""
+        return (self.typical_p < 1.0 or self.epsilon_cutoff > 0.0 or self.eta_cutoff > 0.0 or self.top_n_sigma > 0.0
+                or self.xtc_active or self.dynatemp_range > 0.0)
+
+    @property
+    def xtc_active(self) -> bool:
+        """XTC can act: llama.cpp's rule (a threshold above 0.5 can never have two tokens above it)."""
+        return self.xtc_probability > 0.0 and self.xtc_threshold <= 0.5
+
+    @property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def depends_on_output(self, num_output_tokens: int) -> bool:
         """Whether processing this request's logits depends on the tokens it has generated so far: penalties
         (they count them), bad words (a multi-token word is banned after its prefix; speculation treats single
-        ones alike), or min_tokens not reached yet (stop tokens banned until then).  Such a row's sampling state
-        is rebuilt each step, and it never verifies drafts (a drafted position's processing would need the drafts
-        before it as outputs)."""
-        return self.has_penalties or bool(self.bad_words_token_ids) or num_output_tokens < self.min_tokens
+        ones alike), min_tokens not reached yet (stop tokens banned until then), no_repeat_ngram_size and DRY (they
+        read the history), mirostat (its mu moves with each token) and a thinking budget (it counts them).  Such a
+        row's sampling state is rebuilt each step, and it never verifies drafts (a drafted position's processing
+        would need the drafts before it as outputs)."""
+        return (self.has_penalties or bool(self.bad_words_token_ids) or num_output_tokens < self.min_tokens
+                or self.no_repeat_ngram_size > 0 or self.uses_dry or self.mirostat > 0
+                or self.thinking_token_budget is not None)
 
     @property
     def uses_guidance(self) -> bool:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tokenspout.engine.messages import PromptLogprobs, TokenLogprobs
+from tokenspout.sample.ops.mirostat import MirostatState
 from tokenspout.sampling_params import SamplingParams
 
 
@@ -34,6 +35,9 @@ class StepSequence(Protocol):
 
     @property
     def companion(self) -> StepSequence | None: ...
+
+    @property
+    def mirostat(self) -> MirostatState | None: ...
 
 
 @dataclass(slots=True)

@@ -167,11 +167,21 @@ def test_n_is_bounded(client, model):
     assert body["param"] == "n"
 
 
-@pytest.mark.parametrize("field", ["functions", "function_call", "reasoning_effort", "logits_processors", "priority", "best_of_x"])
+@pytest.mark.parametrize("field", ["functions", "function_call", "logits_processors", "priority", "best_of_x"])
 def test_unsupported_fields_are_named(client, model, field):
     body = bad_request(lambda: client.chat.completions.create(model=model, messages=CHAT, max_tokens=1,
                                                               extra_body={field: "auto"}))
     assert body["param"] == field and "unsupported" in body["message"]
+
+
+def test_reasoning_effort_without_a_reasoning_parser_says_why(client, model):
+    """reasoning_effort is supported (issue #31), but only with --reasoning-parser: without one a 400 saying so."""
+    body = bad_request(lambda: client.chat.completions.create(model=model, messages=CHAT, max_tokens=1,
+                                                              reasoning_effort="low"))
+    assert body["param"] == "reasoning_effort" and "reasoning parser" in body["message"]
+    body = bad_request(lambda: client.chat.completions.create(model=model, messages=CHAT, max_tokens=1,
+                                                              extra_body={"reasoning_effort": "auto"}))
+    assert body["param"] == "reasoning_effort"
 
 
 def test_openapi_describes_request_bodies(server):

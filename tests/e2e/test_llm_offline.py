@@ -107,3 +107,70 @@ def test_chat_with_tools_returns_parsed_calls(llm):
         assert out.outputs[0].text.startswith("<tool_call>\n")  # the raw text stays in `text`
     with pytest.raises(ValueError, match="does not render tools"):  # the model's own template has no tools
         llm.chat(messages, tools=tools)
+
+
+def test_no_repeat_ngram_greedy_matches_transformers(llm, hf_model, tokenizer):
+    """no_repeat_ngram_size through the engine: greedy text equal to transformers' generate with the same knob."""
+    import torch
+
+    prompt = "The list: apple, pear, apple, pear, apple, pear, apple,"
+    out = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=16, no_repeat_ngram_size=3,
+                                              ignore_eos=True))[0].outputs[0]
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        ref = hf_model.generate(ids, max_new_tokens=16, do_sample=False, no_repeat_ngram_size=3,
+                                pad_token_id=2)[0, ids.shape[1]:].tolist()
+    assert len(ref) >= 8 and out.token_ids[:len(ref)] == ref  # transformers stops at EOS, ours ignores it
+
+
+def test_dry_breaks_a_loop_greedily(llm):
+    """A prompt that invites a loop: greedy continues it; with DRY the continuation of the repeat is penalised."""
+    prompt = "one two three four one two three four one two three four one two three"
+    plain = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0].outputs[0].text
+    dry = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, dry_multiplier=2.0))
+    assert plain.startswith(" four") and not dry[0].outputs[0].text.startswith(" four")
+
+
+def test_new_knobs_seeded_batch_invariant(llm):
+    """Warpers, XTC, DRY and mirostat through the engine process: a seeded request's text alone equals its text in a
+    batch beside other kinds of rows (its state -- mirostat's mu -- is its own)."""
+    prompt = "Write a short story about a lighthouse keeper."
+    kinds = [SamplingParams(typical_p=0.9, xtc_probability=0.5, top_n_sigma=1.5, seed=7, max_tokens=16),
+             SamplingParams(mirostat=2, mirostat_tau=4.0, seed=8, max_tokens=16),
+             SamplingParams(mirostat=1, seed=9, max_tokens=16, dry_multiplier=0.8),
+             SamplingParams(epsilon_cutoff=3e-4, eta_cutoff=2e-3, dynatemp_range=0.5, seed=10, max_tokens=16)]
+    alone = [llm.generate(prompt, p)[0].outputs[0].text for p in kinds]
+    fillers = [SamplingParams(temperature=0.7, top_p=0.9, max_tokens=16, seed=i) for i in range(4)]
+    batch = llm.generate([prompt] * 4 + ["Tell me about the moon."] * 4, kinds + fillers)
+    assert [r.outputs[0].text for r in batch[:4]] == alone
+
+
+def test_thinking_token_budget_forces_the_end_marker(llm, tokenizer):
+    """With a reasoning parser (deepseek_r1: the reply starts inside the reasoning), after the budget the reply's
+    next tokens are `</think>` and the rest is the answer; without one, a ValueError that says why."""
+    end = tokenizer.encode("</think>", add_special_tokens=False)
+    msgs = [{"role": "user", "content": "Count to twenty."}]
+    for budget in (0, 6):
+        out = llm.chat(msgs, SamplingParams(temperature=0.0, max_tokens=budget + len(end) + 6, ignore_eos=True,
+                                            thinking_token_budget=budget), reasoning_parser="deepseek_r1")[0]
+        c = out.outputs[0]
+        assert c.token_ids[budget:budget + len(end)] == end
+        assert (c.message.reasoning or "") == tokenizer.decode(c.token_ids[:budget]) and c.message.content
+    with pytest.raises(ValueError, match="reasoning parser"):
+        llm.generate("hi", SamplingParams(thinking_token_budget=4))
+
+
+def test_thinking_budget_then_the_grammar_applies_to_the_answer(llm, tokenizer):
+    """A forced end of reasoning followed by a grammar-constrained answer: the answer (after `</think>`) matches the
+    regex, the reasoning before it is unconstrained and exactly `budget` tokens long."""
+    import re
+
+    from tokenspout.sampling_params import StructuredOutputsParams
+
+    end = tokenizer.encode("</think>", add_special_tokens=False)
+    out = llm.chat([{"role": "user", "content": "Pick a number."}],
+                   SamplingParams(temperature=0.0, max_tokens=24, thinking_token_budget=5,
+                                  structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}")),
+                   reasoning_parser="deepseek_r1")[0].outputs[0]
+    assert out.token_ids[5:5 + len(end)] == end
+    assert re.fullmatch(r"\s*[0-9]{3}", out.message.content), out.text

@@ -264,3 +264,60 @@ def test_logprobs_mode_per_request(served):
     bad = httpx.post(served + "/v1/completions", headers=auth, json={"model": model, "prompt": "x",
                                                                      "logprobs_mode": "sometimes"})
     assert bad.status_code == 400 and "logprobs_mode" in bad.text
+
+
+def test_more_knobs_reshape_the_chart_and_reach_the_server(served, browser):
+    """The "more knobs" controls: typical-p / epsilon / eta / XTC redraw the chart exactly as transformers' warpers
+    (and llama.cpp's XTC rule) cut the chart's 20 probabilities, and a generation with DRY, mirostat and the
+    warpers goes through (the server accepts every field the page sends)."""
+    import math
+
+    import torch
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from transformers.generation.logits_process import EpsilonLogitsWarper, TypicalLogitsWarper
+
+    d = browser
+    d.set_window_size(1280, 1000)
+    open_page(d, served)
+    toks = generate(d, seed=5, max_tokens=8)
+    assert toks
+    ActionChains(d).move_to_element(d.find_elements(By.CSS_SELECTOR, "#output .tok")[1]).perform()
+    wait(d, lambda dr: len(dr.find_elements(By.CSS_SELECTOR, "#chart .bar-row")) >= 5, what="the chart")
+    d.find_element(By.CSS_SELECTOR, "#more-knobs summary").click()
+
+    def chart():
+        return js(d, "return [...document.querySelectorAll('#chart .bar-row')].map(r => "
+                     "[Number(r.dataset.raw), r.classList.contains('cut'), r.querySelector('.num').textContent])")
+
+    raw = torch.tensor([r[0] for r in chart()], dtype=torch.float64)
+    scores = (raw / raw.sum()).log().unsqueeze(0)
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    for knob, value, warper in (("typical_p", "0.5", TypicalLogitsWarper(0.5)),
+                                ("epsilon_cutoff", "0.03", EpsilonLogitsWarper(0.03))):
+        set_value(d, knob, value)
+        want = torch.isinf(warper(ids, scores.clone())[0]).tolist()
+        assert [r[1] for r in chart()] == want and any(want)
+        set_value(d, knob, "1" if knob == "typical_p" else "0")
+    set_value(d, "xtc_probability", "0.5")
+    set_value(d, "xtc_threshold", "0.05")
+    p = (raw / raw.sum()).tolist()
+    above = [i for i, x in enumerate(p) if x >= 0.05]
+    rows = chart()
+    if len(above) >= 2:
+        least = min(p[i] for i in above)
+        assert [r[1] for r in rows] == [i in above and p[i] > least for i in range(len(p))]
+        assert any("xtc" in r[2] for r in rows)
+    set_value(d, "xtc_probability", "0")
+    assert not any(r[1] for r in chart()) and math.isclose(sum(r[0] for r in chart()), raw.sum().item(), rel_tol=1e-3)
+
+    for knob, value in (("dry_multiplier", "0.8"), ("no_repeat_ngram_size", "3"), ("typical_p", "0.9"),
+                        ("top_n_sigma", "2"), ("dynatemp_range", "0.5")):
+        set_value(d, knob, value)
+    assert generate(d, seed=3, max_tokens=6)
+    set_value(d, "mirostat", "2")  # with typical-p still on: the server's 400 says why, on the page
+    d.find_element(By.ID, "generate").click()
+    wait(d, lambda dr: "mirostat" in dr.find_element(By.ID, "error").text, what="the mirostat error")
+    for knob, value in (("typical_p", "1"), ("top_n_sigma", "0"), ("dynatemp_range", "0")):
+        set_value(d, knob, value)
+    assert generate(d, seed=3, max_tokens=6)  # mirostat 2 with DRY and no-repeat n-grams

@@ -110,6 +110,44 @@ def test_sampling_errors_name_the_field(kw, param):
     assert body == {"error": {"message": err.message, "type": "BadRequestError", "param": param, "code": 400}}
 
 
+WARPERS = {"typical_p": 0.9, "epsilon_cutoff": 3e-4, "eta_cutoff": 2e-3, "top_n_sigma": 1.5, "xtc_probability": 0.5,
+           "xtc_threshold": 0.2, "dynatemp_range": 0.4, "dynatemp_exponent": 1.5, "no_repeat_ngram_size": 3,
+           "dry_multiplier": 0.8, "dry_base": 2.0, "dry_allowed_length": 3, "dry_penalty_last_n": 512,
+           "dry_sequence_breakers": ["\n", "###"]}
+
+
+@pytest.mark.parametrize("route", ["chat", "completion"])
+def test_warper_fields_map_and_default_neutral(route):
+    """Top level (what the openai client's extra_body becomes on the wire) on both routes."""
+    make = (lambda **kw: chat_req(**kw)) if route == "chat" else (lambda **kw: CompletionRequest(prompt="x", **kw))
+    sp = make(**WARPERS).to_sampling_params()
+    assert {k: getattr(sp, k) for k in WARPERS} == WARPERS and sp.uses_warpers
+    neutral = make().to_sampling_params()
+    assert (neutral.typical_p, neutral.epsilon_cutoff, neutral.eta_cutoff, neutral.top_n_sigma) == (1.0, 0.0, 0.0, 0.0)
+    assert (neutral.xtc_probability, neutral.dynatemp_range) == (0.0, 0.0) and not neutral.uses_warpers
+    assert make(top_n_sigma=-1).to_sampling_params().top_n_sigma == 0.0  # llama.cpp's "off"
+
+
+@pytest.mark.parametrize("kw", [{"typical_p": 0}, {"typical_p": 1.5}, {"epsilon_cutoff": 1}, {"eta_cutoff": -0.1},
+                                {"top_n_sigma": -2}, {"top_n_sigma": 101}, {"xtc_probability": 1.1},
+                                {"xtc_threshold": -0.1}, {"dynatemp_range": -1}, {"dynatemp_exponent": 1e9},
+                                {"typical_p": float("nan")}, {"no_repeat_ngram_size": 100}, {"dry_base": 0.9},
+                                {"dry_multiplier": -1}, {"dry_allowed_length": -3}, {"dry_penalty_last_n": -5},
+                                {"dry_sequence_breakers": ["x" * 41]}, {"dry_sequence_breakers": ["a"] * 65}], ids=str)
+def test_warper_out_of_range_is_a_400_naming_the_field(kw):
+    (name,) = kw
+    err = serving_error(lambda: chat_req(**kw).to_sampling_params())
+    assert err.status == 400 and err.param == name and err.message.startswith(name)
+
+
+def test_mirostat_fields_and_clash_named():
+    sp = chat_req(mirostat=2, mirostat_tau=4.0, mirostat_eta=0.2, temperature=0.8).to_sampling_params()
+    assert (sp.mirostat, sp.mirostat_tau, sp.mirostat_eta) == (2, 4.0, 0.2) and sp.depends_on_output(0)
+    for kw in ({"mirostat": 3}, {"mirostat": 1, "top_k": 40}, {"mirostat_tau": -1.0}):
+        err = serving_error(lambda: chat_req(**kw).to_sampling_params())
+        assert err.status == 400 and err.param == next(iter(kw))
+
+
 def test_completion_extras_rejected():
     assert serving_error(lambda: CompletionRequest(prompt="x", suffix="y").to_sampling_params()).param == "suffix"
     assert serving_error(lambda: CompletionRequest(prompt="x", best_of=3).to_sampling_params()).param == "best_of"

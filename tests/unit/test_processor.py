@@ -128,6 +128,19 @@ def test_bad_words_with_and_without_leading_space(proc, tokenizer):
                                                        enc(" world peace")]
 
 
+def test_dry_sequence_breakers_tokenized(proc, tokenizer):
+    """DRY's breakers reach the engine as token sequences (llama.cpp's defaults unless given); none without DRY."""
+    def enc(s: str) -> list[int]:
+        return tokenizer.encode(s, add_special_tokens=False)
+
+    (req,), _, _ = proc.process("a", "hi", SamplingParams(dry_multiplier=0.8))
+    assert req.sampling_params.dry_sequence_breaker_ids == [enc(s) for s in ("\n", ":", "\"", "*")]
+    (req,), _, _ = proc.process("b", "hi", SamplingParams(dry_multiplier=0.8, dry_sequence_breakers=["\n\n### User"]))
+    assert req.sampling_params.dry_sequence_breaker_ids == [enc("\n\n### User")]
+    (req,), _, _ = proc.process("c", "hi", SamplingParams())
+    assert req.sampling_params.dry_sequence_breaker_ids is None
+
+
 def test_generation_config_eos_joins_stop_ids(tokenizer):
     proc = Processor(tokenizer, 64, VOCAB, generation_config={"eos_token_id": [2, 0]})
     (req,), _, _ = proc.process("a", "hi", SamplingParams(stop_token_ids=[9]))

@@ -8,6 +8,8 @@ The distribution itself is checked by tests/stats/test_sampler_stats.py (path "c
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -128,3 +130,78 @@ def test_mixed_batch_routes_each_row() -> None:
     alone = [int(Sampler()(x[i : i + 1].clone(), build_metadata([p], V)).sampled_token_ids[0])
              for i, p in enumerate(params)]
     assert kernel.tolist() == alone
+
+
+def warped_params(g: torch.Generator, n: int, trial: int) -> list[SamplingParams]:
+    """Rows the warped kernel takes: top-k with every warper (ops/warpers.py), alone and together, and top-p / min_p."""
+    def u() -> float:
+        return float(torch.rand(1, generator=g))
+
+    knobs = [{"typical_p": 0.2 + 0.79 * u()}, {"epsilon_cutoff": 0.05 * u()}, {"eta_cutoff": 0.05 * u()},
+             {"top_n_sigma": 0.3 + 3 * u()}, {"xtc_probability": u(), "xtc_threshold": 0.02 + 0.3 * u()},
+             {"dynatemp_range": 1.5 * u(), "dynatemp_exponent": 0.3 + 2 * u()}]
+    out = []
+    for i in range(n):
+        kw = dict(knobs[i % len(knobs)])
+        if (trial + i) % 3 == 0:
+            for extra in knobs[(i + 1) % len(knobs)], knobs[(i + 3) % len(knobs)]:
+                kw.update(extra)
+        out.append(SamplingParams(temperature=0.3 + 1.2 * u(), top_k=int(torch.randint(1, 400, (1,), generator=g)),
+                                  top_p=0.5 + 0.5 * u() if i % 2 else 1.0, min_p=0.05 * u() if i % 4 == 1 else 0.0,
+                                  seed=1000 * trial + i, **kw))
+    return out
+
+
+def test_warped_kernel_draws_what_the_torch_path_draws() -> None:
+    """Rows with top-k and warpers take the warped kernel (ts_sample_rows_warped): token for token the torch path's
+    draw, the XTC coin included (positions vary it)."""
+    g = torch.Generator().manual_seed(17)
+    mismatches = total = 0
+    for trial in range(12):
+        rows = 16
+        x = torch.randn(rows, V, generator=g) * (0.5 + trial % 4)
+        if trial % 4 == 0:
+            x[:, 500:] = NEG_INF  # a masked vocabulary: fewer finite logits than some top_k
+        params = warped_params(g, rows, trial)
+        outputs = [[1] * (trial + i) for i in range(rows)]
+        assert build_metadata(params, V).warp_kernel_rows == list(range(rows))
+        kernel, ref = both(x, params, outputs=outputs)
+        mismatches += int((kernel != ref).sum())
+        total += rows
+    assert total == 192
+    assert mismatches <= 1  # a decision within an ulp of a boundary (double sums here, float32 in torch)
+
+
+def test_warped_and_plain_kernel_rows_in_one_batch() -> None:
+    params = [SamplingParams(top_k=40, typical_p=0.8, seed=1), SamplingParams(top_p=0.9, seed=2),
+              SamplingParams(typical_p=0.8, seed=3), SamplingParams(temperature=0.0),
+              SamplingParams(top_k=30, xtc_probability=1.0, xtc_threshold=0.05, seed=4)]
+    meta = build_metadata(params, V)
+    assert (meta.kernel_rows, meta.warp_kernel_rows, meta.warp.rows) == ([1], [0, 4], [0, 2, 4])
+    x = torch.randn(len(params), V, generator=torch.Generator().manual_seed(2)) * 3
+    kernel, ref = both(x, params)
+    assert torch.equal(kernel, ref)
+    alone = [int(Sampler()(x[i : i + 1].clone(), build_metadata([p], V)).sampled_token_ids[0])
+             for i, p in enumerate(params)]
+    assert kernel.tolist() == alone
+
+
+def test_warped_kernel_whole_rows() -> None:
+    """Warped rows without top-k (no typical_p) take the kernel's whole-row path: top_n_sigma, dynatemp, min_p,
+    top-p (bucketed), epsilon, eta, XTC; token for token the torch path's draw.  typical_p rows without top-k stay
+    on the torch path."""
+    g = torch.Generator().manual_seed(23)
+    mismatches = total = 0
+    for trial in range(8):
+        rows = 16
+        x = torch.randn(rows, V, generator=g) * (1.0 + trial % 4)
+        params = [dataclasses.replace(p, top_k=0, typical_p=1.0) for p in warped_params(g, rows, trial)]
+        meta = build_metadata(params, V)
+        warped = [i for i, p in enumerate(params) if p.uses_warpers]  # (rows whose one knob was typical_p: plain)
+        assert meta.warp_kernel_rows == warped and len(warped) >= rows // 2
+        kernel, ref = both(x, params, outputs=[[1] * (trial + i) for i in range(rows)])
+        mismatches += int((kernel != ref).sum())
+        total += rows
+    assert total == 128 and mismatches <= 1
+    assert build_metadata([SamplingParams(typical_p=0.5), SamplingParams(top_k=5, typical_p=0.5)],
+                          V).warp_kernel_rows == [1]

@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 from tokenspout.engine.messages import EngineCoreRequest
+from tokenspout.sample.ops.mirostat import MirostatState
 from tokenspout.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ class Request:
         "companion",
         "is_companion",
         "max_len",
+        "mirostat",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_inflight_tokens",
@@ -77,6 +79,9 @@ class Request:
         self.num_cached_tokens = 0
         self.status = RequestStatus.WAITING
         self.seed = seed  # effective sampling seed, kept across preemption so the draw stays reproducible
+        # Mirostat's running target (None when off): the sampler updates it each step; it lives here so that a
+        # preempted request resumes with it.
+        self.mirostat = MirostatState.initial(self.params.mirostat, self.params.mirostat_tau)
         self.stop_reason: int | str | None = None
         max_tokens = self.params.max_tokens
         total = max_model_len if max_tokens is None else min(max_model_len, self.num_prompt_tokens + max_tokens)

@@ -37,6 +37,7 @@ from tokenspout.engine.tokenizer import load_tokenizer
 from tokenspout.models.default_model import resolve_model_path  # not loader: the frontend never imports torch
 from tokenspout.outputs import RequestOutput
 from tokenspout.reasoning import reasoning_parser_class
+from tokenspout.reasoning.budget import apply_budget
 from tokenspout.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
@@ -175,6 +176,7 @@ class LLM:
         for plan in plans:
             p = dataclasses.replace(params)
             constrain(p, plan.tool_parser, tools, tool_choice, parallel_tool_calls, plan.reasoning, specials)
+            apply_budget(p, plan.reasoning)
             plist.append(p)
         outs = self.generate(prompts, plist)
         for out, plan in zip(outs, plans):

@@ -239,6 +239,9 @@ class Processor:
             stop_token_ids=stop_token_ids,
             eos_token_id=self.eos_token_id,
             bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
+            dry_sequence_breaker_ids=self._dry_breaker_ids(params),
+            reasoning_end_token_ids=self._reasoning_marker_ids(params, params.reasoning_end),
+            reasoning_start_token_ids=self._reasoning_marker_ids(params, params.reasoning_start),
             negative_prompt_token_ids=self._negative_prompt_ids(params),
             # A plain str from here on: the ChatPrompt subclass has done its job (its tokens are above) and msgspec
             # encodes only exact builtin types across the process boundary.
@@ -254,6 +257,32 @@ class Processor:
             lambda text: list(tok.encode(text, add_special_tokens=default_add_special_tokens(text))))
         return guidance.negative_prompt_ids(params.negative_prompt, encode, getattr(tok, "bos_token_id", None),
                                             self.eos_token_id, self.max_model_len)
+
+    def _reasoning_marker_ids(self, params: SamplingParams, marker: str | None) -> list[int] | None:
+        """A thinking_token_budget marker as token ids (the reasoning parser's text, set by the server or
+        LLM.chat)."""
+        if params.thinking_token_budget is None:
+            return None
+        if params.reasoning_end is None:
+            raise ValueError("thinking_token_budget needs a reasoning parser to know where the reasoning ends: serve "
+                             "with --reasoning-parser, or call LLM.chat(..., reasoning_parser=...)")
+        if self.tokenizer is None:
+            raise ValueError("thinking_token_budget needs a tokenizer")
+        return None if marker is None else list(self.tokenizer.encode(marker, add_special_tokens=False))
+
+    def _dry_breaker_ids(self, params: SamplingParams) -> list[list[int]] | None:
+        """DRY's sequence breakers as token sequences (each string tokenized as written, its tail cut to 20 tokens as
+        llama.cpp's MAX_SEQ_LEN)."""
+        if not params.uses_dry or not params.dry_sequence_breakers:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("dry_sequence_breakers need a tokenizer")
+        out: list[list[int]] = []
+        for text in params.dry_sequence_breakers:
+            ids = list(self.tokenizer.encode(text, add_special_tokens=False))[:21]
+            if ids and ids not in out and all(0 <= t < self.vocab_size for t in ids):
+                out.append(ids)
+        return out
 
     def _bad_words_token_ids(self, bad_words: Sequence[str] | None) -> list[list[int]] | None:
         if not bad_words:

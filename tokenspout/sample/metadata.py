@@ -8,11 +8,13 @@ derived from those cheaply.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from tokenspout.sample.ops.mirostat import MirostatBatch
 from tokenspout.sample.ops.penalties import PenaltyBatch
+from tokenspout.sample.ops.warpers import WarpBatch
 from tokenspout.tensors import long_tensor
 
 
@@ -45,6 +47,14 @@ class SamplingMetadata:
     raw_logprob_rows: torch.Tensor  # rows asking for raw logprobs (log_softmax before any processing)
     processed_logprob_rows: torch.Tensor  # rows asking for logprobs of the processed distribution
     grammar_bitmask: torch.Tensor | None = None  # [R, ceil(V/32)] int32, bit set = allowed; set by the caller
+    # Random rows using typical_p / epsilon / eta / top_n_sigma / XTC / dynatemp (ops/warpers.py); None when no row
+    # does, and then the sampler pays nothing for them.  These rows are never kernel rows.
+    warp: WarpBatch | None = None
+    dry: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (row, id, -penalty): DRY, after penalties
+    mirostat: MirostatBatch | None = None  # random rows with mirostat 1 / 2 (ops/mirostat.py); never kernel rows
+    # Warped rows the CPU kernel may draw (1 <= top_k <= KERNEL_MAX_TOP_K, no processed logprobs): the sampler takes
+    # them out of `warp` when it does.
+    warp_kernel_rows: list[int] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:

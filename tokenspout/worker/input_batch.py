@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tokenspout.sample.ops.mirostat import MirostatState
 from tokenspout.sampling_params import SamplingParams
 from tokenspout.worker.sampling_state import SamplingState
 
@@ -34,6 +35,7 @@ class RowAdd:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     seed: int
+    mirostat: MirostatState | None = None  # the request's own state object (it outlives the row)
 
 
 class InputBatch:
@@ -62,7 +64,8 @@ class InputBatch:
         if row is None:
             row = self._free_rows.pop()
             self.row_of[req.request_id] = row
-            added.append(RowAdd(row, req.params, req.prompt_token_ids, req.output_token_ids, req.seed))
+            added.append(RowAdd(row, req.params, req.prompt_token_ids, req.output_token_ids, req.seed,
+                                req.mirostat))
         return row
 
     def sync_blocks(self, row: int, blocks: list[int]) -> None:
@@ -80,4 +83,4 @@ class InputBatch:
         for _, row in released:
             self.sampling.remove_request(row)
         for a in added:
-            self.sampling.add_request(a.row, a.params, a.prompt_token_ids, a.output_token_ids, a.seed)
+            self.sampling.add_request(a.row, a.params, a.prompt_token_ids, a.output_token_ids, a.seed, a.mirostat)

@@ -18,10 +18,14 @@ from typing import cast
 import torch
 
 from tokenspout.sample.metadata import SamplingMetadata
+from tokenspout.sample.ops.mirostat import MirostatBatch, MirostatState
 from tokenspout.sample.ops.noise import seed_key
 from tokenspout.sample.ops.penalties import PenaltyBatch
 from tokenspout.sample.ops.rows_cpu import KERNEL_MAX_TOP_K
+from tokenspout.sample.ops.repeats import DryState, NgramBans
+from tokenspout.sample.ops.thinking import ThinkingBudget
 from tokenspout.sample.ops.token_counts import SeenTokens
+from tokenspout.sample.ops.warpers import WarpBatch
 from tokenspout.sampling_params import LOGIT_BIAS_CLAMP, SamplingParams
 from tokenspout.tensors import long_tensor
 
@@ -56,6 +60,12 @@ class _Slot:
     processed: bool
     position: int
     output: list[int] | None  # only kept for multi-token bad words
+    warp: tuple[float, ...] | None  # a random row's warper knobs (WarpBatch.build's order), None if it uses none
+    ngram: NgramBans | None  # no_repeat_ngram_size's table over prompt + output
+    dry: DryState | None  # DRY's match lengths over prompt + output
+    mirostat: MirostatState | None  # a random mirostat row's request state (mu), shared with the request
+    mirostat_knobs: tuple[int, float, float]  # (mode, tau, eta)
+    thinking: ThinkingBudget | None  # thinking_token_budget's state over the output (rebuilt after preemption)
 
     def banned_now(self) -> list[int]:
         """Ids this row may not sample at its current position: single-token bad words, the last token of each
@@ -69,6 +79,8 @@ class _Slot:
                     banned.append(word[-1])
         if self.position < self.min_tokens:
             banned += self.stop_ids
+        if self.ngram is not None:
+            banned += self.ngram.banned()
         return banned
 
     def follows_tokens(self) -> bool:
@@ -76,11 +88,13 @@ class _Slot:
         them, a multi-token bad word is banned after its prefix, stop ids are banned until min_tokens.  Narrower
         than SamplingParams.depends_on_output on purpose: single-token bad words and a min_tokens without stop
         ids to ban give fixed metadata, which the last-metadata cache may keep."""
-        return self.penalties or bool(self.bad_multi) or (self.position < self.min_tokens and bool(self.stop_ids))
+        return (self.penalties or bool(self.bad_multi) or (self.position < self.min_tokens and bool(self.stop_ids))
+                or self.ngram is not None or self.dry is not None or self.mirostat is not None
+                or self.thinking is not None)
 
 
-def _new_slot(params: SamplingParams, top_k: int, top_p: float, num_logprobs: int, output_token_ids: list[int],
-              device: torch.device) -> _Slot:
+def _new_slot(params: SamplingParams, top_k: int, top_p: float, num_logprobs: int, prompt_token_ids: list[int],
+              output_token_ids: list[int], device: torch.device, mirostat: MirostatState | None) -> _Slot:
     greedy = params.is_greedy
     bad = params.bad_words_token_ids or []
     bias_ids = bias_vals = allowed = None
@@ -101,6 +115,20 @@ def _new_slot(params: SamplingParams, top_k: int, top_p: float, num_logprobs: in
         bias_ids=bias_ids, bias_vals=bias_vals, num_logprobs=num_logprobs,
         processed=params.logprobs_mode == "processed_logprobs", position=len(output_token_ids),
         output=list(output_token_ids) if bad_multi else None,
+        warp=None if greedy or not params.uses_warpers else (
+            params.typical_p, params.epsilon_cutoff, params.eta_cutoff, params.top_n_sigma, params.xtc_probability,
+            params.xtc_threshold, params.dynatemp_range, params.dynatemp_exponent),
+        ngram=NgramBans(params.no_repeat_ngram_size, [*prompt_token_ids, *output_token_ids])
+        if params.no_repeat_ngram_size > 0 else None,
+        dry=DryState(params.dry_multiplier, params.dry_base, params.dry_allowed_length, params.dry_penalty_last_n,
+                     params.dry_sequence_breaker_ids or [], [*prompt_token_ids, *output_token_ids])
+        if params.uses_dry else None,
+        mirostat=None if greedy or not params.mirostat else (
+            mirostat or MirostatState.initial(params.mirostat, params.mirostat_tau)),
+        mirostat_knobs=(params.mirostat, params.mirostat_tau, params.mirostat_eta),
+        thinking=ThinkingBudget(params.thinking_token_budget, params.reasoning_start_token_ids,
+                                params.reasoning_end_token_ids, output_token_ids)
+        if params.thinking_token_budget is not None and params.reasoning_end_token_ids else None,
     )
 
 
@@ -113,6 +141,7 @@ class _RowClasses:
     truncated_top_k: list[int] = field(default_factory=list)
     plain: list[int] = field(default_factory=list)
     kernel: list[int] = field(default_factory=list)
+    warp_kernel: list[int] = field(default_factory=list)
     any_top_p: bool = False
     any_min_p: bool = False
 
@@ -129,9 +158,14 @@ def _row_classes(infos: list[_Slot]) -> _RowClasses:
             c.any_min_p |= info.min_p_on
         else:
             c.plain.append(row)
-        # The kernel draws a row without keeping its distribution, so not one that wants processed logprobs.
-        if not info.greedy and info.top_k <= KERNEL_MAX_TOP_K and not (info.num_logprobs >= 0 and info.processed):
-            c.kernel.append(row)
+        # The kernel draws a row without keeping its distribution, so not one that wants processed logprobs, and it
+        # knows none of the warpers (ops/warpers.py): their rows take the torch path.
+        if (not info.greedy and info.top_k <= KERNEL_MAX_TOP_K and not (info.num_logprobs >= 0 and info.processed)
+                and info.mirostat is None):
+            if info.warp is None:
+                c.kernel.append(row)
+            elif info.top_k > 0 or info.warp[0] >= 1.0:  # whole rows only without typical_p (it orders them)
+                c.warp_kernel.append(row)
     return c
 
 
@@ -162,10 +196,12 @@ def _allowed(infos: list[_Slot], device: torch.device) -> Allowed | None:
     rows: list[int] = []
     local, ids = [], []
     for row, info in enumerate(infos):
-        if info.allowed is not None:
-            local.append(torch.full_like(info.allowed, len(rows)))
+        forced = info.thinking.forced_now() if info.thinking is not None else None
+        allowed = info.allowed if forced is None else torch.tensor([forced], dtype=torch.int64, device=device)
+        if allowed is not None:  # a forced end-of-reasoning token is the only allowed one
+            local.append(torch.full_like(allowed, len(rows)))
             rows.append(row)
-            ids.append(info.allowed)
+            ids.append(allowed)
     return (long_tensor(rows, device), torch.cat(local), torch.cat(ids)) if rows else None
 
 
@@ -179,6 +215,42 @@ def _logprob_rows(infos: list[_Slot], device: torch.device) -> tuple[int, torch.
             (processed if info.processed else raw).append(row)
             max_lp = max(max_lp, info.num_logprobs)
     return max_lp, long_tensor(raw, device), long_tensor(processed, device)
+
+
+def _dry(infos: list[_Slot], device: torch.device) -> Bias | None:
+    """(row, id, -penalty) of DRY's penalties this step, added like logit_bias."""
+    rows: list[int] = []
+    ids: list[int] = []
+    vals: list[float] = []
+    for row, info in enumerate(infos):
+        if info.dry is not None:
+            i, v = info.dry.penalties()
+            rows += [row] * len(i)
+            ids += i
+            vals += [-x for x in v]
+    if not rows:
+        return None
+    return long_tensor(rows, device), long_tensor(ids, device), torch.tensor(vals, dtype=torch.float32, device=device)
+
+
+def _mirostat(infos: list[_Slot], device: torch.device) -> MirostatBatch | None:
+    rows = [r for r, info in enumerate(infos) if info.mirostat is not None]
+    if not rows:
+        return None
+    states = [cast("MirostatState", infos[r].mirostat) for r in rows]
+    knobs = [infos[r].mirostat_knobs for r in rows]
+    return MirostatBatch(rows, long_tensor([k[0] for k in knobs], device),
+                         torch.tensor([k[1] for k in knobs], dtype=torch.float32, device=device),
+                         torch.tensor([k[2] for k in knobs], dtype=torch.float32, device=device),
+                         torch.tensor([s.mu for s in states], dtype=torch.float32, device=device), states,
+                         [r for r in rows if not (infos[r].num_logprobs >= 0 and infos[r].processed)])
+
+
+def _warp(infos: list[_Slot], device: torch.device) -> WarpBatch | None:
+    rows = [r for r, info in enumerate(infos) if info.warp is not None]
+    if not rows:
+        return None
+    return WarpBatch.build(rows, [cast("tuple[float, ...]", infos[r].warp) for r in rows], device)
 
 
 class SamplingState:
@@ -204,8 +276,10 @@ class SamplingState:
 
     def add_request(
         self, slot: int, params: SamplingParams, prompt_token_ids: list[int], output_token_ids: list[int],
-        seed: int,
+        seed: int, mirostat: MirostatState | None = None,
     ) -> None:
+        """`mirostat`: the request's state object (core.request.Request keeps it across preemption); a fresh one
+        (mu = 2 * tau) when None."""
         greedy = params.is_greedy
         top_k = params.top_k if 0 < params.top_k < self.vocab_size else 0
         top_p = min(1.0, params.top_p)
@@ -214,7 +288,8 @@ class SamplingState:
                           params.presence_penalty, params.frequency_penalty)
         seed &= (1 << 63) - 1
         self._iv[slot] = (top_k, seed, seed_key(seed))
-        self._slots[slot] = _new_slot(params, top_k, top_p, n_lp, output_token_ids, self.device)
+        self._slots[slot] = _new_slot(params, top_k, top_p, n_lp, prompt_token_ids, output_token_ids, self.device,
+                                      mirostat)
         if params.has_penalties:
             self.seen.reset(slot, prompt_token_ids, output_token_ids)
         else:
@@ -233,6 +308,12 @@ class SamplingState:
             info.position += len(toks)
             if info.output is not None:
                 info.output.extend(toks)
+            if info.ngram is not None:
+                info.ngram.extend(toks)
+            if info.dry is not None:
+                info.dry.extend(toks)
+            if info.thinking is not None:
+                info.thinking.extend(toks)
         self.seen.append(slots, token_ids)
 
     def output_counts(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -288,6 +369,10 @@ class SamplingState:
             max_num_logprobs=max_lp,
             raw_logprob_rows=raw_rows,
             processed_logprob_rows=processed_rows,
+            warp=_warp(infos, dev),
+            dry=_dry(infos, dev),
+            mirostat=_mirostat(infos, dev),
+            warp_kernel_rows=classes.warp_kernel,
         )
         return md, any(info.follows_tokens() for info in infos)
 

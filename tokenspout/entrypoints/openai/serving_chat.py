@@ -41,6 +41,7 @@ from tokenspout.entrypoints.openai.protocol import (
     ChatTokenLogprob,
     DeltaMessage,
     FunctionCall,
+    OpenAIServingError,
     ToolCall,
     TopLogprob,
     UsageInfo,
@@ -64,6 +65,7 @@ from tokenspout.entrypoints.openai.sse import DONE_FRAME, ChunkEnvelope, error_f
 from tokenspout.metrics import ServerMetrics
 from tokenspout.outputs import CompletionOutput, PositionLogprobs
 from tokenspout.reasoning import ReasoningParser, reasoning_parser_class
+from tokenspout.reasoning.budget import apply_budget
 from tokenspout.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -133,6 +135,11 @@ class OpenAIServingChat:
                       plan.reasoning, self._special_token_ids())
         except ValueError as e:
             raise value_error_to_serving_error(e, _TOOL_FIELDS) from None
+        try:
+            apply_budget(params, plan.reasoning)
+        except ValueError as e:  # name the field the client sent
+            name = "reasoning_effort" if req.reasoning_effort is not None else "thinking_token_budget"
+            raise OpenAIServingError(str(e).replace("thinking_token_budget", name, 1), param=name) from None
         if params.uses_guidance and params.negative_prompt is None:
             params.negative_prompt = guidance.chat_negative_prompt(self.engine.apply_chat_template)
         return ChatJob(req, *request_ids("chatcmpl", req.request_id), prompt, params, int(time.time()),

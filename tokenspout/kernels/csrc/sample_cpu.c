@@ -386,6 +386,451 @@ static int64_t sample_dense(const float *x, int64_t V, float t, float top_p, flo
     return out;
 }
 
+/* ---- Warped rows with top-k (sample/ops/warpers.py's knobs; rows_cpu.py routes only rows with 1 <= top_k here) ----
+ * Same semantics as warpers.py: top_n_sigma (on the logits, before temperature) and dynatemp (entropy of the
+ * sigma-masked row at temperature 1) first, then the candidates of top-k / min_p / top-p as sample_top_k, then
+ * typical -> epsilon -> eta -> XTC on the renormalised survivors, then the same two-level draw. */
+#define SALT_XTC 0x2B7E151628AED2A6ULL
+enum { W_TYPICAL, W_EPS, W_ETA, W_SIGMA, W_XTC_P, W_XTC_T, W_DYN_R, W_DYN_E, W_NUM };
+
+/* noise.uniform for (row key, id 0, SALT_XTC): the XTC coin of warpers.xtc_coin. */
+static inline double xtc_uniform(uint64_t key) {
+    uint64_t z = mix64(key + SALT_XTC);
+    return ((double)(z >> 11) + 0.5) * 0x1p-53;
+}
+
+typedef struct {
+    double s;
+    int64_t j;
+} sj;
+
+static int sj_order(const void *a, const void *b) {
+    const sj *p = a, *q = b;
+    return (p->s > q->s) - (p->s < q->s);
+}
+
+/* p[j] = w[j] / sum(w) over the kept (w > 0) candidates; returns the entropy of p. */
+static double kept_probs(int64_t n, const float *w, double *p) {
+    double z = 0.0, h = 0.0;
+    for (int64_t j = 0; j < n; j++) z += w[j];
+    for (int64_t j = 0; j < n; j++) {
+        p[j] = w[j] > 0.0f ? w[j] / z : 0.0;
+        if (p[j] > 0.0) h -= p[j] * log(p[j]);
+    }
+    return h;
+}
+
+/* The largest y among the kept candidates (c is sorted by y descending). */
+static float kept_top(int64_t n, const cand *c, const float *w) {
+    for (int64_t j = 0; j < n; j++)
+        if (w[j] > 0.0f) return c[j].y;
+    return -INFINITY;
+}
+
+static void warp_candidates(int64_t n, const cand *c, float *w, const float *wk, uint64_t key) {
+    double *p = malloc((size_t)n * sizeof(double));
+    if (wk[W_TYPICAL] < 1.0f) { /* TypicalLogitsWarper: keep |-log p - H| <= the value where the mass reaches it */
+        double h = kept_probs(n, w, p);
+        sj *o = malloc((size_t)n * sizeof(sj));
+        int64_t m = 0;
+        for (int64_t j = 0; j < n; j++)
+            if (p[j] > 0.0) o[m++] = (sj){fabs(-log(p[j]) - h), j};
+        qsort(o, (size_t)m, sizeof(sj), sj_order);
+        double cum = 0.0, vstar = m ? o[m - 1].s : 0.0;
+        for (int64_t i = 0; i < m; i++) {
+            cum += p[o[i].j];
+            if (cum >= wk[W_TYPICAL]) {
+                vstar = o[i].s;
+                break;
+            }
+        }
+        for (int64_t i = 0; i < m; i++)
+            if (o[i].s > vstar) w[o[i].j] = 0.0f;
+        free(o);
+    }
+    if (wk[W_EPS] > 0.0f || wk[W_ETA] > 0.0f) { /* Epsilon / EtaLogitsWarper, in that order; the top token stays */
+        for (int pass = 0; pass < 2; pass++) {
+            float e = pass ? wk[W_ETA] : wk[W_EPS];
+            if (!(e > 0.0f)) continue;
+            double h = kept_probs(n, w, p);
+            double bound = pass ? fmin((double)e, sqrt((double)e) * exp(-h)) : (double)e;
+            float top = kept_top(n, c, w);
+            for (int64_t j = 0; j < n; j++)
+                if (p[j] > 0.0 && p[j] < bound && c[j].y < top) w[j] = 0.0f;
+        }
+    }
+    if (wk[W_XTC_P] > 0.0f && wk[W_XTC_T] <= 0.5f && xtc_uniform(key) < (double)wk[W_XTC_P]) {
+        kept_probs(n, w, p);
+        int64_t above = 0;
+        double least = 2.0;
+        for (int64_t j = 0; j < n; j++)
+            if (p[j] > 0.0 && p[j] >= wk[W_XTC_T]) {
+                above++;
+                least = fmin(least, p[j]);
+            }
+        if (above >= 2)
+            for (int64_t j = 0; j < n; j++)
+                if (p[j] >= wk[W_XTC_T] && p[j] > least) w[j] = 0.0f;
+    }
+    free(p);
+}
+
+/* Sums over the finite logits x >= lo (8 lanes in float, folded into double every 1024 values):
+ * out[0] count, out[1] sum x, out[2] sum (x - c)^2, and with e = exp(x - m): out[3] sum e, out[4] sum e (x - m).
+ * `what`: 1 = count and sum, 2 = squares around c, 4 = the exp sums around m. */
+static void row_sums(const float *x, int64_t V, float lo, float c, float m, int what, double *out) {
+    const __m256 lov = _mm256_set1_ps(lo), ninf = _mm256_set1_ps(-INFINITY), cv = _mm256_set1_ps(c),
+                 mv = _mm256_set1_ps(m), one = _mm256_set1_ps(1.0f);
+    for (int q = 0; q < 5; q++) out[q] = 0.0;
+    int64_t i = 0;
+    while (i + 8 <= V) {
+        __m256 acc[5] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                         _mm256_setzero_ps()};
+        int64_t end = i + 1024 < V ? i + 1024 : V;
+        for (; i + 8 <= end; i += 8) {
+            __m256 v = _mm256_loadu_ps(x + i);
+            __m256 ok = _mm256_and_ps(_mm256_cmp_ps(v, ninf, _CMP_GT_OQ), _mm256_cmp_ps(v, lov, _CMP_GE_OQ));
+            if (what & 1) {
+                acc[0] = _mm256_add_ps(acc[0], _mm256_and_ps(ok, one));
+                acc[1] = _mm256_add_ps(acc[1], _mm256_and_ps(ok, v));
+            }
+            if (what & 2) {
+                __m256 d = _mm256_and_ps(ok, _mm256_sub_ps(v, cv));
+                acc[2] = _mm256_fmadd_ps(d, d, acc[2]);
+            }
+            if (what & 4) {
+                __m256 d = _mm256_and_ps(ok, _mm256_sub_ps(v, mv));
+                __m256 e = _mm256_and_ps(ok, exp_neg(d));
+                acc[3] = _mm256_add_ps(acc[3], e);
+                acc[4] = _mm256_fmadd_ps(e, d, acc[4]);
+            }
+        }
+        for (int q = 0; q < 5; q++) out[q] += hsum8(acc[q]);
+    }
+    for (; i < V; i++) { /* the last V % 8 values */
+        if (!(x[i] > -INFINITY && x[i] >= lo)) continue;
+        double e = exp((double)x[i] - m);
+        if (what & 1) out[0] += 1.0, out[1] += x[i];
+        if (what & 2) out[2] += ((double)x[i] - c) * ((double)x[i] - c);
+        if (what & 4) out[3] += e, out[4] += e * ((double)x[i] - m);
+    }
+}
+
+/* kth_largest at temperature 1 (the top-k set does not depend on the temperature) fused with the row's statistics
+ * for top_n_sigma: st[0] max, st[1] count, st[2] sum, st[3] sum of squares of the finite logits (float lanes
+ * folded into double every 1024 values), so that a sigma row reads its logits no more often than a plain one. */
+static float kth_and_stats(const float *x, int64_t V, int64_t k, float *heap, double *st) {
+    for (int64_t i = 0; i < k; i++) heap[i] = -INFINITY;
+    const __m256 ninf = _mm256_set1_ps(-INFINITY), one = _mm256_set1_ps(1.0f);
+    __m256 mx = ninf;
+    st[1] = st[2] = st[3] = 0.0;
+    int64_t i = 0;
+    while (i + 8 <= V) {
+        __m256 cnt = _mm256_setzero_ps(), sum = _mm256_setzero_ps(), sq = _mm256_setzero_ps();
+        int64_t end = i + 1024 < V ? i + 1024 : V;
+        for (; i + 8 <= end; i += 8) {
+            __m256 v = _mm256_loadu_ps(x + i);
+            __m256 ok = _mm256_cmp_ps(v, ninf, _CMP_GT_OQ);
+            __m256 f = _mm256_and_ps(ok, v);
+            mx = _mm256_max_ps(mx, v);
+            cnt = _mm256_add_ps(cnt, _mm256_and_ps(ok, one));
+            sum = _mm256_add_ps(sum, f);
+            sq = _mm256_fmadd_ps(f, f, sq);
+            int m = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(heap[0]), _CMP_GT_OQ));
+            if (!m) continue;
+            float vals[8];
+            _mm256_storeu_ps(vals, v);
+            while (m) {
+                int b = __builtin_ctz(m);
+                m &= m - 1;
+                if (vals[b] > heap[0]) {
+                    heap[0] = vals[b];
+                    sift_down(heap, k, 0);
+                }
+            }
+        }
+        st[1] += hsum8(cnt);
+        st[2] += hsum8(sum);
+        st[3] += hsum8(sq);
+    }
+    float m = hmax8(mx);
+    for (; i < V; i++) {
+        float v = x[i];
+        m = v > m ? v : m;
+        if (v > -INFINITY) st[1] += 1.0, st[2] += v, st[3] += (double)v * v;
+        if (v > heap[0]) {
+            heap[0] = v;
+            sift_down(heap, k, 0);
+        }
+    }
+    st[0] = m;
+    return heap[0];
+}
+
+/* dynatemp's temperature from the entropy of softmax(x) over the finite x >= lo (m: the row's max). */
+static float dyn_temp(const float *x, int64_t V, float lo, float m, float t, const float *wk) {
+    double s[5];
+    row_sums(x, V, lo, 0.0f, m, 1 | 4, s);
+    if (!(s[0] > 1.0)) return t;
+    double h = log(s[3]) - s[4] / s[3], norm = h / log(s[0]);
+    norm = norm < 0.0 ? 0.0 : norm > 1.0 ? 1.0 : norm;
+    double tlo = fmax(0.0, (double)t - wk[W_DYN_R]), thi = (double)t + wk[W_DYN_R];
+    return (float)fmax(tlo + (thi - tlo) * pow(norm, wk[W_DYN_E]), 1e-5);
+}
+
+static int64_t sample_top_k_warped(const float *x, int64_t V, float t, int64_t k, float top_p, float min_p,
+                                   uint64_t key, int64_t bs, const float *wk) {
+    float *heap = malloc((size_t)k * sizeof(float));
+    double st[4];
+    float kth = kth_and_stats(x, V, k, heap, st);
+    free(heap);
+    float bound = -INFINITY;
+    if (wk[W_SIGMA] > 0.0f && st[1] > 0.0) {
+        double mean = st[2] / st[1], var = fmax(st[3] / st[1] - mean * mean, 0.0);
+        bound = (float)(st[0] - wk[W_SIGMA] * sqrt(var));
+    }
+    float tw = wk[W_DYN_R] > 0.0f && st[1] > 0.0 ? dyn_temp(x, V, bound, (float)st[0], t, wk) : t;
+    /* The candidates on the raw logits (x >= the k-th value and >= the sigma bound), then scaled by 1 / tw. */
+    float lim = bound > kth ? bound : kth;
+    cand *c = malloc(CAND_CAP * sizeof(cand));
+    int64_t n = collect(x, V, 1.0f, lim, c, CAND_CAP);
+    if (n > CAND_CAP) {
+        free(c);
+        c = malloc((size_t)n * sizeof(cand));
+        collect(x, V, 1.0f, lim, c, n);
+    }
+    int64_t out = 0;
+    if (n > 0) {
+        for (int64_t j = 0; j < n; j++) c[j].y = tw == 1.0f ? c[j].y : c[j].y / tw;
+        qsort(c, (size_t)n, sizeof(cand), cand_order);
+        float *w = malloc((size_t)n * sizeof(float));
+        float z = 0.0f;
+        for (int64_t j = 0; j < n; j++) {
+            w[j] = expf(c[j].y - c[0].y);
+            if (min_p > 0.0f && w[j] < min_p) w[j] = 0.0f;
+            z += w[j];
+        }
+        if (top_p < 1.0f) cut_top_p(n, w, top_p, z);
+        warp_candidates(n, c, w, wk, key);
+        out = draw_sorted(c, n, w, V, key, bs);
+        free(w);
+    }
+    free(c);
+    return out;
+}
+
+/* A warped row without top-k (and without typical_p, which needs its candidates ordered: rows_cpu.py sends those
+ * to the torch path): the whole row's weights after top_n_sigma, dynatemp, min_p and top-p (nucleus.py's bucketed
+ * cut), then epsilon / eta / XTC as masks on them, then the dense draw. */
+static int64_t sample_dense_warped(const float *x, int64_t V, float t, float top_p, float min_p, uint64_t key,
+                                   int64_t bs, const float *wk) {
+    float one;
+    double st[4];
+    kth_and_stats(x, V, 1, &one, st); /* st[0]: the row's max */
+    if (!(st[1] > 0.0)) return 0;
+    float bound = -INFINITY;
+    if (wk[W_SIGMA] > 0.0f) {
+        double mean = st[2] / st[1], var = fmax(st[3] / st[1] - mean * mean, 0.0);
+        bound = (float)(st[0] - wk[W_SIGMA] * sqrt(var));
+    }
+    float tw = wk[W_DYN_R] > 0.0f ? dyn_temp(x, V, bound, (float)st[0], t, wk) : t;
+    float m = (float)st[0] / tw;
+    float *w = malloc((size_t)V * sizeof(float));
+    double z = 0.0;
+    const __m256 tv = _mm256_set1_ps(tw), mv = _mm256_set1_ps(m), bv = _mm256_set1_ps(bound),
+                 ninf = _mm256_set1_ps(-INFINITY), mpv = _mm256_set1_ps(min_p);
+    int64_t i = 0;
+    while (i + 8 <= V) { /* w = exp(y - max y) where kept (sigma, min_p), float lanes folded into double per 1024 */
+        __m256 acc = _mm256_setzero_ps();
+        int64_t end = i + 1024 < V ? i + 1024 : V;
+        for (; i + 8 <= end; i += 8) {
+            __m256 xv = _mm256_loadu_ps(x + i);
+            __m256 ok = _mm256_and_ps(_mm256_cmp_ps(xv, bv, _CMP_GE_OQ), _mm256_cmp_ps(xv, ninf, _CMP_GT_OQ));
+            __m256 e = _mm256_and_ps(ok, exp_neg(_mm256_sub_ps(load_scaled(x + i, tv, tw), mv)));
+            if (min_p > 0.0f) e = _mm256_and_ps(e, _mm256_cmp_ps(e, mpv, _CMP_GE_OQ));
+            _mm256_storeu_ps(w + i, e);
+            acc = _mm256_add_ps(acc, e);
+        }
+        z += hsum8(acc);
+    }
+    for (; i < V; i++) {
+        float e = x[i] >= bound && x[i] > -INFINITY ? expf(x[i] / tw - m) : 0.0f;
+        if (min_p > 0.0f && e < min_p) e = 0.0f;
+        w[i] = e;
+        z += e;
+    }
+    if (top_p < 1.0f) {
+        wide_top_p(x, tw, w, V, (float)(top_p * z));
+        z = 0.0;
+        for (int64_t i = 0; i < V; i++) z += w[i];
+    }
+    for (int pass = 0; pass < 2; pass++) { /* epsilon, then eta: p < bound dropped, the top token stays */
+        float e = pass ? wk[W_ETA] : wk[W_EPS];
+        if (!(e > 0.0f)) continue;
+        double b = e;
+        if (pass) {
+            double swl = 0.0;
+            for (int64_t i = 0; i < V; i++)
+                if (w[i] > 0.0f) swl += w[i] * log((double)w[i]);
+            double h = log(z) - swl / z;
+            b = fmin((double)e, sqrt((double)e) * exp(-h));
+        }
+        double cut = b * z, z2 = 0.0;
+        for (int64_t i = 0; i < V; i++) {
+            if (w[i] > 0.0f && w[i] < cut && w[i] < 1.0f) w[i] = 0.0f; /* w = 1: the row's max, which stays */
+            z2 += w[i];
+        }
+        z = z2;
+    }
+    if (wk[W_XTC_P] > 0.0f && wk[W_XTC_T] <= 0.5f && xtc_uniform(key) < (double)wk[W_XTC_P]) {
+        double thr = wk[W_XTC_T] * z, least = INFINITY;
+        int64_t above = 0;
+        for (int64_t i = 0; i < V; i++)
+            if (w[i] > 0.0f && w[i] >= thr) {
+                above++;
+                least = fmin(least, w[i]);
+            }
+        if (above >= 2)
+            for (int64_t i = 0; i < V; i++)
+                if (w[i] >= thr && w[i] > least) w[i] = 0.0f;
+    }
+    int64_t out = draw_dense(x, tw, w, V, key, bs);
+    free(w);
+    return out;
+}
+
+/* ts_sample_rows for rows that may use the warpers: wk [*, W_NUM] per batch row (typical_p, epsilon, eta,
+ * top_n_sigma, xtc_probability, xtc_threshold, dynatemp_range, dynatemp_exponent; neutral values: off); rows with
+ * top_k 0 must not use typical_p. */
+void ts_sample_rows_warped(const float *x, int64_t ldx, int64_t V, const int64_t *rows, int64_t n,
+                           const float *temperature, const int64_t *top_k, const float *top_p, const float *min_p,
+                           const int64_t *seed_keys, const int64_t *positions, int64_t block_size, const float *wk,
+                           int64_t *out) {
+#pragma omp parallel for schedule(dynamic, 1) if (n >= 8)
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        uint64_t key = mix64((uint64_t)seed_keys[r] + (uint64_t)(positions[r] + 1) * GOLDEN);
+        out[i] = top_k[r] > 0 ? sample_top_k_warped(x + r * ldx, V, temperature[r], top_k[r], top_p[r], min_p[r], key,
+                                                     block_size, wk + r * W_NUM)
+                               : sample_dense_warped(x + r * ldx, V, temperature[r], top_p[r], min_p[r], key,
+                                                     block_size, wk + r * W_NUM);
+    }
+}
+
+/* ---- Mirostat rows (ops/mirostat.py's semantics; temperature only, no top-k / top-p / min-p) ----
+ * v2 keeps the tokens with -log2 p <= mu (and the top one); v1 estimates s from the 100 most likely tokens and keeps
+ * the top max(int(k), 1), k = ((s - 1) 2^mu / (1 - V^(1 - s)))^(1/s) (ties at the k-th value stay).  Then the dense
+ * draw; *lp is the drawn token's log probability among the kept ones (the mu update is done by the caller). */
+static int64_t sample_mirostat(const float *x, int64_t V, float t, int mode, float mu, uint64_t key, int64_t bs,
+                               double *lp) {
+    const __m256 tv = _mm256_set1_ps(t);
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 8 <= V; i += 8) mv = _mm256_max_ps(mv, load_scaled(x + i, tv, t));
+    float m = hmax8(mv);
+    for (; i < V; i++) m = x[i] / t > m ? x[i] / t : m;
+    *lp = 0.0;
+    if (m == -INFINITY) return 0;
+    int64_t V8 = (V + 7) & ~(int64_t)7;
+    float *w = malloc((size_t)V8 * sizeof(float));
+    const __m256 mb = _mm256_set1_ps(m);
+    double z = 0.0;
+    for (i = 0; i < V8; i += 1024) { /* w = exp(y - m), z = sum w (float lanes folded into double per 1024) */
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t j = i; j < i + 1024 && j < V8; j += 8) {
+            __m256 v;
+            if (j + 8 <= V) {
+                v = load_scaled(x + j, tv, t);
+            } else {
+                float tail[8];
+                for (int b = 0; b < 8; b++) tail[b] = j + b < V ? x[j + b] / t : -INFINITY;
+                v = _mm256_loadu_ps(tail);
+            }
+            __m256 e = exp_neg(_mm256_sub_ps(v, mb));
+            _mm256_storeu_ps(w + j, e);
+            acc = _mm256_add_ps(acc, e);
+        }
+        z += hsum8(acc);
+    }
+    float thr; /* keep y - m >= thr (the top token has y - m = 0 and always stays) */
+    if (mode == 2) {
+        thr = (float)(log(z) - (double)mu * 0.69314718055994530942);
+        thr = thr > 0.0f ? 0.0f : thr;
+    } else {
+        int64_t mm = V < 100 ? V : 100;
+        float *heap = malloc((size_t)mm * sizeof(float));
+        float kth = kth_largest(x, V, t, mm, heap);
+        cand *c = malloc(CAND_CAP * sizeof(cand));
+        int64_t n = collect(x, V, t, kth, c, CAND_CAP);
+        if (n > CAND_CAP) {
+            free(c);
+            c = malloc((size_t)n * sizeof(cand));
+            collect(x, V, t, kth, c, n);
+        }
+        qsort(c, (size_t)n, sizeof(cand), cand_order);
+        double num = 0.0, den = 0.0;
+        for (int64_t q = 0; q + 1 < mm && q + 1 < n; q++) {
+            double ti = log((double)(q + 2) / (double)(q + 1));
+            double bi = (double)c[q].y - (double)c[q + 1].y; /* log(p_q / p_q+1) */
+            if (!isfinite(bi)) bi = 0.0;
+            num += ti * bi;
+            den += ti * ti;
+        }
+        double sh = num / den, eps = sh - 1.0;
+        double k = pow(eps * pow(2.0, (double)mu) / (1.0 - pow((double)V, -eps)), 1.0 / sh);
+        if (isnan(k)) k = 1.0;
+        if (!(k < (double)V)) k = (double)V;
+        if (k < 1.0) k = 1.0;
+        int64_t ki = (int64_t)floor(k);
+        float kv;
+        if (ki <= n) {
+            kv = c[ki - 1].y;
+        } else {
+            float *h2 = malloc((size_t)ki * sizeof(float));
+            kv = kth_largest(x, V, t, ki, h2);
+            free(h2);
+        }
+        free(c);
+        free(heap);
+        thr = kv - m;
+    }
+    /* Zero the dropped weights (vectorised: y - m >= thr, the same test torch makes on log p) and sum the kept. */
+    const __m256 thv = _mm256_set1_ps(thr);
+    double zk = 0.0;
+    for (i = 0; i < V8; i += 1024) {
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t j = i; j < i + 1024 && j < V8; j += 8) {
+            __m256 v;
+            if (j + 8 <= V) {
+                v = load_scaled(x + j, tv, t);
+            } else {
+                float tail[8];
+                for (int b = 0; b < 8; b++) tail[b] = j + b < V ? x[j + b] / t : -INFINITY;
+                v = _mm256_loadu_ps(tail);
+            }
+            __m256 e = _mm256_and_ps(_mm256_loadu_ps(w + j), _mm256_cmp_ps(_mm256_sub_ps(v, mb), thv, _CMP_GE_OQ));
+            _mm256_storeu_ps(w + j, e);
+            acc = _mm256_add_ps(acc, e);
+        }
+        zk += hsum8(acc);
+    }
+    int64_t out = draw_dense(x, t, w, V, key, bs);
+    *lp = (double)(x[out] / t - m) - log(zk);
+    free(w);
+    return out;
+}
+
+void ts_sample_rows_mirostat(const float *x, int64_t ldx, int64_t V, const int64_t *rows, int64_t n,
+                             const float *temperature, const int64_t *seed_keys, const int64_t *positions,
+                             int64_t block_size, const int64_t *mode, const float *mu, int64_t *out, double *lp) {
+#pragma omp parallel for schedule(dynamic, 1) if (n >= 8)
+    for (int64_t i = 0; i < n; i++) {
+        int64_t r = rows[i];
+        uint64_t key = mix64((uint64_t)seed_keys[r] + (uint64_t)(positions[r] + 1) * GOLDEN);
+        out[i] = sample_mirostat(x + r * ldx, V, temperature[r], (int)mode[i], mu[i], key, block_size, lp + i);
+    }
+}
+
 /* Draws one token for each of the n rows `rows` of x [*, V] (row stride ldx), with the per-batch-row knobs
  * temperature, top_k (0 = off), top_p, min_p, seed_keys and positions indexed by those rows; out[i] for rows[i]. */
 void ts_sample_rows(const float *x, int64_t ldx, int64_t V, const int64_t *rows, int64_t n, const float *temperature,

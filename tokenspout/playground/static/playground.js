@@ -2,13 +2,15 @@
 // Generation streams with `logprobs_mode: processed_logprobs` (the distribution the sampler drew from) and
 // `return_token_ids`; a selected position is re-scored with a one-token /v1/completions request on the exact token
 // ids before it (`logprobs_mode: raw_logprobs`, top 20): what the model proposed there. The knobs' effect on that
-// distribution (temperature, then min-p, top-k, top-p: the sampler's order) is computed here, over those 20, so
-// the chart follows a slider without a request.
+// distribution (temperature, then min-p, top-k, top-p, typical-p, epsilon, eta, XTC: the sampler's order) is
+// computed here, over those 20, so the chart follows a slider without a request.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const KNOBS = ["temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-  "repetition_penalty"];
+  "repetition_penalty", "typical_p", "epsilon_cutoff", "eta_cutoff", "xtc_probability", "xtc_threshold",
+  "top_n_sigma", "dynatemp_range", "dynatemp_exponent", "no_repeat_ngram_size", "dry_multiplier", "dry_base",
+  "dry_allowed_length", "mirostat_tau", "mirostat_eta"];
 const RAW_TOP = 20;
 const state = {
   model: null,
@@ -74,6 +76,9 @@ function samplingBody() {
   const b = { model: state.model, stream: true, return_token_ids: true, logprobs_mode: "processed_logprobs",
     max_tokens: parseInt($("max_tokens").value, 10) || 16 };
   for (const k of KNOBS) b[k] = Number($(k).value);
+  b.mirostat = Number($("mirostat").value);
+  const effort = $("reasoning_effort").value;
+  if (effort && mode() === "chat") b.reasoning_effort = effort;
   const seed = $("seed").value.trim();
   if (seed !== "") b.seed = parseInt(seed, 10);
   const stops = $("stop-strings").value.split("\n").filter((s) => s.length);
@@ -214,8 +219,49 @@ function applyKnobs(items) {
       else cum += x;
     });
   }
+  warpers(q, cut);
   const zKept = q.reduce((a, x, i) => a + (cut[i] ? 0 : x), 0) || 1;
   return items.map((it, i) => ({ token: it.token, raw: raw[i], kept: cut[i] ? 0 : q[i] / zKept, cut: cut[i] }));
+}
+
+// The survivors' probabilities, renormalised, and their entropy.
+function survivors(q, cut) {
+  const z = q.reduce((a, x, i) => a + (cut[i] ? 0 : x), 0) || 1;
+  const p = q.map((x, i) => (cut[i] ? 0 : x / z));
+  const h = -p.reduce((a, x) => a + (x > 0 ? x * Math.log(x) : 0), 0);
+  return [p, h];
+}
+
+// typical-p, epsilon, eta (transformers' warpers) and XTC (llama.cpp, as if its coin came up), in the sampler's
+// order, each on what the steps before it left; marks cut[i].
+function warpers(q, cut) {
+  const typ = Number($("typical_p").value), eps = Number($("epsilon_cutoff").value);
+  const eta = Number($("eta_cutoff").value), xtcP = Number($("xtc_probability").value);
+  const xtcT = Number($("xtc_threshold").value);
+  const topKept = () => cut.findIndex((c) => !c);  // items are best first
+  if (typ < 1) {
+    const [p, h] = survivors(q, cut);
+    const order = p.map((x, i) => [Math.abs(-Math.log(x) - h), i]).filter(([, i]) => !cut[i])
+      .sort((a, b) => a[0] - b[0]);
+    let cum = 0, vstar = order.length ? order[order.length - 1][0] : 0;
+    for (const [s, i] of order) { cum += p[i]; if (cum >= typ) { vstar = s; break; } }
+    for (const [s, i] of order) if (s > vstar) cut[i] = "typical";
+  }
+  for (const [name, e] of [["epsilon", eps], ["eta", eta]]) {
+    if (!(e > 0)) continue;
+    const [p, h] = survivors(q, cut);
+    const bound = name === "eta" ? Math.min(e, Math.sqrt(e) * Math.exp(-h)) : e;
+    const top = topKept();
+    p.forEach((x, i) => { if (!cut[i] && i !== top && x < bound) cut[i] = name; });
+  }
+  if (xtcP > 0 && xtcT <= 0.5) {
+    const [p] = survivors(q, cut);
+    const above = p.map((x, i) => i).filter((i) => !cut[i] && p[i] >= xtcT);
+    if (above.length >= 2) {
+      const least = Math.min(...above.map((i) => p[i]));
+      for (const i of above) if (p[i] > least) cut[i] = `xtc (${Math.round(100 * xtcP)}% of steps)`;
+    }
+  }
 }
 
 // ------------------------------------------------------------------------------------------------ rendering

@@ -36,3 +36,33 @@ def sample_rows(lib: ctypes.CDLL, x: torch.Tensor, rows: torch.Tensor, meta: Sam
     lib.ts_sample_rows(x.data_ptr(), x.stride(0), x.shape[1], rows.data_ptr(), rows.numel(),
                        *(t.data_ptr() for t in knobs), block_size, out.data_ptr())
     return out
+
+
+def sample_rows_warped(lib: ctypes.CDLL, x: torch.Tensor, rows: torch.Tensor, meta: SamplingMetadata,
+                       block_size: int, table: torch.Tensor) -> torch.Tensor:
+    """sample_rows for rows with 1 <= top_k <= KERNEL_MAX_TOP_K that use the warpers (ops/warpers.py): table
+    [B, 8] holds each batch row's warper knobs (WarpBatch.table).  Same semantics and noise as the torch path."""
+    assert x.dtype == torch.float32 and x.stride(1) == 1 and x.device.type == "cpu"
+    knobs = [t.contiguous() for t in (meta.temperature, meta.top_k, meta.top_p, meta.min_p, meta.seed_keys,
+                                      meta.positions)]
+    table = table.contiguous()
+    out = torch.empty(rows.numel(), dtype=torch.int64)
+    lib.ts_sample_rows_warped(x.data_ptr(), x.stride(0), x.shape[1], rows.data_ptr(), rows.numel(),
+                              *(t.data_ptr() for t in knobs), block_size, table.data_ptr(), out.data_ptr())
+    return out
+
+
+def sample_rows_mirostat(lib: ctypes.CDLL, x: torch.Tensor, meta: SamplingMetadata, block_size: int,
+                         rows: list[int], mode: torch.Tensor, mu: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mirostat rows (ops/mirostat.py), mode / mu [n] theirs: (drawn ids [n], the drawn tokens' log probabilities
+    among the kept ones [n] float64, for the mu update)."""
+    assert x.dtype == torch.float32 and x.stride(1) == 1 and x.device.type == "cpu"
+    idx = torch.tensor(rows, dtype=torch.int64)
+    knobs = [t.contiguous() for t in (meta.temperature, meta.seed_keys, meta.positions)]
+    mode, mu = mode.contiguous(), mu.to(torch.float32).contiguous()
+    out = torch.empty(len(rows), dtype=torch.int64)
+    lp = torch.empty(len(rows), dtype=torch.float64)
+    lib.ts_sample_rows_mirostat(x.data_ptr(), x.stride(0), x.shape[1], idx.data_ptr(), len(rows),
+                                *(t.data_ptr() for t in knobs), block_size, mode.data_ptr(), mu.data_ptr(),
+                                out.data_ptr(), lp.data_ptr())
+    return out, lp

@@ -55,6 +55,11 @@ class CompletionRequest(SamplingRequest):
             raise OpenAIServingError("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise OpenAIServingError("best_of is not supported (it must equal n)", param="best_of")
+        for name in ("thinking_token_budget", "reasoning_effort"):
+            if getattr(self, name) is not None:
+                raise OpenAIServingError(f"{name} applies to chat completions, where the server's reasoning parser "
+                                         "knows where the reasoning ends; completions have no reasoning parser",
+                                         param=name)
         # OpenAI's legacy default of 16 tokens is cut to the room the prompt leaves; a max_tokens the client chose
         # that does not fit is a 400 (the Processor checks it against the prompt's length).
         # An explicit null means "until the context is full" (as vLLM).

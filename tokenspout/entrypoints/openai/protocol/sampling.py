@@ -11,7 +11,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tokenspout.entrypoints.openai.protocol.bounds import FLAGS, RequestBounds, check_sizes, request_bounds
 from tokenspout.entrypoints.openai.protocol.errors import OpenAIServingError, value_error_to_serving_error
 from tokenspout.entrypoints.openai.structured import structured_outputs_from_request
-from tokenspout.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, SamplingParams
+from tokenspout.reasoning.budget import EFFORT_BUDGETS
+from tokenspout.sampling_params import MAX_DRY_BREAKERS, SEED_MAX, SEED_MIN, RequestOutputKind, SamplingParams
 
 MAX_N = 128  # OpenAI's bound on n
 # The default bounds on a request's lists and nesting (bounds.py: each a server flag).
@@ -88,6 +89,14 @@ class StructuredOutputsRequest(StrictModel):
         return data
 
 
+# Request fields passed to SamplingParams as they are when set (it validates them; unset: its neutral default).
+EXTRA_SAMPLING_FIELDS = (
+    "typical_p", "epsilon_cutoff", "eta_cutoff", "top_n_sigma", "xtc_probability", "xtc_threshold", "dynatemp_range",
+    "dynatemp_exponent", "no_repeat_ngram_size", "dry_multiplier", "dry_base", "dry_allowed_length",
+    "dry_penalty_last_n", "dry_sequence_breakers", "mirostat", "mirostat_tau", "mirostat_eta",
+)
+
+
 class SamplingRequest(StrictModel):
     """Fields shared by chat and completions, including vLLM's extra sampling knobs at the top level."""
 
@@ -141,6 +150,27 @@ class SamplingRequest(StrictModel):
     # vLLM's --logprobs-mode, per request here: the model's distribution (raw) or the one the sampler drew from
     # (processed: after bans, bias, penalties, temperature, min-p, top-k/top-p)
     logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] | None = None
+    # Further warpers (SamplingParams has their ranges and semantics; README "Sampling parameters")
+    typical_p: float | None = None
+    epsilon_cutoff: float | None = None
+    eta_cutoff: float | None = None
+    top_n_sigma: float | None = None
+    xtc_probability: float | None = None
+    xtc_threshold: float | None = None
+    dynatemp_range: float | None = None
+    dynatemp_exponent: float | None = None
+    no_repeat_ngram_size: int | None = None
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_penalty_last_n: int | None = None
+    dry_sequence_breakers: list[str] | None = Field(default=None, max_length=MAX_DRY_BREAKERS)
+    mirostat: int | None = None
+    mirostat_tau: float | None = None
+    mirostat_eta: float | None = None
+    # Reasoning budget (chat with --reasoning-parser only; README "Reasoning")
+    thinking_token_budget: int | None = None
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -176,6 +206,14 @@ class SamplingRequest(StrictModel):
                     f"logit_bias keys must be token ids (integers as strings), got {key!r}", param="logit_bias"
                 ) from None
         return ids
+
+    def _thinking_budget(self) -> int | None:
+        if self.thinking_token_budget is not None and self.reasoning_effort is not None:
+            raise OpenAIServingError("reasoning_effort and thinking_token_budget both set a reasoning budget; send one",
+                                     param="reasoning_effort")
+        if self.reasoning_effort is not None:
+            return EFFORT_BUDGETS[self.reasoning_effort]
+        return self.thinking_token_budget
 
     def _user_prompt_logprobs(self) -> int | None:
         """prompt_logprobs as sent; as vLLM, a stream cannot carry them (its chunks have no place for them)."""
@@ -225,6 +263,8 @@ class SamplingRequest(StrictModel):
                 structured_outputs=structured_outputs_from_request(self),
                 guidance_scale=self.guidance_scale,
                 negative_prompt=self.negative_prompt,
+                **{name: getattr(self, name) for name in EXTRA_SAMPLING_FIELDS if getattr(self, name) is not None},
+                thinking_token_budget=self._thinking_budget(),
             )
         except ValueError as e:
             raise value_error_to_serving_error(e, set(type(self).model_fields)) from None
