@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI app factory, uvicorn runner, and a background-thread server for tests.
 
-Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health (503 once the engine is
+Endpoints: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (+ GET / DELETE
+/v1/responses/{id}: serving_responses.py), GET /v1/models, GET /health (503 once the engine is
 dead), GET /metrics (Prometheus text), POST /tokenize, POST /detokenize, GET /version (serving_tokenization.py).
 Optional API-key auth and CORS, and X-Request-Id on every response: middleware.py.  Every error is answered in
 OpenAI's shape `{"error": {"message", "type", "param", "code"}}`; bad input (malformed JSON, unknown fields
@@ -40,7 +41,14 @@ from tokenspout.entrypoints.openai.protocol import (
     OpenAIServingError,
     validation_error_to_serving_error,
 )
+from tokenspout.entrypoints.openai.protocol.responses import ResponseDeleted, ResponseObject, ResponsesRequest
+from tokenspout.entrypoints.openai.responses_store import (
+    DEFAULT_MAX_STORED_BYTES,
+    DEFAULT_MAX_STORED_RESPONSES,
+    ResponseStore,
+)
 from tokenspout.entrypoints.openai.serving_chat import OpenAIServingChat
+from tokenspout.entrypoints.openai.serving_responses import OpenAIServingResponses
 from tokenspout.entrypoints.openai.serving_common import EngineClient
 from tokenspout.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenspout.entrypoints.openai.serving_tokenization import install_tokenization_routes
@@ -63,6 +71,7 @@ class ServerState:
     completion: OpenAIServingCompletion
     gate: AdmissionGate
     prep: Offloader  # request preparation (chat templates, grammars) off the event loop
+    responses: OpenAIServingResponses  # /v1/responses: a translation onto `chat`
 
 
 def _json(model: BaseModel, status: int = 200) -> Response:
@@ -82,16 +91,17 @@ def _is_engine(obj: Any) -> bool:
 
 def _install(app: FastAPI, engine: EngineClient, metrics: ServerMetrics | None, record_request_metrics: bool,
              metrics_prefix: str = DEFAULT_PREFIX, chat_options: dict[str, Any] | None = None,
-             limits: ServerLimits = ServerLimits()) -> None:
+             limits: ServerLimits = ServerLimits(), store: ResponseStore | None = None) -> None:
     if metrics is None:  # share the engine frontend's metrics object when it has one
         engine_metrics = getattr(engine, "metrics", None)
         metrics = engine_metrics if isinstance(engine_metrics, ServerMetrics) else ServerMetrics(
             engine.model_name, prefix=metrics_prefix, max_model_len=getattr(engine, "max_model_len", None))
     app.state.detach_metrics = metrics.attach_engine(engine)
     request_metrics = metrics if record_request_metrics else None
+    chat = OpenAIServingChat(engine, request_metrics, **(chat_options or {}))
     app.state.server = ServerState(
-        engine, metrics, OpenAIServingChat(engine, request_metrics, **(chat_options or {})),
-        OpenAIServingCompletion(engine, request_metrics), AdmissionGate(limits), Offloader("tokenspout-prepare")
+        engine, metrics, chat, OpenAIServingCompletion(engine, request_metrics), AdmissionGate(limits),
+        Offloader("tokenspout-prepare"), OpenAIServingResponses(chat, store if store is not None else ResponseStore()),
     )
 
 
@@ -120,6 +130,8 @@ def build_app(
     reasoning_parser: str | None = None,
     playground: bool = True,
     limits: ServerLimits = ServerLimits(),
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
+    max_stored_response_bytes: int = DEFAULT_MAX_STORED_BYTES,
 ) -> FastAPI:
     """`engine`: a constructed AsyncLLM (or anything meeting EngineClient), or a zero-argument factory called in
     the server's event loop at startup (for engines that bind to the running loop).  `owns_engine` (default: True
@@ -129,10 +141,12 @@ def build_app(
     (`allowed_origins` None: no CORS): see middleware.install_middleware.  `metrics_prefix`: the families' prefix
     ("vllm" for vLLM's dashboards) when the metrics object is made here.  `tool_call_parser` / `reasoning_parser`:
     --tool-call-parser / --reasoning-parser (see engine/chat_tools.py).  `playground`: serve the playground page at
-    / and /playground (--no-playground turns it off).  `limits`: body size, fan-out and admission (limits.py)."""
+    / and /playground (--no-playground turns it off).  `limits`: body size, fan-out and admission (limits.py).
+    `max_stored_responses` / `max_stored_response_bytes`: the bounds of /v1/responses' store (responses_store.py)."""
     check_prefix(metrics_prefix)  # a bad prefix fails here, not at the server's start
     check_parser_names(tool_call_parser, reasoning_parser)
     chat_options = {"tool_call_parser": tool_call_parser, "reasoning_parser": reasoning_parser}
+    store = ResponseStore(max_stored_responses, max_stored_response_bytes)
     factory = None if _is_engine(engine) else engine
     owns = owns_engine if owns_engine is not None else factory is not None
 
@@ -140,7 +154,7 @@ def build_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if factory is not None:
             _install(app, factory(), metrics, record_request_metrics, metrics_prefix, chat_options,  # type: ignore[operator]
-                     limits)
+                     limits, store)
         freeze_startup_heap()
         try:
             yield
@@ -156,7 +170,7 @@ def build_app(
     app = FastAPI(title="tokenspout", lifespan=lifespan)
     if factory is None:
         _install(app, engine, metrics, record_request_metrics, metrics_prefix, chat_options,  # type: ignore[arg-type]
-                 limits)
+                 limits, store)
 
     def state(request: Request) -> ServerState:
         return request.app.state.server
@@ -216,6 +230,21 @@ def build_app(
         check_alive(st)
         job = await st.prep.run(st.completion.prepare, req)
         return await respond(request, st.completion, job, bool(req.stream), len(job.prompts) * job.params.n)
+
+    @app.post("/v1/responses", dependencies=json_only, responses={200: {"model": ResponseObject}, **errors})
+    async def create_response(req: ResponsesRequest, request: Request) -> Response:
+        st = state(request)
+        check_alive(st)
+        job = await st.prep.run(st.responses.prepare, req)
+        return await respond(request, st.responses, job, req.stream, 1)
+
+    @app.get("/v1/responses/{response_id}", responses={200: {"model": ResponseObject}, **errors})
+    async def get_response(response_id: str, request: Request) -> Response:
+        return Response(content=state(request).responses.retrieve(response_id), media_type="application/json")
+
+    @app.delete("/v1/responses/{response_id}", responses={200: {"model": ResponseDeleted}, **errors})
+    async def delete_response(response_id: str, request: Request) -> Response:
+        return _json(state(request).responses.delete(response_id))
 
     if playground:
         install_playground(app)
