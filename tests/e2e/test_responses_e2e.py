@@ -139,6 +139,11 @@ def test_previous_response_id_continues_the_conversation(client, model, server):
         client.responses.retrieve(r3.id)
 
 
+def test_unknown_model_is_a_404(client):
+    with pytest.raises(openai.NotFoundError):
+        client.responses.create(model="gpt-nonexistent", input="hi", max_output_tokens=4)
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"prompt_cache_key": "k"}, "prompt_cache_key"),

@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP server: FastAPI app factory, uvicorn runner, and a background-thread server for tests.
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (+ GET / DELETE
-/v1/responses/{id}: serving_responses.py), GET /v1/models, GET /health (503 once the engine is
+/v1/responses/{id}: serving_responses.py), POST /v1/messages and /v1/messages/count_tokens (Anthropic's Messages
+API: entrypoints/anthropic/), GET /v1/models, GET /health (503 once the engine is
 dead), GET /metrics (Prometheus text), POST /tokenize, POST /detokenize, GET /version (serving_tokenization.py).
 Optional API-key auth and CORS, and X-Request-Id on every response: middleware.py.  Every error is answered in
+Anthropic's shape `{"type": "error", "error": {"type", "message"}}` on the /v1/messages routes, elsewhere in
 OpenAI's shape `{"error": {"message", "type", "param", "code"}}`; bad input (malformed JSON, unknown fields
 included) is a 400, never a 422; a body that is not `application/json` is a 415.  Request and response bodies are
 described in /openapi.json.
@@ -28,6 +30,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from tokenspout.engine.chat_tools import check_parser_names
+from tokenspout.entrypoints.anthropic import protocol as anthropic
+from tokenspout.entrypoints.anthropic.serving_messages import AnthropicServingMessages
 from tokenspout.entrypoints.openai.limits import RETRY_AFTER_S, AdmissionGate, BodyLimitMiddleware, ServerLimits
 from tokenspout.entrypoints.openai.middleware import install_middleware
 from tokenspout.entrypoints.openai.protocol import (
@@ -72,14 +76,17 @@ class ServerState:
     gate: AdmissionGate
     prep: Offloader  # request preparation (chat templates, grammars) off the event loop
     responses: OpenAIServingResponses  # /v1/responses: a translation onto `chat`
+    messages: AnthropicServingMessages  # /v1/messages (Anthropic): a translation onto `chat`
 
 
 def _json(model: BaseModel, status: int = 200) -> Response:
     return Response(content=model.model_dump_json(), status_code=status, media_type="application/json")
 
 
-def _error(err: OpenAIServingError) -> Response:
-    response = _json(err.to_response(), err.status)
+def _error(err: OpenAIServingError, path: str = "") -> Response:
+    """The error in OpenAI's shape, or Anthropic's on the Messages routes (each client parses its own)."""
+    body = anthropic.error_response(err) if anthropic.is_anthropic_path(path) else err.to_response()
+    response = _json(body, err.status)
     if err.status == HTTPStatus.SERVICE_UNAVAILABLE:
         response.headers["Retry-After"] = str(RETRY_AFTER_S)
     return response
@@ -102,6 +109,7 @@ def _install(app: FastAPI, engine: EngineClient, metrics: ServerMetrics | None, 
     app.state.server = ServerState(
         engine, metrics, chat, OpenAIServingCompletion(engine, request_metrics), AdmissionGate(limits),
         Offloader("tokenspout-prepare"), OpenAIServingResponses(chat, store if store is not None else ResponseStore()),
+        AnthropicServingMessages(chat),
     )
 
 
@@ -176,21 +184,22 @@ def build_app(
         return request.app.state.server
 
     @app.exception_handler(OpenAIServingError)
-    async def _serving_error(_: Request, exc: OpenAIServingError) -> Response:
-        return _error(exc)
+    async def _serving_error(request: Request, exc: OpenAIServingError) -> Response:
+        return _error(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
-        return _error(validation_error_to_serving_error(exc.errors()))
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return _error(validation_error_to_serving_error(exc.errors()), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        return _error(OpenAIServingError(str(exc.detail), status=exc.status_code))
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return _error(OpenAIServingError(str(exc.detail), status=exc.status_code), request.url.path)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> Response:
+    async def _unexpected(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error", exc_info=exc)
-        return _error(OpenAIServingError(f"internal server error: {type(exc).__name__}", status=500))
+        return _error(OpenAIServingError(f"internal server error: {type(exc).__name__}", status=500),
+                      request.url.path)
 
     def check_alive(st: ServerState) -> None:
         if st.engine.errored:
@@ -201,7 +210,8 @@ def build_app(
         ends."""
         release = state(request).gate.admit(count)
         if stream:
-            return SSEResponse(serving.stream(job), on_close=release)
+            render = anthropic.error_body if anthropic.is_anthropic_path(request.url.path) else None
+            return SSEResponse(serving.stream(job), on_close=release, render_error=render)
         try:
             result = await run_until_disconnect(request.receive, serving.complete(job))
         except ClientDisconnected:
@@ -215,6 +225,8 @@ def build_app(
     json_only = [Depends(_require_json)]
     errors: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 404, 413, 415, 500,
                                                                                            503)}
+    anthropic_errors: dict[int | str, dict[str, Any]] = {code: {"model": anthropic.ErrorResponse}
+                                                         for code in (400, 401, 404, 413, 415, 500, 503)}
 
     @app.post("/v1/chat/completions", dependencies=json_only,
               responses={200: {"model": ChatCompletionResponse}, **errors})
@@ -245,6 +257,20 @@ def build_app(
     @app.delete("/v1/responses/{response_id}", responses={200: {"model": ResponseDeleted}, **errors})
     async def delete_response(response_id: str, request: Request) -> Response:
         return _json(state(request).responses.delete(response_id))
+
+    @app.post(anthropic.ROUTE, dependencies=json_only,
+              responses={200: {"model": anthropic.MessagesResponse}, **anthropic_errors})
+    async def create_message(req: anthropic.MessagesRequest, request: Request) -> Response:
+        st = state(request)
+        check_alive(st)
+        job = await st.prep.run(st.messages.prepare, req)
+        return await respond(request, st.messages, job, req.stream, 1)
+
+    @app.post(anthropic.ROUTE + "/count_tokens", dependencies=json_only,
+              responses={200: {"model": anthropic.CountTokensResponse}, **anthropic_errors})
+    async def count_message_tokens(req: anthropic.CountTokensRequest, request: Request) -> Response:
+        st = state(request)
+        return _json(await st.prep.run(st.messages.count_tokens, req))
 
     if playground:
         install_playground(app)

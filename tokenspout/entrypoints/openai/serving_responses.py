@@ -107,7 +107,7 @@ def _assistant_message(output: list[OutputItem]) -> dict[str, Any] | None:
 
 def chat_body(req: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[str, Any]:
     """The chat request that serves `req` (fields it leaves unset stay unset, so the chat route's defaults hold)."""
-    body: dict[str, Any] = {"messages": messages, "stream": req.stream}
+    body: dict[str, Any] = {"model": req.model, "messages": messages, "stream": req.stream}
     if req.max_output_tokens is not None:
         body["max_tokens"] = req.max_output_tokens
     for name in _SAMPLING_FIELDS:
