@@ -1,5 +1,6 @@
 """The `openai-agents` SDK, unchanged, runs a tool loop against tokenspout through the Responses API: an Agent with
-a function_tool, the SDK's OpenAIResponsesModel pointed at the test server, Runner.run.
+a function_tool, the SDK's OpenAIResponsesModel pointed at a server started as `make serve` starts it (the default
+model and its own template, no --chat-template), Runner.run.
 
 Turn 1 is forced to call the tool (tool_choice "required": grammar-constrained, so a valid call whatever the tiny
 model would say); the SDK runs the tool with the model's arguments and sends its output back as a
@@ -29,8 +30,31 @@ def get_weather(city: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(tools_server):
-    return tools_server[1]
+def server():
+    """The default model as `make serve` serves it: its own chat template (which never renders tools) and no
+    --chat-template; requests with tools get the bundled ChatML tools template (README, Tool calling)."""
+    from tests.helpers import background_server, real_engine
+
+    with real_engine() as engine, background_server(engine) as srv:
+        yield srv
+
+
+def test_the_default_server_takes_tools(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = client.chat.completions.create(model=client.models.list().data[0].id, messages=ask, tools=tools,
+                                       tool_choice="required", parallel_tool_calls=False, max_tokens=48,
+                                       temperature=0)
+    call = r.choices[0].message.tool_calls[0]
+    assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert isinstance(json.loads(call.function.arguments)["city"], str)
+    # /tokenize counts the prompt the chat route rendered (the tools template, with the tools in it)
+    tok = httpx.post(server.url + "/tokenize", json={"messages": ask, "tools": tools}, timeout=60).json()
+    assert tok["count"] == r.usage.prompt_tokens
+    plain = httpx.post(server.url + "/tokenize", json={"messages": ask}, timeout=60).json()
+    assert tok["count"] > plain["count"] + 20  # the tools' signatures are in the prompt
 
 
 def test_agent_tool_loop_through_the_responses_api(server):

@@ -12,9 +12,11 @@ only after the reasoning's end marker.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tokenspout.engine.chat_output import ChatOutputParser
@@ -171,3 +173,30 @@ def effective_template(engine_or_processor: Any, request_template: str | None) -
     processor = getattr(engine_or_processor, "processor", engine_or_processor)
     template = getattr(processor, "chat_template", None) or getattr(processor.tokenizer, "chat_template", None)
     return template if isinstance(template, str) else None
+
+
+_CHATML_TOOLS = Path(__file__).resolve().parent.parent / "tool_parsers" / "templates" / "chatml_tools.jinja"
+
+
+@functools.cache
+def chatml_tools_template() -> str:
+    """ChatML with Hermes-style tool calling (Qwen2.5's way of rendering tools), bundled with the package."""
+    return _CHATML_TOOLS.read_text(encoding="utf-8")
+
+
+@functools.lru_cache(maxsize=16)
+def _chatml_without_tools(template: str) -> bool:
+    return "<|im_start|>" in template and not template_renders_tools(template)
+
+
+def tools_template(engine_or_processor: Any, request_template: str | None, tools: Sequence[Any] | None) -> str | None:
+    """The template a chat request renders with, given its own (`request_template`) and its `tools`: a request
+    with tools whose template is ChatML that never renders them (SmolLM2's: the default model's, so `make serve`
+    would refuse every agent) gets the bundled ChatML tools template, whose Hermes calls the `auto` parser reads.
+    Anything else keeps the usual choice (None: --chat-template, else the model's)."""
+    if request_template or not tools:
+        return request_template
+    template = effective_template(engine_or_processor, None)
+    if template is not None and _chatml_without_tools(template):
+        return chatml_tools_template()
+    return None

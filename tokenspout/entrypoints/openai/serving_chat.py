@@ -28,6 +28,7 @@ from tokenspout.engine.chat_tools import (
     plan_chat,
     special_token_ids,
     template_tool_messages,
+    tools_template,
 )
 from tokenspout.entrypoints.openai.chat_render import render_chat_prompt
 from tokenspout.entrypoints.openai.protocol import (
@@ -96,14 +97,14 @@ class OpenAIServingChat:
         self.reasoning_cls: type[ReasoningParser] | None = reasoning_parser_class(reasoning_parser)
         self._special_ids: dict[str, int] | None = None
 
-    def _plan(self, req: ChatCompletionRequest, template_kwargs: dict) -> ChatPlan | None:
+    def _plan(self, req: ChatCompletionRequest, template_kwargs: dict, chat_template: str | None) -> ChatPlan | None:
         """The tool parser for `req` (None without tools or with tool_choice "none"); adds `tools` to the
         template's arguments when the template renders them."""
         if req.tools is None and req.tool_choice is None:
             return None
         try:
             return plan_chat(req.tool_dicts(), req.tool_choice_value(), req.parallel_tool_calls,
-                             template=effective_template(self.engine, req.chat_template),
+                             template=effective_template(self.engine, chat_template),
                              parser_name=self.tool_call_parser, template_kwargs=template_kwargs)
         except ValueError as e:
             raise value_error_to_serving_error(e, _TOOL_FIELDS) from None
@@ -114,12 +115,13 @@ class OpenAIServingChat:
         messages = req.template_messages()
         params = req.to_sampling_params(getattr(self.engine, "default_sampling_params", None))
         template_kwargs = dict(req.chat_template_kwargs or {})
-        plan = self._plan(req, template_kwargs) or ChatPlan()
+        chat_template = tools_template(self.engine, req.chat_template, req.tools)
+        plan = self._plan(req, template_kwargs, chat_template) or ChatPlan()
         if plan.tool_parser is not None or req.tools:
             messages = template_tool_messages(messages)
         prompt = render_chat_prompt(self.engine, messages, add_generation_prompt=req.add_generation_prompt,
                                     continue_final_message=req.continue_final_message,
-                                    chat_template_kwargs=template_kwargs, chat_template=req.chat_template)
+                                    chat_template_kwargs=template_kwargs, chat_template=chat_template)
         if self.reasoning_cls is not None:
             plan.reasoning = self.reasoning_cls(str(prompt))
         try:

@@ -20,7 +20,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 from starlette.responses import Response
 
-from tokenspout.engine.chat_tools import effective_template, plan_chat, template_tool_messages
+from tokenspout.engine.chat_tools import effective_template, plan_chat, template_tool_messages, tools_template
 from tokenspout.entrypoints.openai.chat_render import render_chat_prompt
 from tokenspout.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -164,15 +164,17 @@ def tokenize(engine: EngineClient, req: TokenizeCompletionRequest | TokenizeChat
         chat = ChatCompletionRequest(messages=req.messages, tools=req.tools)
         kwargs = dict(req.chat_template_kwargs or {})
         messages = chat.template_messages()
+        chat_template = tools_template(engine, None, req.tools)  # the chat route's choice for these tools
         if req.tools:  # as the chat route renders them (tool_choice "none": only a template that reads them)
             messages = template_tool_messages(messages)
             try:
-                plan_chat(chat.tool_dicts(), "none", None, template=effective_template(engine, None),
+                plan_chat(chat.tool_dicts(), "none", None, template=effective_template(engine, chat_template),
                           parser_name=None, template_kwargs=kwargs)
             except ValueError as e:  # e.g. two tools of one name, as the chat route says
                 raise value_error_to_serving_error(e, {"tools"}) from None
         text = render_chat_prompt(engine, messages, add_generation_prompt=req.add_generation_prompt,
-                                  continue_final_message=req.continue_final_message, chat_template_kwargs=kwargs)
+                                  continue_final_message=req.continue_final_message, chat_template_kwargs=kwargs,
+                                  chat_template=chat_template)
     else:
         text = req.prompt
     ids = [int(t) for t in engine.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)]
