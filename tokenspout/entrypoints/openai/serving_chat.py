@@ -1,7 +1,8 @@
 """POST /v1/chat/completions: chat template → engine → one response or an SSE stream of chunks.
 
 Stream shape (as OpenAI): per choice a first chunk with delta {role: "assistant", content: ""}, then content chunks
-(with logprobs.content when asked), then a chunk with an empty delta and the finish_reason (+ vLLM's stop_reason);
+(with logprobs.content when asked), the last of them with the finish_reason (+ vLLM's stop_reason; a chunk with an
+empty delta only when the last output released nothing);
 a usage chunk with `choices: []` only when stream_options.include_usage; then `data: [DONE]`.
 
 vLLM extras: `prompt_logprobs: N` answers with a top-level `prompt_logprobs` (not with stream); `echo: true` starts
@@ -213,9 +214,15 @@ class OpenAIServingChat:
 
         envelope = ChunkEnvelope(chunk())
 
-        def frame(*choices: ChatCompletionStreamChoice) -> bytes:
+        def frame(*choices: ChatCompletionStreamChoice, no_tokens: bool = False,
+                  prompt_token_ids: list[int] | None = None) -> bytes:
             if req.continuous_usage:  # vLLM's continuous_usage_stats: every chunk carries the usage so far
-                return sse_frame(chunk(*choices, usage=usage_of([state])))
+                usage = usage_of([state])
+                if no_tokens:  # the role and echo chunks carry no generated token (vLLM counts none for them)
+                    usage.completion_tokens, usage.total_tokens = 0, usage.prompt_tokens
+                return sse_frame(chunk(*choices, usage=usage, prompt_token_ids=prompt_token_ids))
+            if prompt_token_ids is not None:
+                return sse_frame(chunk(*choices, prompt_token_ids=prompt_token_ids))
             return envelope.frame(*choices)
 
         try:
@@ -229,13 +236,13 @@ class OpenAIServingChat:
                     if first:
                         for i in range(params.n):
                             role = ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                            if req.return_token_ids and i == 0:  # vLLM: the prompt's ids ride on the first chunk
-                                yield sse_frame(chunk(role, prompt_token_ids=out.prompt_token_ids))
-                            else:
-                                yield frame(role)
+                            # vLLM: with return_token_ids the prompt's ids ride on the first chunk
+                            ids = out.prompt_token_ids if req.return_token_ids and i == 0 else None
+                            yield frame(role, no_tokens=True, prompt_token_ids=ids)
                         if job.echo:
                             for i in range(params.n):
-                                yield frame(ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=job.echo)))
+                                yield frame(ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=job.echo)),
+                                            no_tokens=True)
                     for c in out.outputs:
                         for choice in self._choice_frames(c, params.logprobs, req,
                                                           parsers[c.index] if parsers else None):
@@ -271,6 +278,8 @@ class OpenAIServingChat:
             send = bool(c.text or c.token_ids)
         else:  # what the parser releases (held-back text is released at the end), or the tokens' own fields
             send = bool(parts) or (bool(c.text or c.token_ids) and (top_n is not None or req.return_token_ids))
+        # As OpenAI and vLLM: the finish_reason rides on the last token's chunk (a chunk of its own, with an empty
+        # delta, only when the last output carries nothing to send).
         if send:
             frames.append(ChatCompletionStreamChoice(
                 index=c.index,
@@ -278,8 +287,9 @@ class OpenAIServingChat:
                 logprobs=self._logprobs(c.logprobs or [], top_n, req.return_tokens_as_token_ids)
                 if top_n is not None else None,
                 token_ids=list(c.token_ids) if req.return_token_ids else None,
+                finish_reason=finish_reason, stop_reason=c.stop_reason,
             ))
-        if c.finish_reason is not None:
+        elif c.finish_reason is not None:
             frames.append(ChatCompletionStreamChoice(
                 index=c.index, delta=DeltaMessage(), finish_reason=finish_reason, stop_reason=c.stop_reason
             ))

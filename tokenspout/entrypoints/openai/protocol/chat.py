@@ -210,6 +210,14 @@ class DeltaMessage(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
+def _drop_null_ids(out: dict[str, Any]) -> dict[str, Any]:
+    """vLLM leaves return_token_ids' fields out of a stream's chunks that do not carry them (never null)."""
+    for key in ("token_ids", "prompt_token_ids"):
+        if key in out and out[key] is None:
+            del out[key]
+    return out
+
+
 class ChatCompletionStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
@@ -217,6 +225,10 @@ class ChatCompletionStreamChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None  # vLLM's return_token_ids: this chunk's ids
+
+    @model_serializer(mode="wrap")
+    def _omit_null_ids(self, handler):
+        return _drop_null_ids(handler(self))
 
 
 class ChatCompletionChunk(BaseModel):
@@ -228,3 +240,7 @@ class ChatCompletionChunk(BaseModel):
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
     prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids: in the first chunk
+
+    @model_serializer(mode="wrap")
+    def _omit_null_ids(self, handler):
+        return _drop_null_ids(handler(self))

@@ -1,0 +1,67 @@
+"""Stream chunks as vLLM and OpenAI shape them (vLLM-test findings), on the fake engine: the finish_reason rides on
+the last token's chunk, continuous_usage_stats counts no token on the role chunk, and return_token_ids' fields are
+left out of chunks that carry none (never null)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.unit.fake_engine import FakeEngine
+from tokenspout.entrypoints.openai.api_server import build_app
+
+
+@pytest.fixture(scope="module")
+def client():
+    return TestClient(build_app(FakeEngine()))
+
+
+def _chunks(text: str) -> list[dict]:
+    frames = [f.removeprefix("data: ") for f in text.strip().split("\n\n")]
+    assert frames[-1] == "[DONE]"
+    return [json.loads(f) for f in frames[:-1]]
+
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "temperature": 0, "stream": True,
+        "ignore_eos": True}
+COMPLETION = {"prompt": "hi", "max_tokens": 5, "temperature": 0, "stream": True, "ignore_eos": True}
+
+
+@pytest.mark.parametrize("route, body", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)])
+def test_finish_reason_is_on_the_last_tokens_chunk(client, route, body):
+    chunks = [c for c in _chunks(client.post(route, json=body).text) if c["choices"]]
+    last = chunks[-1]["choices"][0]
+    assert last["finish_reason"] == "length"
+    assert (last["delta"]["content"] if route.endswith("chat/completions") else last["text"])  # not an empty one
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert len(chunks) == 5 + route.endswith("chat/completions")  # one per token (+ the role chunk)
+
+
+def test_continuous_usage_counts_no_token_on_the_role_chunk(client):
+    body = {**CHAT, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = _chunks(client.post("/v1/chat/completions", json=body).text)
+    role, tokens = chunks[0], [c for c in chunks[1:] if c["choices"]]
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert role["usage"]["completion_tokens"] == 0 and role["usage"]["total_tokens"] == role["usage"]["prompt_tokens"]
+    assert [c["usage"]["completion_tokens"] for c in tokens] == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("route, body", [("/v1/chat/completions", CHAT), ("/v1/completions", COMPLETION)])
+@pytest.mark.parametrize("continuous", [False, True])
+def test_return_token_ids_fields_are_left_out_not_null(client, route, body, continuous):
+    body = {**body, "return_token_ids": True}
+    if continuous:
+        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = [c for c in _chunks(client.post(route, json=body).text) if c["choices"]]
+    assert chunks[0]["prompt_token_ids"] if route.endswith("chat/completions") else \
+        chunks[0]["choices"][0]["prompt_token_ids"]
+    for c in chunks:
+        for obj in (c, *c["choices"]):
+            for key in ("token_ids", "prompt_token_ids"):
+                assert obj.get(key, "absent") is not None, (key, c)
+    generated = [t for c in chunks for t in c["choices"][0].get("token_ids", [])]
+    assert len(generated) == 5
+    plain = client.post(route, json={**body, "return_token_ids": False, "stream_options": None}).text
+    assert "token_ids" not in plain
