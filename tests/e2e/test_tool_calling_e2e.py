@@ -211,3 +211,25 @@ def test_tokenize_with_tools_counts_the_chat_prompt(client, model, server):
     assert count == r.usage.prompt_tokens and count > bare + 50  # the tool definitions are in the prompt
     dup = httpx.post(server.url + "/tokenize", json={"messages": ASK, "tools": [TOOLS[0], TOOLS[0]]}, timeout=60)
     assert dup.status_code == 400 and dup.json()["error"]["param"] == "tools"
+
+
+DEFS_SCHEMA = {  # pydantic's shape for nested models: local $defs, referenced from the root
+    "type": "object",
+    "properties": {"place": {"$ref": "#/$defs/Place"}, "unit": {"$ref": "#/definitions/Unit"}},
+    "required": ["place", "unit"],
+    "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                        "required": ["city"], "additionalProperties": False}},
+    "definitions": {"Unit": {"enum": ["celsius", "fahrenheit"]}},
+}
+
+
+def test_parameters_with_defs_and_refs_are_enforced(client, model):
+    """vLLM-test finding: a tool whose parameters use local $defs / $ref was a 400 (the schema is nested inside the
+    call's grammar, where root-relative pointers broke); now the call validates against it."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": DEFS_SCHEMA}},
+             {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}}]
+    r = client.chat.completions.create(model=model, messages=ASK, tools=tools, max_tokens=MAX_TOKENS, temperature=0,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                       parallel_tool_calls=False)
+    (call,) = r.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), DEFS_SCHEMA)

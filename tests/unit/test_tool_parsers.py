@@ -845,3 +845,28 @@ def test_resolve_by_name():
 ])
 def test_template_renders_tools(template, expected):
     assert template_renders_tools(template) is expected
+
+
+def test_call_grammar_hoists_local_defs_and_refs():
+    """$defs / definitions and the $refs into them (or into the schema itself: "#") keep pointing at the right
+    schema once the parameters sit inside the call's JSON schema; llguidance accepts the grammar."""
+    from tokenspout.sampling_params import StructuredOutputsParams
+    from tokenspout.structured_output import validate
+    from tokenspout.tool_parsers.grammar import call_schema
+
+    tree = {"type": "object", "properties": {"name": {"type": "string"}, "kids": {"type": "array",
+                                                                                "items": {"$ref": "#"}}}}
+    nested = {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}, "u": {"$ref": "#/definitions/U"}},
+              "$defs": {"P": {"type": "object", "properties": {"next": {"$ref": "#/$defs/P"}}}},
+              "definitions": {"U": {"enum": ["a"]}}}
+    tools = [{"type": "function", "function": {"name": "tree", "parameters": tree}},
+             {"type": "function", "function": {"name": "nested", "parameters": nested}},
+             {"type": "function", "function": {"name": "plain", "parameters": {"type": "object"}}}]
+    schema = json.loads(call_schema(tools).removeprefix("%json "))
+    defs = schema["$defs"]
+    assert defs["t0"]["properties"]["kids"]["items"] == {"$ref": "#/$defs/t0"}
+    assert defs["t1"]["properties"] == {"p": {"$ref": "#/$defs/t1.P"}, "u": {"$ref": "#/$defs/t1.U"}}
+    assert defs["t1.P"]["properties"]["next"] == {"$ref": "#/$defs/t1.P"} and defs["t1.U"] == {"enum": ["a"]}
+    assert schema["anyOf"][2]["properties"]["arguments"] == {"type": "object", "additionalProperties": False}
+    grammar = HermesToolParser().grammar(tools, required=True, parallel=True, special_token_ids={})
+    validate(StructuredOutputsParams(grammar=grammar))
