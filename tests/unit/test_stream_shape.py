@@ -65,3 +65,31 @@ def test_return_token_ids_fields_are_left_out_not_null(client, route, body, cont
     assert len(generated) == 5
     plain = client.post(route, json={**body, "return_token_ids": False, "stream_options": None}).text
     assert "token_ids" not in plain
+
+
+def test_extra_message_keys_reach_the_template():
+    """vLLM-test finding: keys beyond OpenAI's inside a message were a 400; vLLM hands them to the template."""
+    seen: list[list[dict]] = []
+
+    class Recording(FakeEngine):
+        def apply_chat_template(self, messages, add_generation_prompt=True, **kw):
+            seen.append(messages)
+            return super().apply_chat_template(messages, add_generation_prompt, **kw)
+
+    client = TestClient(build_app(Recording()))
+    messages = [{"role": "user", "content": "hi", "foo": {"bar": [1, 2]}},
+                {"role": "assistant", "content": "ok", "reasoning_content": "because"},
+                {"role": "user", "content": "again"}]
+    r = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert seen[-1][0]["foo"] == {"bar": [1, 2]} and seen[-1][1]["reasoning_content"] == "because"
+    r = client.post("/tokenize", json={"messages": messages})
+    assert r.status_code == 200 and seen[-1][0]["foo"] == {"bar": [1, 2]}
+    # still bounded: nesting past the limit is a 400
+    deep: dict = {}
+    node = deep
+    for _ in range(80):
+        node["x"] = {}
+        node = node["x"]
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi", "deep": deep}]})
+    assert r.status_code == 400

@@ -31,12 +31,19 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(StrictModel):
+    """Keys beyond OpenAI's reach the chat template as they are (as vLLM: templates read e.g. `reasoning_content`
+    or `thinking` on an assistant turn); they are still bounded by the body's size and nesting checks."""
+
+    model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
     # An agent's history: they reach the chat template whole (templates that know tools render them).
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    # OpenAI's fields this server cannot honour stay a 400 rather than reaching the template as extra keys.
+    audio: None = None
+    function_call: None = None
 
 
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -121,6 +128,8 @@ class ChatCompletionRequest(SamplingRequest):
             for key in ("name", "tool_calls", "tool_call_id"):
                 if getattr(msg, key) is not None:
                     entry[key] = getattr(msg, key)
+            for key, value in (msg.model_extra or {}).items():
+                entry[key] = value
             out.append(entry)
         return out
 
