@@ -32,6 +32,7 @@ PARTIAL_MARKERS = {
     "hermes": ("<tool_c", "<tool_call"),
     "llama3_json": ("<|python", "<|python_tag"),
     "mistral": ("[TOOL_CA", "[TOOL_CALLS"),
+    "pythonic": ("<|python_st", "<|python_start"),
 }
 
 
@@ -806,7 +807,7 @@ PLAIN_TEMPLATE = "{%- for message in messages %}<|im_start|>{{ message.role }}\n
 
 
 def test_registry_names():
-    assert set(TOOL_PARSERS) == set(PARSER_NAMES)
+    assert set(TOOL_PARSERS) == {*PARSER_NAMES, "pythonic"}  # pythonic has its own section below
     assert TOOL_PARSERS["hermes"] is HermesToolParser
     for name, cls in TOOL_PARSERS.items():
         assert cls.name == name and issubclass(cls, ToolParser)
@@ -817,6 +818,7 @@ def test_registry_names():
 @pytest.mark.parametrize("template,expected", [
     (QWEN_TEMPLATE, "hermes"), (MISTRAL_TEMPLATE, "mistral"), (LLAMA_TEMPLATE, "llama3_json"),
     (LLAMA_NO_TAG_TEMPLATE, "llama3_json"), (PLAIN_TEMPLATE, None), (None, None), ("", None),
+    ("respond in the format [func_name1(params_name1=params_value1, params_name2=params_value2...)]", "pythonic"),
 ])
 def test_resolve_auto_by_template(template, expected):
     parser = resolve_tool_parser("auto", template)
@@ -870,3 +872,81 @@ def test_call_grammar_hoists_local_defs_and_refs():
     assert schema["anyOf"][2]["properties"]["arguments"] == {"type": "object", "additionalProperties": False}
     grammar = HermesToolParser().grammar(tools, required=True, parallel=True, special_token_ids={})
     validate(StructuredOutputsParams(grammar=grammar))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pythonic (Llama 3.2 / 4): a Python list of calls with keyword arguments
+# ----------------------------------------------------------------------------------------------------------------
+
+PYTHONIC_CASES = [  # (text, content, calls)
+    ("[get_weather(city='San Francisco', metric='celsius')]", "",
+     [("get_weather", {"city": "San Francisco", "metric": "celsius"})]),
+    ('<|python_start|>[get_weather(city="Paris"), get_time()]<|python_end|>', "",
+     [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ("[search(query=\"it's\", opts={'k': [1, 2.5, None], 'b': True}, pair=(1, 'x'),)]\n", "",
+     [("search", {"query": "it's", "opts": {"k": [1, 2.5, None], "b": True}, "pair": [1, "x"]})]),
+    ("The weather in Paris is sunny.", "The weather in Paris is sunny.", []),
+    ("[1, 2, 3]", "[1, 2, 3]", []),
+    ("[]", "[]", []),
+    ("[f(x=1)]<|python_end|>\n\nAnything else?", "Anything else?", [("f", {"x": 1})]),  # text after the list
+    ("<|python_start|>[f(x=1)]<|python_end|>", "", [("f", {"x": 1})]),
+]
+PYTHONIC_MALFORMED = ["[f(x={1, 2})]", "[f(1)]", "[f(x=1) g()]", "[f(x=)]", "[f(x=1]", "[f(x=[1, 2)]"]
+
+
+@pytest.mark.parametrize("text", PYTHONIC_MALFORMED)
+def test_pythonic_malformed_is_content(text):
+    """A set (no JSON form), a positional argument, broken syntax: the whole reply is content at the end."""
+    assert parse_final("pythonic", text) == (text, [])
+
+
+@pytest.mark.parametrize("text,content,calls", PYTHONIC_CASES)
+def test_pythonic_outputs_parse_and_stream(text, content, calls):
+    got_content, got_calls = parse_final("pythonic", text)
+    assert got_content == content
+    assert [(n, json.loads(a)) for n, a in got_calls] == calls
+    out = stream_chars("pythonic", text)
+    assert (out.content, out.calls) == (got_content, got_calls)
+
+
+def test_pythonic_generated_outputs_stream_and_parse():
+    """Random argument values written as Python literals (repr) parse back to the same JSON, streamed or not."""
+    rng = random.Random("tool-parsers-pythonic")
+    for _ in range(40):
+        calls = [(rng.choice(["get_weather", "search", "f_1"]),
+                  {f"{rng.choice(['city', 'query', 'opts'])}{i}": _value(rng) for i in range(rng.randint(0, 4))})
+                 for _ in range(rng.randint(1, 3))]
+        sep = rng.choice([", ", ","])
+        text = rng.choice(["", "<|python_start|>"]) + "[" + sep.join(
+            f"{n}({sep.join(f'{k}={v!r}' for k, v in a.items())})" for n, a in calls) + "]"
+        got_content, got_calls = parse_final("pythonic", text)
+        assert got_content == "" and [(n, json.loads(a)) for n, a in got_calls] == calls, text
+        out = stream_chars("pythonic", text, check_markers=False)
+        assert (out.content, out.calls) == (got_content, got_calls), text
+
+
+def test_pythonic_cut_call_keeps_the_complete_arguments():
+    parse = TOOL_PARSERS["pythonic"]().parse("[get_weather(city='Paris', days=", True)
+    assert [(c.name, c.arguments, c.complete) for c in parse.calls] == [("get_weather", '{"city": "Paris"', False)]
+
+
+def test_pythonic_grammar(ll_tokenizer, tokenizer):
+    import llguidance
+
+    parser = TOOL_PARSERS["pythonic"]()
+    one, two = '[get_weather(city="Paris", days=2)]', '[get_weather(city="Paris", days=2), get_time()]'
+    for required, parallel in MODES:
+        grammar = parser.grammar(TOOLS, required=required, parallel=parallel, special_token_ids={})
+        assert llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("grammar", grammar)) == ""
+        assert _accepts(ll_tokenizer, tokenizer, grammar, one)
+        assert _accepts(ll_tokenizer, tokenizer, grammar, '[get_weather(city="Paris")]')  # days is optional
+        assert _accepts(ll_tokenizer, tokenizer, grammar, "[get_time()]")
+        assert _accepts(ll_tokenizer, tokenizer, grammar, two) == parallel
+        for bad in ('[get_wether(city="Paris")]', "[get_weather(city=42)]", '[get_weather(city="P", days="2")]',
+                    "[get_weather(days=2)]", '[get_weather(city="P", city="Q")]'):
+            assert not _accepts(ll_tokenizer, tokenizer, grammar, bad), bad
+        answer = "The weather in Paris is sunny."
+        assert _accepts(ll_tokenizer, tokenizer, grammar, answer) == (not required)
+    calls = parser.parse(two, True).tool_calls()
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris", "days": 2}),
+                                                                   ("get_time", {})]

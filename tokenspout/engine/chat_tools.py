@@ -126,7 +126,8 @@ def plan_tools(tools: Sequence[Mapping[str, Any]] | None, tool_choice: ToolChoic
     if parser is None:
         reason = "the server was started without --tool-call-parser" if parser_name is None else \
             "--tool-call-parser auto cannot tell the tool-call format from the chat template"
-        raise ValueError(f"tools: {reason}; start it with --tool-call-parser hermes, llama3_json or mistral")
+        raise ValueError(f"tools: {reason}; start it with --tool-call-parser hermes, llama3_json, mistral or "
+                         f"pythonic")
     return parser, True
 
 

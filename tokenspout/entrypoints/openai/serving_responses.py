@@ -153,8 +153,8 @@ class ResponsesJob:
         tc = req.tool_choice
         return ResponseObject(
             id=self.response_id, created_at=self.chat.created, status="in_progress", model=model,
-            instructions=req.instructions, metadata=req.metadata, parallel_tool_calls=req.parallel_tool_calls is not False,
-            temperature=req.temperature, top_p=req.top_p,
+            instructions=req.instructions, metadata=req.metadata,
+            parallel_tool_calls=req.parallel_tool_calls is not False, temperature=req.temperature, top_p=req.top_p,
             tool_choice=(tc if isinstance(tc, str) else tc.model_dump()) if tc is not None else "auto",
             tools=[t.model_dump(exclude_none=True) for t in req.tools or []], max_output_tokens=req.max_output_tokens,
             previous_response_id=req.previous_response_id, store=req.store, user=req.user,
