@@ -235,20 +235,28 @@ def test_parameters_with_defs_and_refs_are_enforced(client, model):
     jsonschema.validate(json.loads(call.function.arguments), DEFS_SCHEMA)
 
 
-def test_pythonic_parser_constrains_and_parses_calls(engine, model):
-    """--tool-call-parser pythonic (Llama 3.2 / 4's Python-list calls) on the real model: the grammar makes the
-    tiny model write `[get_weather(city="...")]`, which comes back as an OpenAI tool call, streamed and not."""
+BOUNDED = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},  # qwen3_coder's text runs on
+                                            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"]}
+
+
+@pytest.mark.parametrize("parser", ["pythonic", "qwen3_coder"])
+def test_more_parsers_constrain_and_parse_calls(engine, model, parser):
+    """--tool-call-parser pythonic (Llama 3.2 / 4's `[get_weather(city="...")]`) and qwen3_coder (Qwen3-Coder's
+    `<function=...><parameter=...>` XML) on the real model: the grammar makes the tiny model write the format,
+    which comes back as an OpenAI tool call whose arguments follow the schema, streamed and not."""
     from tests.helpers import background_server
 
-    with background_server(engine, tool_call_parser="pythonic") as srv:
+    with background_server(engine, tool_call_parser=parser) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=300)
-        kw = dict(model=model, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=MAX_TOKENS,
+        tools = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "parameters": BOUNDED}}, TOOLS[1]]
+        kw = dict(model=model, messages=ASK, tools=tools, tool_choice="required", max_tokens=MAX_TOKENS,
                   temperature=0, parallel_tool_calls=False)
         r = client.chat.completions.create(**kw)
         (call,) = r.choices[0].message.tool_calls
         assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
-        assert call.function.name == TOOLS[0]["function"]["name"]
-        jsonschema.validate(json.loads(call.function.arguments), TOOLS[0]["function"]["parameters"])
+        assert call.function.name == tools[0]["function"]["name"]
+        jsonschema.validate(json.loads(call.function.arguments), BOUNDED)
         args, name = "", None
         for chunk in client.chat.completions.create(stream=True, **kw):
             for tc in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:

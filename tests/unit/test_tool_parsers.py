@@ -33,6 +33,7 @@ PARTIAL_MARKERS = {
     "llama3_json": ("<|python", "<|python_tag"),
     "mistral": ("[TOOL_CA", "[TOOL_CALLS"),
     "pythonic": ("<|python_st", "<|python_start"),
+    "qwen3_coder": ("<tool_c", "<tool_call"),
 }
 
 
@@ -807,7 +808,7 @@ PLAIN_TEMPLATE = "{%- for message in messages %}<|im_start|>{{ message.role }}\n
 
 
 def test_registry_names():
-    assert set(TOOL_PARSERS) == {*PARSER_NAMES, "pythonic"}  # pythonic has its own section below
+    assert set(TOOL_PARSERS) == {*PARSER_NAMES, "pythonic", "qwen3_coder"}  # those two: own sections below
     assert TOOL_PARSERS["hermes"] is HermesToolParser
     for name, cls in TOOL_PARSERS.items():
         assert cls.name == name and issubclass(cls, ToolParser)
@@ -950,3 +951,93 @@ def test_pythonic_grammar(ll_tokenizer, tokenizer):
     calls = parser.parse(two, True).tool_calls()
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris", "days": 2}),
                                                                    ("get_time", {})]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# qwen3_coder: XML blocks, parameter values typed by the function's schema
+# ----------------------------------------------------------------------------------------------------------------
+
+CODER_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "ratio": {"type": "number"},
+        "metric": {"type": "boolean"}, "opts": {"type": "object"}, "tags": {"type": "array"}},
+        "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}},
+]
+
+
+def _coder(*calls: tuple[str, dict[str, str]]) -> str:
+    return "\n".join("<tool_call>\n<function=" + name + ">\n" + "".join(
+        f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items()) + "</function>\n</tool_call>"
+        for name, params in calls)
+
+
+def _coder_parser():
+    parser = TOOL_PARSERS["qwen3_coder"]()
+    parser.bind_tools(CODER_TOOLS)
+    return parser
+
+
+CODER_CASES = [  # (text, content, calls)
+    (_coder(("get_weather", {"city": "New York", "days": "3", "ratio": "0.5", "metric": "True",
+                             "opts": '{"a": [1, null]}', "tags": "['x', 'y']"})), "",
+     [("get_weather", {"city": "New York", "days": 3, "ratio": 0.5, "metric": True, "opts": {"a": [1, None]},
+                       "tags": ["x", "y"]})]),
+    ("Let me check.\n" + _coder(("get_weather", {"city": "42\nline two"}), ("get_time", {})) + "\nDone.",
+     "Let me check.\nDone.", [("get_weather", {"city": "42\nline two"}), ("get_time", {})]),
+    (_coder(("unknown_fn", {"x": "[1, 2]", "y": "plain text"})), "",
+     [("unknown_fn", {"x": [1, 2], "y": "plain text"})]),  # untyped: JSON when it is JSON
+    ("No tools needed: <tool> is not a marker.", "No tools needed: <tool> is not a marker.", []),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", CODER_CASES)
+def test_qwen3_coder_outputs_parse_and_stream(text, content, calls):
+    parse = _coder_parser().parse(text, True)
+    assert parse.content == content
+    assert [(c.name, json.loads(c.arguments)) for c in parse.tool_calls()] == calls
+    stream = ToolCallStream(_coder_parser())
+    out = Reassembled()
+    for i in range(len(text) + 1):
+        out.add(*stream.update(text[:i], final=False))
+        assert "<tool_c" not in out.content
+    out.add(*stream.update(text, final=True))
+    assert (out.content, out.calls) == (parse.content, [(c.name, c.arguments) for c in parse.tool_calls()])
+
+
+@pytest.mark.parametrize("text", [
+    _coder(("get_weather", {"city": "Paris", "days": "many"})),  # not an integer
+    "<tool_call>\n<junk>\n</tool_call>",
+    "<tool_call>\n<function=f>\nstray text\n</function>\n</tool_call>",
+])
+def test_qwen3_coder_malformed_block_is_content(text):
+    parse = _coder_parser().parse(text, True)
+    assert (parse.content, parse.calls) == (text, [])
+
+
+def test_qwen3_coder_cut_call_keeps_complete_parameters():
+    text = _coder(("get_weather", {"city": "Paris", "days": "3"}))
+    cut = text[:text.index("3\n</parameter>")]
+    (call,) = _coder_parser().parse(cut, True).calls
+    assert (call.name, call.arguments, call.complete) == ("get_weather", '{"city": "Paris"', False)
+
+
+def test_qwen3_coder_grammar(ll_tokenizer, tokenizer):
+    import llguidance
+
+    parser = _coder_parser()
+    one = _coder(("get_weather", {"city": "Paris", "days": "2"}))
+    two = one + "\n" + _coder(("get_time", {}))
+    for required, parallel in MODES:
+        grammar = parser.grammar(CODER_TOOLS, required=required, parallel=parallel, special_token_ids={})
+        assert llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("grammar", grammar)) == ""
+        assert _accepts(ll_tokenizer, tokenizer, grammar, one)
+        assert _accepts(ll_tokenizer, tokenizer, grammar, _coder(("get_weather", {"city": "a </para b"})))
+        assert _accepts(ll_tokenizer, tokenizer, grammar, _coder(("get_weather", {"city": "P", "opts": '{"k":1}'})))
+        assert _accepts(ll_tokenizer, tokenizer, grammar, two) == parallel
+        for bad in (one.replace("get_weather", "get_wether"), one.replace("\n2\n", "\ntwo\n"),
+                    _coder(("get_weather", {"days": "2"})), _coder(("get_weather", {"city": "P", "opts": "[1]"}))):
+            assert not _accepts(ll_tokenizer, tokenizer, grammar, bad), bad
+        assert _accepts(ll_tokenizer, tokenizer, grammar, "The weather is fine.") == (not required)
+        if not required:
+            assert _accepts(ll_tokenizer, tokenizer, grammar, "Let me check.\n" + one)

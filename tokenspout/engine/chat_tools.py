@@ -123,11 +123,13 @@ def plan_tools(tools: Sequence[Mapping[str, Any]] | None, tool_choice: ToolChoic
                          "so the model would never see them; start the server with --chat-template FILE (a "
                          "template that renders tools) and --tool-call-parser NAME, or send 'chat_template'")
     parser = resolve_tool_parser(parser_name, template)
+    if parser is not None:
+        parser.bind_tools(tools)
     if parser is None:
         reason = "the server was started without --tool-call-parser" if parser_name is None else \
             "--tool-call-parser auto cannot tell the tool-call format from the chat template"
-        raise ValueError(f"tools: {reason}; start it with --tool-call-parser hermes, llama3_json, mistral or "
-                         f"pythonic")
+        raise ValueError(f"tools: {reason}; start it with --tool-call-parser hermes, llama3_json, mistral, "
+                         f"pythonic or qwen3_coder")
     return parser, True
 
 

@@ -175,7 +175,7 @@ class PythonicToolParser(ToolParser):
             for a, arg in enumerate(props):
                 kw[arg] = f"kw_{t}_{a}"
                 lines.append(f"{kw[arg]}: {literal(arg + '=')} {_value_rule(props[arg])}")
-            lines.append(f"args_{t}: {_args_rule([kw[n] for n in required_names], [kw[n] for n in optional])}")
+            lines.append(f"args_{t}: {args_rule([kw[n] for n in required_names], [kw[n] for n in optional])}")
             lines.append(f"call_{t}: {literal(fn['name'] + '(')} args_{t} \")\"")
             alternatives.append(f"call_{t}")
         lines.append(f"call: {' | '.join(alternatives)}")
@@ -191,13 +191,17 @@ class PythonicToolParser(ToolParser):
         return "\n".join(lines) + "\n"
 
 
-def _args_rule(required: list[str], optional: list[str]) -> str:
+def args_rule(required: list[str], optional: list[str], sep: str = '", "') -> str:
+    """Arguments by rule name, `sep` (a grammar term, or "" for none) between them: the required ones in order,
+    then each optional one at most once, in order (shared with qwen3_coder's parameters)."""
+    glue = f" {sep} " if sep else " "
     if required:
-        return " ".join([' ", " '.join(required)] + [f'(", " {o})?' for o in optional])
+        return " ".join([glue.join(required)] + [f"({sep} {o})?" if sep else f"{o}?" for o in optional])
     if not optional:
         return '""'
     # none required: whichever optional argument comes first, then the later ones, each at most once
-    firsts = [" ".join([o] + [f'(", " {later})?' for later in optional[i + 1:]]) for i, o in enumerate(optional)]
+    firsts = [" ".join([o] + [f"({sep} {later})?" if sep else f"{later}?" for later in optional[i + 1:]])
+              for i, o in enumerate(optional)]
     return "(" + " | ".join(firsts) + ")?"
 
 
