@@ -263,3 +263,23 @@ def test_more_parsers_constrain_and_parse_calls(engine, model, parser):
                 name = name or tc.function.name
                 args += tc.function.arguments or ""
         assert (name, args) == (call.function.name, call.function.arguments)
+
+
+def test_qwen3_reasoning_parser_still_enforces_calls_and_formats(engine, model):
+    """vLLM-test finding: with --reasoning-parser qwen3, tool_choice "required" and response_format were enforced
+    only after a </think> -- and a reply that does not open with <think> (this model never writes one) came back
+    as free text.  Now the grammar applies from the first token unless the reply opens with <think>."""
+    from tests.helpers import background_server
+
+    with background_server(engine, reasoning_parser="qwen3") as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=300)
+        r = client.chat.completions.create(model=model, messages=ASK, tools=[TOOLS[0]], tool_choice="required",
+                                           max_tokens=MAX_TOKENS, temperature=0, parallel_tool_calls=False)
+        (call,) = r.choices[0].message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), TOOLS[0]["function"]["parameters"])
+        schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                  "required": ["city"], "additionalProperties": False}
+        r = client.chat.completions.create(model=model, messages=ASK, max_tokens=MAX_TOKENS, temperature=0,
+                                           response_format={"type": "json_schema", "json_schema": {
+                                               "name": "city", "schema": schema}})
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)

@@ -153,7 +153,8 @@ def constrain(params: SamplingParams, parser: ToolParser | None, tools: Sequence
         if parser.needs_special_tokens:
             params.skip_special_tokens = False  # its markers are special tokens
     if reasoning is not None and params.structured_outputs is not None and not reasoning.starts_in_answer():
-        params.structured_outputs = dataclasses.replace(params.structured_outputs, reasoning_end=reasoning.end_marker)
+        params.structured_outputs = dataclasses.replace(params.structured_outputs, reasoning_end=reasoning.end_marker,
+                                                        reasoning_start=reasoning.optional_start)
 
 
 def check_parser_names(tool_call_parser: str | None, reasoning_parser: str | None) -> None:
