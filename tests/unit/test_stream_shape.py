@@ -93,3 +93,60 @@ def test_extra_message_keys_reach_the_template():
         node = node["x"]
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi", "deep": deep}]})
     assert r.status_code == 400
+
+
+def test_invocations_routes_by_body():
+    client = TestClient(build_app(FakeEngine()))
+    chat = client.post("/invocations", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
+    assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
+    completion = client.post("/invocations", json={"prompt": "hi", "max_tokens": 3})
+    assert completion.status_code == 200 and completion.json()["object"] == "text_completion"
+    streamed = client.post("/invocations", json={"prompt": "hi", "max_tokens": 3, "stream": True})
+    assert streamed.text.rstrip().endswith("data: [DONE]")
+    for body in ({"max_tokens": 3}, {"prompt": "x", "messages": []}, [1]):
+        assert client.post("/invocations", json=body).status_code == 400
+    r = client.post("/invocations", json={"prompt": "hi", "bogus": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "bogus"
+
+
+def test_server_wide_usage_and_token_id_flags():
+    client = TestClient(build_app(FakeEngine(), force_include_usage=True, return_tokens_as_token_ids=True))
+    chunks = _chunks(client.post("/v1/chat/completions", json={**CHAT, "logprobs": True}).text)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+    tokens = [t["token"] for c in chunks if c["choices"] for t in (c["choices"][0]["logprobs"] or {}).get(
+        "content") or []]
+    assert len(tokens) == 5 and all(t.startswith("token_id:") for t in tokens)
+    # a request that says otherwise wins
+    r = client.post("/v1/completions", json={**COMPLETION, "stream": False, "logprobs": 0,
+                                             "return_tokens_as_token_ids": False}).json()
+    assert not any(t.startswith("token_id:") for t in r["choices"][0]["logprobs"]["tokens"])
+    plain = TestClient(build_app(FakeEngine()))
+    assert all(c["choices"] for c in _chunks(plain.post("/v1/chat/completions", json=CHAT).text))
+
+
+def test_uds_and_root_path(tmp_path):
+    """--uds serves on a Unix socket; --root-path is the prefix a proxy strips (the routes answer without it,
+    and /openapi.json names it)."""
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    sock = str(tmp_path / "tokenspout.sock")
+    server = uvicorn.Server(uvicorn.Config(build_app(FakeEngine()), uds=sock, root_path="/llm",
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with httpx.Client(transport=httpx.HTTPTransport(uds=sock), base_url="http://localhost") as c:
+            assert c.get("/health").status_code == 200
+            r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 200 and r.json()["choices"]
+            assert c.get("/openapi.json").json()["servers"] == [{"url": "/llm"}]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=20)

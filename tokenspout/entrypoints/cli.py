@@ -164,7 +164,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from tokenspout.entrypoints.openai.api_server import run_server
 
         run_server(lambda: AsyncLLM(config, client=client), host=args.host, port=args.port,
-                   metrics_prefix=args.metrics_prefix, **server_app_options(args))
+                   metrics_prefix=args.metrics_prefix, root_path=args.root_path, uds=args.uds,
+                   **server_app_options(args))
     finally:
         client.shutdown()  # a no-op when the server has shut the engine down
     return 0

@@ -25,7 +25,7 @@ from typing import Any
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
@@ -43,6 +43,7 @@ from tokenspout.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
     OpenAIServingError,
+    StreamOptions,
     validation_error_to_serving_error,
 )
 from tokenspout.entrypoints.openai.protocol.responses import ResponseDeleted, ResponseObject, ResponsesRequest
@@ -140,6 +141,8 @@ def build_app(
     limits: ServerLimits = ServerLimits(),
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
     max_stored_response_bytes: int = DEFAULT_MAX_STORED_BYTES,
+    force_include_usage: bool = False,
+    return_tokens_as_token_ids: bool = False,
 ) -> FastAPI:
     """`engine`: a constructed AsyncLLM (or anything meeting EngineClient), or a zero-argument factory called in
     the server's event loop at startup (for engines that bind to the running loop).  `owns_engine` (default: True
@@ -150,7 +153,10 @@ def build_app(
     ("vllm" for vLLM's dashboards) when the metrics object is made here.  `tool_call_parser` / `reasoning_parser`:
     --tool-call-parser / --reasoning-parser (see engine/chat_tools.py).  `playground`: serve the playground page at
     / and /playground (--no-playground turns it off).  `limits`: body size, fan-out and admission (limits.py).
-    `max_stored_responses` / `max_stored_response_bytes`: the bounds of /v1/responses' store (responses_store.py)."""
+    `max_stored_responses` / `max_stored_response_bytes`: the bounds of /v1/responses' store (responses_store.py).
+    `force_include_usage` / `return_tokens_as_token_ids` (vLLM's --enable-force-include-usage /
+    --return-tokens-as-token-ids): every stream ends with a usage chunk / logprob tokens are "token_id:N", for
+    chat and completion requests that do not say otherwise."""
     check_prefix(metrics_prefix)  # a bad prefix fails here, not at the server's start
     check_parser_names(tool_call_parser, reasoning_parser)
     chat_options = {"tool_call_parser": tool_call_parser, "reasoning_parser": reasoning_parser}
@@ -228,20 +234,54 @@ def build_app(
     anthropic_errors: dict[int | str, dict[str, Any]] = {code: {"model": anthropic.ErrorResponse}
                                                          for code in (400, 401, 404, 413, 415, 500, 503)}
 
-    @app.post("/v1/chat/completions", dependencies=json_only,
-              responses={200: {"model": ChatCompletionResponse}, **errors})
-    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+    def server_defaults(req: ChatCompletionRequest | CompletionRequest) -> None:
+        """The server-wide flags, for what the request leaves unsaid."""
+        if return_tokens_as_token_ids and "return_tokens_as_token_ids" not in req.model_fields_set:
+            req.return_tokens_as_token_ids = True
+        if force_include_usage and req.stream and not req.include_usage:
+            options = req.stream_options or StreamOptions()
+            req.stream_options = options.model_copy(update={"include_usage": True})
+
+    async def chat(req: ChatCompletionRequest, request: Request) -> Response:
         st = state(request)
         check_alive(st)
+        server_defaults(req)
         job = await st.prep.run(st.chat.prepare, req)
         return await respond(request, st.chat, job, bool(req.stream), job.params.n)
 
-    @app.post("/v1/completions", dependencies=json_only, responses={200: {"model": CompletionResponse}, **errors})
-    async def completions(req: CompletionRequest, request: Request) -> Response:
+    async def complete(req: CompletionRequest, request: Request) -> Response:
         st = state(request)
         check_alive(st)
+        server_defaults(req)
         job = await st.prep.run(st.completion.prepare, req)
         return await respond(request, st.completion, job, bool(req.stream), len(job.prompts) * job.params.n)
+
+    @app.post("/v1/chat/completions", dependencies=json_only,
+              responses={200: {"model": ChatCompletionResponse}, **errors})
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        return await chat(req, request)
+
+    @app.post("/v1/completions", dependencies=json_only, responses={200: {"model": CompletionResponse}, **errors})
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        return await complete(req, request)
+
+    @app.post("/invocations", dependencies=json_only, responses={200: {"model": ChatCompletionResponse}, **errors})
+    async def invocations(request: Request) -> Response:
+        """vLLM's (SageMaker's) single route: a body with `messages` is a chat request, one with `prompt` a
+        completion request; anything else is a 400."""
+        try:
+            body = await request.json()
+        except ValueError as e:
+            raise OpenAIServingError(f"request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict) or ("messages" in body) == ("prompt" in body):
+            raise OpenAIServingError("/invocations takes a chat request (with 'messages') or a completion request "
+                                     "(with 'prompt')")
+        try:
+            if "messages" in body:
+                return await chat(ChatCompletionRequest.model_validate(body), request)
+            return await complete(CompletionRequest.model_validate(body), request)
+        except ValidationError as e:
+            raise validation_error_to_serving_error(e) from None
 
     @app.post("/v1/responses", dependencies=json_only, responses={200: {"model": ResponseObject}, **errors})
     async def create_response(req: ResponsesRequest, request: Request) -> Response:
@@ -322,13 +362,20 @@ def run_server(
     log_level: str = "info",
     access_log: bool = True,
     metrics_prefix: str = DEFAULT_PREFIX,
+    root_path: str = "",
+    uds: str | None = None,
     **app_options: Any,
 ) -> None:
     """Serves until interrupted; the server owns the engine and shuts it down on exit.  `app_options`: build_app's
-    api_key / CORS keywords."""
+    api_key / CORS keywords.  `root_path` (--root-path): the path prefix a reverse proxy strips before forwarding;
+    `uds` (--uds): listen on this Unix domain socket instead of host:port."""
     app = build_app(engine, metrics=metrics, owns_engine=True, metrics_prefix=metrics_prefix, **app_options)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log)
-    logger.info("serving on http://%s:%d/v1", host, port)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
+                            root_path=root_path, uds=uds)
+    if uds:
+        logger.info("serving on unix:%s (/v1)", uds)
+    else:
+        logger.info("serving on http://%s:%d%s/v1", host, port, root_path)
     uvicorn.Server(config).run()
 
 
