@@ -88,3 +88,14 @@ def test_errors_before_the_first_event_are_in_anthropics_shape():
     # the other routes keep OpenAI's shape
     r = client.post("/v1/chat/completions", content=b"{", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "type" not in r.json() and r.json()["error"]["code"] == 400
+
+
+def test_too_large_bodies_are_413s_in_anthropics_shape():
+    from tokenspout.entrypoints.openai.limits import ServerLimits
+
+    client = TestClient(build_app(FakeEngine(), limits=ServerLimits(max_body_bytes=1000)))
+    body = {"model": "fake-model", "max_tokens": 4, "messages": [{"role": "user", "content": "x" * 2000}]}
+    r = client.post("/v1/messages", json=body)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+    r = client.post("/v1/chat/completions", json={"messages": body["messages"]})
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
