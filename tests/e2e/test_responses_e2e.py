@@ -139,6 +139,22 @@ def test_previous_response_id_continues_the_conversation(client, model, server):
         client.responses.retrieve(r3.id)
 
 
+def test_output_text_logprobs(client, model):
+    kw = dict(model=model, input="Name a colour.", max_output_tokens=6, temperature=0, top_logprobs=2,
+              include=["message.output_text.logprobs"])
+    r = client.responses.create(**kw)
+    lps = r.output[0].content[0].logprobs
+    assert len(lps) == r.usage.output_tokens and "".join(lp.token for lp in lps) == r.output_text
+    assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in lps)
+    events = list(client.responses.create(stream=True, **kw))
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [(lp.token, round(lp.logprob, 4)) for lp in streamed] == [(lp.token, round(lp.logprob, 4)) for lp in lps]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert len(done.logprobs) == len(lps)
+    with pytest.raises(openai.BadRequestError):  # the tokens would be split between text and calls
+        client.responses.create(tools=[WEATHER_TOOL], **kw)
+
+
 def test_unknown_model_is_a_404(client):
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="gpt-nonexistent", input="hi", max_output_tokens=4)

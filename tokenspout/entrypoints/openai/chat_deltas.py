@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenspout.engine.chat_output import DeltaParts
 from tokenspout.entrypoints.openai.serving_chat import ChatJob
@@ -20,6 +20,7 @@ from tokenspout.entrypoints.openai.serving_common import (
     merge_outputs,
     special_tokens_kwargs,
 )
+from tokenspout.outputs import PositionLogprobs
 
 
 @dataclass(slots=True)
@@ -27,6 +28,7 @@ class ChatDelta:
     parts: DeltaParts
     finish_reason: str | None = None  # on the last delta: "stop" | "length" | "tool_calls" | "abort"
     stop_reason: int | str | None = None  # the matched stop string or stop token id
+    logprobs: list[PositionLogprobs] = field(default_factory=list)  # this delta's tokens (when asked for)
 
 
 async def chat_deltas(engine: EngineClient, job: ChatJob, state: PromptState) -> AsyncIterator[ChatDelta]:
@@ -44,4 +46,4 @@ async def chat_deltas(engine: EngineClient, job: ChatJob, state: PromptState) ->
                 reason = c.finish_reason
                 if parser is not None and parser.called_tools and reason == "stop":
                     reason = "tool_calls"
-                yield ChatDelta(parts, reason, c.stop_reason)
+                yield ChatDelta(parts, reason, c.stop_reason, list(c.logprobs or ()))

@@ -295,6 +295,10 @@ class OpenAIServingChat:
             ))
         return frames
 
+    def token_logprobs(self, positions: list[PositionLogprobs], top_n: int) -> list[ChatTokenLogprob]:
+        """Chat's logprob entries of `positions` (what the Responses API's output_text.logprobs hold too)."""
+        return self._logprobs(positions, top_n).content or []
+
     def _logprobs(self, positions: list[PositionLogprobs], top_n: int, as_ids: bool = False) -> ChatChoiceLogprobs:
         content = []
         for pos in positions:

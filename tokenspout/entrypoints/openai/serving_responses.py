@@ -121,6 +121,12 @@ def chat_body(req: ResponsesRequest, messages: list[dict[str, Any]]) -> dict[str
         body["tool_choice"] = tc if isinstance(tc, str) else {"type": "function", "function": {"name": tc.name}}
     if req.parallel_tool_calls is not None:
         body["parallel_tool_calls"] = req.parallel_tool_calls
+    if req.wants_logprobs:
+        body["logprobs"] = True
+        body["top_logprobs"] = req.top_logprobs or 0
+    elif req.top_logprobs:
+        raise OpenAIServingError("top_logprobs: needs include ['message.output_text.logprobs']",
+                                 param="top_logprobs")
     fmt = req.text.format if req.text is not None else None
     if fmt is not None and fmt.type == "json_object":
         body["response_format"] = {"type": "json_object"}
@@ -194,6 +200,10 @@ class OpenAIServingResponses:
             raise _renamed(e) from None
         if job.params.n != 1:
             raise OpenAIServingError("n: the Responses API has one output", param="n")
+        if req.wants_logprobs and job.plan is not None:
+            # The tokens would have to be split between reasoning, text and calls: served for plain text only.
+            raise OpenAIServingError("include: message.output_text.logprobs is served for replies without tools "
+                                     "or a reasoning parser", param="include")
         return ResponsesJob(req, job, "resp_" + job.request_id.removeprefix("chatcmpl-"), history)
 
     def _store(self, job: ResponsesJob, response: ResponseObject) -> None:
@@ -213,6 +223,10 @@ class OpenAIServingResponses:
         choice = chat.choices[0]
         response = job.skeleton(self.model_name)
         response.output = self._output_items(choice.message)
+        if choice.logprobs is not None and choice.logprobs.content is not None:
+            for item in response.output:
+                if isinstance(item, MessageItem):
+                    item.content[0].logprobs = [lp.model_dump() for lp in choice.logprobs.content]
         response.usage = _usage(chat.usage)
         self._finish(response, choice.finish_reason)
         self._store(job, response)
@@ -258,7 +272,9 @@ class OpenAIServingResponses:
                     state.finish("error")
                 raise _renamed(err) from e
             started = True
-            events = _EventWriter(job.skeleton(self.model_name))
+            top_n = job.chat.params.logprobs
+            events = _EventWriter(job.skeleton(self.model_name), logprobs=None if top_n is None else (
+                lambda positions: [lp.model_dump() for lp in self.chat.token_logprobs(positions, top_n)]))
             yield events.emit("response.created", response=events.response)
             yield events.emit("response.in_progress", response=events.response)
             finish_reason: str | None = None
@@ -308,6 +324,7 @@ class _Open:
     index: int
     kind: str  # "reasoning" | "message"
     text: str = ""
+    logprobs: list[Any] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -316,6 +333,7 @@ class _EventWriter:
     seq: int = 0
     open: _Open | None = None
     calls: dict[int, int] = field(default_factory=dict)  # the parser's call index → output index
+    logprobs: Any = None  # positions → the output_text logprob entries (when the request included them)
 
     def emit(self, kind: str, **data: Any) -> bytes:
         payload = {"type": kind, "sequence_number": self.seq,
@@ -364,10 +382,10 @@ class _EventWriter:
                               content_index=0, text=op.text),
                     self.emit("response.output_item.done", output_index=op.index, item=item)]
         assert isinstance(item, MessageItem)
-        part = OutputText(text=op.text)
+        part = OutputText(text=op.text, logprobs=op.logprobs)
         item.content = [part]
         return [self.emit("response.output_text.done", item_id=item.id, output_index=op.index, content_index=0,
-                          text=op.text, logprobs=[]),
+                          text=op.text, logprobs=op.logprobs),
                 self.emit("response.content_part.done", item_id=item.id, output_index=op.index, content_index=0,
                           part=part),
                 self.emit("response.output_item.done", output_index=op.index, item=item)]
@@ -384,9 +402,12 @@ class _EventWriter:
             frames += self._text_item("message")
             assert self.open is not None
             self.open.text += d.parts.content
+            # logprobs are served only without a parser: every token's text is this delta's
+            lps = self.logprobs(d.logprobs) if self.logprobs is not None else []
+            self.open.logprobs += lps
             frames.append(self.emit("response.output_text.delta", item_id=self.response.output[self.open.index].id,
                                     output_index=self.open.index, content_index=0, delta=d.parts.content,
-                                    logprobs=[]))
+                                    logprobs=lps))
         for call in d.parts.tool_calls:
             fn = call.get("function", {})
             if "id" in call:  # a new call: its id and name come first

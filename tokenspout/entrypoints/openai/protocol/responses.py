@@ -12,7 +12,7 @@ from tokenspout.entrypoints.openai.protocol.chat import MAX_MESSAGES, MAX_TOOLS
 from tokenspout.entrypoints.openai.protocol.common import unix_now
 from tokenspout.entrypoints.openai.protocol.sampling import StrictModel
 from tokenspout.entrypoints.openai.protocol.sampling import _check_text as check_text
-from tokenspout.sampling_params import SEED_MAX, SEED_MIN
+from tokenspout.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN
 
 MAX_CONTENT_PARTS = 256  # text parts in one input message
 MAX_METADATA = 16  # OpenAI's bound on metadata keys
@@ -161,7 +161,9 @@ class ResponsesRequest(StrictModel):
     user: str | None = None  # informational
     # OpenAI fields accepted only with the value that changes nothing here
     truncation: Literal["disabled"] | None = None
-    include: list[str] | None = Field(default=None, max_length=0)  # no extra output data is produced
+    # the one extra output served: the message text's token logprobs (with top_logprobs alternatives)
+    include: list[Literal["message.output_text.logprobs"]] | None = Field(default=None, max_length=1)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     service_tier: Literal["auto", "default"] | None = None
     background: Literal[False] | None = None
     # vLLM extras (as on the chat route)
@@ -178,6 +180,10 @@ class ResponsesRequest(StrictModel):
     def _valid_text(cls, data: Any) -> Any:
         check_text(data, "")
         return data
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return bool(self.include)
 
 
 # ------------------------------------------------------------------------------------------------ the response
