@@ -9,7 +9,6 @@ Read from the event loop and written from the preparation thread and the loop, h
 
 from __future__ import annotations
 
-import json
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -17,6 +16,15 @@ from typing import Any
 
 DEFAULT_MAX_STORED_RESPONSES = 1024
 DEFAULT_MAX_STORED_BYTES = 64 << 20
+
+
+def _message_size(message: dict[str, Any]) -> int:
+    """A stored chat message's bytes: its texts, plus a fixed allowance for the keys around them."""
+    size = 64 + len(str(message.get("content") or "").encode())
+    for call in message.get("tool_calls") or ():
+        fn = call.get("function") or {}
+        size += 64 + len(str(fn.get("name", "")).encode()) + len(str(fn.get("arguments", "")).encode())
+    return size
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +46,10 @@ class ResponseStore:
         self._lock = threading.Lock()
 
     def put(self, response_id: str, response_json: str, messages: list[dict[str, Any]]) -> bool:
-        """Stores (replacing an entry of the same id); False when the one entry alone is over the byte bound."""
-        size = len(response_json) + len(json.dumps(messages))
+        """Stores (replacing an entry of the same id); False when the one entry alone is over the byte bound.
+        Runs on the event loop: the size is counted from the texts (C-speed encodes), not a JSON dump of the whole
+        conversation."""
+        size = len(response_json.encode()) + sum(_message_size(m) for m in messages)
         if size > self.max_bytes or self.max_responses == 0:
             return False
         with self._lock:
