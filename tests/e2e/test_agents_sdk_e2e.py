@@ -95,3 +95,30 @@ def test_agent_tool_loop_through_the_responses_api(server):
     call = next(i for i in items if i.get("type") == "function_call")
     output = next(i for i in items if i.get("type") == "function_call_output")
     assert call["name"] == "get_weather" and output["call_id"] == call["call_id"] and output["output"] == WEATHER
+
+
+def test_agent_tool_loop_streamed(server):
+    """The same loop through Runner.run_streamed: the SDK reads tokenspout's Responses event stream (items,
+    argument deltas, response.completed) for both turns."""
+    set_tracing_disabled(True)
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        model_name = (await client.models.list()).data[0].id
+        agent = Agent(
+            name="weather", instructions="You answer questions about the weather.", tools=[get_weather],
+            model=OpenAIResponsesModel(model=model_name, openai_client=client),
+            model_settings=ModelSettings(tool_choice="required", parallel_tool_calls=False, temperature=0,
+                                         max_tokens=48),
+        )
+        result = Runner.run_streamed(agent, "What is the weather in Paris?", max_turns=4)
+        kinds = [event.type async for event in result.stream_events()]
+        return result, kinds
+
+    CALLS.clear()
+    result, kinds = asyncio.run(run())
+    assert len(CALLS) == 1
+    assert "raw_response_event" in kinds and "run_item_stream_event" in kinds
+    items = [item.type for item in result.new_items]
+    assert items[:2] == ["tool_call_item", "tool_call_output_item"] and items[-1] == "message_output_item", items
+    assert isinstance(result.final_output, str) and result.final_output
