@@ -105,6 +105,20 @@ def test_function_call_then_function_call_output(client, model, server):
     assert r2.usage.input_tokens == tok.json()["count"]
 
 
+def test_named_tool_choice_and_item_input(client, model):
+    add = {"type": "function", "name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}
+    r = client.responses.create(
+        model=model, tools=[WEATHER_TOOL, add], tool_choice={"type": "function", "name": "add"},
+        parallel_tool_calls=False, max_output_tokens=48, temperature=0,
+        input=[{"type": "message", "role": "developer", "content": "You are a calculator."},
+               {"role": "user", "content": [{"type": "input_text", "text": "What is 2 + 3?"}]}])
+    (call,) = [item for item in r.output if item.type == "function_call"]
+    assert call.name == "add"
+    jsonschema.validate(json.loads(call.arguments), add["parameters"])
+    assert r.tool_choice.name == "add"
+
+
 def test_text_format_json_schema_is_valid_json(client, model):
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                                "age": {"type": "integer"}},
