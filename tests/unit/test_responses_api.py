@@ -83,3 +83,25 @@ def test_stream_error_before_the_first_event_is_a_json_error():
     r = client.post("/v1/responses", json={"input": "x" * 200, "stream": True})
     assert r.status_code == 400 and r.headers["content-type"].startswith("application/json")
     assert r.json()["error"]["param"] == "input" and "context" in r.json()["error"]["message"]
+
+
+def test_an_engine_death_mid_stream_ends_with_an_error_event():
+    """Responses: an `error` event (next in the sequence) ends the stream; Anthropic: its `error` event."""
+    for route, body in (("/v1/responses", {"input": "hi", "max_output_tokens": 50}),
+                        ("/v1/messages", {"model": "fake-model", "max_tokens": 50,
+                                          "messages": [{"role": "user", "content": "hi"}]})):
+        engine = FakeEngine(token_delay=0.02)
+        client = TestClient(build_app(engine))
+        lines: list[str] = []
+        with client.stream("POST", route, json={**body, "stream": True, "temperature": 0}) as r:
+            for line in r.iter_lines():
+                lines.append(line)
+                if sum(x.startswith("data: ") for x in lines) == 4:
+                    engine.kill()
+        data = [json.loads(x.removeprefix("data: ")) for x in lines if x.startswith("data: ")]
+        assert data[-1]["type"] == "error", data[-1]
+        if route == "/v1/responses":
+            assert [d["sequence_number"] for d in data] == list(range(len(data)))
+            assert "dead" in data[-1]["message"]
+        else:
+            assert data[-1]["error"]["type"] == "api_error"

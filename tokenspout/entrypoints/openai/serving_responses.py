@@ -271,10 +271,10 @@ class OpenAIServingResponses:
                 else:
                     state.finish("error")
                 raise _renamed(err) from e
-            started = True
             top_n = job.chat.params.logprobs
             events = _EventWriter(job.skeleton(self.model_name), logprobs=None if top_n is None else (
                 lambda positions: [lp.model_dump() for lp in self.chat.token_logprobs(positions, top_n)]))
+            started = True
             yield events.emit("response.created", response=events.response)
             yield events.emit("response.in_progress", response=events.response)
             finish_reason: str | None = None
@@ -297,7 +297,7 @@ class OpenAIServingResponses:
                 raise
             err = to_serving_error(e)
             state.finish("error")
-            yield _EventWriter.error_frame(err)
+            yield events.emit("error", code=str(err.status), message=err.message, param=err.param)
         finally:
             await deltas.aclose()  # type: ignore[attr-defined]
             state.finish("abort")  # no-op unless the client went away mid-stream
@@ -340,12 +340,6 @@ class _EventWriter:
                    **{k: v.model_dump(mode="json") if isinstance(v, BaseModel) else v for k, v in data.items()}}
         self.seq += 1
         return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n".encode()
-
-    @staticmethod
-    def error_frame(err: OpenAIServingError) -> bytes:
-        payload = {"type": "error", "code": str(err.status), "message": err.message, "param": err.param,
-                   "sequence_number": 0}
-        return f"event: error\ndata: {json.dumps(payload)}\n\n".encode()
 
     def _add(self, item: OutputItem) -> tuple[int, bytes]:
         index = len(self.response.output)
