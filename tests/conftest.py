@@ -52,5 +52,6 @@ def tools_server():
     the tool-calling and agent-client e2e tests (one engine process for both)."""
     from tests.helpers import background_server, real_engine
 
-    with real_engine(chat_template=str(TOOLS_TEMPLATE)) as engine, background_server(engine) as srv:
+    with real_engine(chat_template=str(TOOLS_TEMPLATE)) as engine, \
+            background_server(engine, trust_request_chat_template=True) as srv:
         yield engine, srv

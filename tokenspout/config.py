@@ -136,10 +136,17 @@ class EngineConfig:
     num_threads: int | None = None  # torch intra-op threads in the engine process (None: all cores)
     # Engine-core processes behind one frontend, each with its own KV cache (--data-parallel-size, vLLM's name).
     data_parallel_size: int = 1
+    # Supervision (the frontend's side): an engine silent this long is hung (--engine-hang-timeout); a dead or hung
+    # engine is restarted, or with engine_restart False (--no-engine-restart) the server exits non-zero.
+    engine_hang_timeout_s: float = 30.0
+    engine_restart: bool = True
 
     def validate(self) -> None:
         if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be an integer >= 1, got {self.data_parallel_size!r}")
+        if not 2.0 <= self.engine_hang_timeout_s <= 86400:
+            raise ValueError(f"engine hang timeout must be 2..86400 s (the engine beats every second), "
+                             f"got {self.engine_hang_timeout_s!r}")
         self.model.validate()
         self.cache.validate()
         self.scheduler.validate()

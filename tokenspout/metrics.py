@@ -139,6 +139,8 @@ class ServerMetrics:
                                    "Fraction of KV-cache blocks in use (0..1); vLLM's older name of "
                                    "kv_cache_usage_perc (the cache lives in CPU memory here).", m, registry=r)
         self._preemptions = Counter(p + "num_preemptions", "Requests preempted by the scheduler.", m, registry=r)
+        self._restarts = Counter(p + "engine_restarts", "Engine-core processes restarted after dying or hanging.", m,
+                                 registry=r)
         self._wasted = Counter(p + "wasted_tokens", "Tokens generated past a stop string (computed, never returned).",
                                m, registry=r)
         self._iteration_tokens = hist("iteration_tokens_total", "Tokens per engine step (batch of outputs).",
@@ -188,7 +190,7 @@ class ServerMetrics:
                            self._req_tpot, self._running, self._waiting, self._kv_usage, self._gpu_kv_usage,
                            self._preemptions, self._wasted, self._iteration_tokens,
                            self._spec_drafts, self._spec_draft_tokens, self._spec_accepted, self._spec_emitted,
-                           self._spec_mean_len, self._prefix_queries, self._prefix_hits)
+                           self._spec_mean_len, self._prefix_queries, self._prefix_hits, self._restarts)
         }
         self._by_reason = {r: self._requests.labels(model_name=model_name, finished_reason=r)
                            for r in ("stop", "length", "abort", "error")}
@@ -308,7 +310,7 @@ class ServerMetrics:
         """Applies `AsyncLLM.get_metrics_snapshot()`.  Known keys (all optional, unknown keys ignored):
         gauges `num_running`, `num_waiting`, `kv_cache_usage`; cumulative totals `num_preemptions`,
         `num_wasted_tokens`, `spec_num_drafts`, `spec_num_draft_tokens`, `spec_num_accepted_tokens`,
-        `spec_num_emitted_tokens`, `prefix_cache_queries`, `prefix_cache_hits`."""
+        `spec_num_emitted_tokens`, `prefix_cache_queries`, `prefix_cache_hits`, `engine_restarts`."""
         if "num_running" in snapshot:
             self._l(self._running).set(snapshot["num_running"])
         if "num_waiting" in snapshot:
@@ -325,11 +327,14 @@ class ServerMetrics:
             ("spec_num_emitted_tokens", self._spec_emitted),
             ("prefix_cache_queries", self._prefix_queries),
             ("prefix_cache_hits", self._prefix_hits),
+            ("engine_restarts", self._restarts),
         ):
             if key in snapshot:
                 total = float(snapshot[key])
-                delta = total - self._snapshot_totals.get(key, 0.0)
-                if delta > 0:  # a restarted engine resets its totals: never decrease a counter
+                previous = self._snapshot_totals.get(key, 0.0)
+                # A restarted engine starts its totals again from 0: what it counted since is all new.
+                delta = total - previous if total >= previous else total
+                if delta > 0:
                     self._l(counter).inc(delta)
                 self._snapshot_totals[key] = total
         drafts = self._snapshot_totals.get("spec_num_drafts", 0.0)

@@ -9,6 +9,8 @@ official `openai` client wherever it can express the request, raw httpx where it
 from __future__ import annotations
 
 import concurrent.futures
+import threading
+import time
 import json
 
 import httpx
@@ -31,7 +33,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def server(engine):
-    with background_server(engine) as srv:
+    with background_server(engine, trust_request_chat_template=True) as srv:
         yield srv
 
 
@@ -277,6 +279,53 @@ def test_continuous_usage_stats(client, model):
     chunks = list(client.chat.completions.create(
         model=model, messages=CHAT, max_tokens=2, stream=True, stream_options={"continuous_usage_stats": True}))
     assert all(c.usage is None for c in chunks)
+
+
+def test_request_chat_template_is_refused_unless_trusted(engine, model):
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with background_server(engine) as srv:  # the default: --trust-request-chat-template not given
+        c = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0)
+        for extra in ({"chat_template": template}, {"chat_template_kwargs": {"chat_template": template}}):
+            with pytest.raises(openai.BadRequestError) as e:
+                c.chat.completions.create(model=model, messages=CHAT, max_tokens=1, extra_body=extra)
+            assert e.value.body["param"] == "chat_template" and "--trust-request-chat-template" in str(e.value)
+        r = httpx.post(srv.url + "/tokenize", json={"messages": CHAT, "chat_template_kwargs": {
+            "chat_template": template}})
+        assert r.status_code == 400 and "--trust-request-chat-template" in r.json()["error"]["message"]
+        assert c.chat.completions.create(model=model, messages=CHAT, max_tokens=1).choices
+
+
+def test_trusted_request_template_runs_under_a_time_limit(client, model, server):
+    """Two nested sandbox-sized loops: 10^10 iterations, stopped at the limit while /health keeps answering."""
+    from tokenspout.entrypoints.openai.chat_render import REQUEST_TEMPLATE_TIME_LIMIT_S
+
+    looping = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}x"
+    worst: list[float] = []
+    done = threading.Event()
+
+    def probe() -> None:
+        while not done.is_set():
+            t = time.monotonic()
+            assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+            worst.append(time.monotonic() - t)
+            time.sleep(0.05)
+
+    prober = threading.Thread(target=probe, daemon=True)
+    prober.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=model, messages=CHAT, max_tokens=1,
+                                           extra_body={"chat_template": looping})
+    finally:
+        done.set()
+        prober.join(10)
+    elapsed = time.monotonic() - t0
+    assert "ran longer than" in str(e.value) and e.value.body["param"] == "chat_template"
+    assert elapsed < REQUEST_TEMPLATE_TIME_LIMIT_S + 3, elapsed
+    assert len(worst) >= 10 and max(worst) < 1.0, worst
+    # The worker is free again: the next request renders at once.
+    assert client.chat.completions.create(model=model, messages=CHAT, max_tokens=1).choices
 
 
 def test_request_id_field(client, model):

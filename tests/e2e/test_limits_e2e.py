@@ -16,7 +16,8 @@ from tests.helpers import background_server
 from tests.unit.fake_engine import FakeEngine
 from tokenspout.entrypoints.openai.limits import ServerLimits
 
-LIMITS = ServerLimits(max_body_bytes=4096, max_fanout=8, max_queued_requests=2, running_capacity=2)
+LIMITS = ServerLimits(max_body_bytes=4096, max_fanout=8, max_queued_requests=2, running_capacity=2,
+                      max_header_bytes=2048)
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +70,16 @@ def test_a_body_over_the_limit_is_413_before_it_is_parsed(server, engine):
                   b"Content-Length: 999999999\r\n\r\n")
         assert s.recv(4096).startswith(b"HTTP/1.1 413")
     wait_idle(server)
+
+
+def test_headers_over_the_limit_are_431_naming_the_flag(server, engine):
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, default_headers={"X-Big": "a" * 3000})
+    with pytest.raises(openai.APIStatusError) as exc:
+        c.completions.create(model=engine.model_name, prompt="hi", max_tokens=1)
+    assert exc.value.status_code == 431 and "--max-request-header-bytes" in exc.value.body["message"]
+    many = {f"X-H{i}": "v" for i in range(400)}  # many small headers add up the same way
+    assert httpx.get(server.url + "/health", headers=many).status_code == 431
+    assert httpx.get(server.url + "/health", headers={"X-Small": "a" * 500}).status_code == 200
 
 
 def test_fanout_over_the_limit_is_400_naming_the_flag(server, engine):

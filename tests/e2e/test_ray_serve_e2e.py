@@ -43,6 +43,13 @@ def wait_until(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def _proxy_serves(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=10).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def running_replicas() -> list[str]:
     """Ids of the replica deployment's RUNNING replicas, from the live named actors (no dashboard needed)."""
     prefix = f"SERVE_REPLICA::{APP}#{REPLICA}#"
@@ -66,8 +73,12 @@ def cluster():
         # Small engines: 1 thread (the default), a 1024-token context, 0.25 GiB of KV cache each.
         serve.run(app({"num_replicas": "2", "max_model_len": "1024", "kv_cache_memory": "0.25"}), name=APP,
                   route_prefix="/")
-        wait_until(lambda: len(running_replicas()) == 2, 120, "two running replicas")
-        yield f"http://127.0.0.1:{port}"
+        # Generous, explicit waits: on cores shared with another CPU-bound process the replicas' model loads and
+        # Serve's HTTP proxy take several times longer than on idle ones.
+        wait_until(lambda: len(running_replicas()) == 2, 300, "two running replicas")
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: _proxy_serves(url), 300, "Serve's HTTP proxy to route /health")
+        yield url
     finally:
         try:
             if ray.is_initialized():

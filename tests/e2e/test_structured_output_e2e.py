@@ -124,6 +124,20 @@ def test_openai_response_format_end_to_end():
             c.chat.completions.create(model=engine.model_name, messages=[{"role": "user", "content": "x"}],
                                       extra_body={"guided_regex": "(unclosed"})
         assert "guided_regex" in str(e.value) or "regex" in str(e.value)
+        # A grammar no text satisfies (an empty character class after "a"; a dead end the first mask already
+        # shows) is a 400 at request time, streamed or not, never a 200 with a forced token.
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as e:
+                out = c.chat.completions.create(model=engine.model_name, messages=[{"role": "user", "content": "x"}],
+                                                max_tokens=4, stream=stream,
+                                                extra_body={"guided_regex": "a[^\\x00-\\x{10FFFF}]"})
+                if stream:
+                    list(out)
+            assert "satisfies the grammar" in str(e.value), str(e.value)
+        # A grammar satisfied only by the empty string: an empty answer that stops, not an error.
+        r = c.chat.completions.create(model=engine.model_name, messages=[{"role": "user", "content": "x"}],
+                                      max_tokens=4, extra_body={"guided_regex": ""})
+        assert r.choices[0].message.content == "" and r.choices[0].finish_reason == "stop"
     finally:
         server.stop()
         engine.shutdown()

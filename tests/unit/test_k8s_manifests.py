@@ -94,6 +94,11 @@ def test_deployment_and_service_match_kubernetes_schema():
     assert container["command"][:2] == ["tokenspout", "serve"]
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["httpGet"]["path"] == "/health"
+    # The kubelet's SIGKILL must come after the drain deadline and the engine's stop (deadline + ~5 s).
+    command = container["command"]
+    shutdown_timeout = float(command[command.index("--shutdown-timeout") + 1]) if "--shutdown-timeout" in command \
+        else 30.0
+    assert docs[0]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] >= shutdown_timeout + 10
 
 
 def test_a_misspelled_field_is_rejected():

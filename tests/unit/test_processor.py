@@ -48,6 +48,21 @@ def test_bad_prompts(proc, prompt, match):
         proc.process("a", prompt, SamplingParams())
 
 
+def test_a_huge_prompt_is_refused_from_its_prefix(proc, monkeypatch):
+    """7 MB against a 64-token context: refused after tokenizing 1,024 characters, not 7 MB."""
+    seen: list[int] = []
+    encode = proc.tokenizer.encode
+    monkeypatch.setattr(proc.tokenizer, "encode", lambda text, **kw: seen.append(len(text)) or encode(text, **kw))
+    with pytest.raises(ValueError, match=r"longer than max_model_len .* 64 tokens: its first 1024 of 7000000"):
+        proc.process("r", ("lorem ipsum " * 600_000)[:7_000_000], SamplingParams())
+    assert seen == [1024]
+    # A prompt past that length in characters but not in tokens is tokenized whole and served.
+    spaces = " " * 1500  # whitespace runs merge into few tokens
+    if len(encode(spaces)) < 64:
+        (req,), _, _ = proc.process("s", spaces, SamplingParams(max_tokens=1))
+        assert seen[-1] == 1500
+
+
 def test_prompt_too_long_names_length_and_limit(proc):
     with pytest.raises(ValueError, match=r"prompt is 64 tokens long.*max_model_len.*64"):
         proc.process("a", [7] * 64, SamplingParams())

@@ -6,7 +6,12 @@ READY (EngineReady, once after loading) or FAILED (a string, if loading failed).
 
 Threads: an input thread decodes messages into a queue (so deserialisation overlaps the model step) and an output
 thread encodes and sends; the main thread only steps.  When idle it blocks on the input queue; it polls the parent
-pid so that a dead frontend never leaves an orphan engine.
+pid so that a dead frontend never leaves an orphan engine (nor its IPC folder).
+
+Heartbeat: the output thread sends an empty EngineCoreOutputs whenever it has sent nothing for HEARTBEAT_S, idle
+or busy.  It runs beside the steps (the kernels and torch release the GIL), so a long step (a big model's prefill
+chunk) still beats, while a stopped or frozen process (SIGSTOP, a stall of the whole VM) falls silent: the
+frontend's --engine-hang-timeout turns that silence into "engine hung".
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import shutil
 import signal
 import threading
 import time
@@ -30,6 +36,7 @@ from tokenspout.platform import freeze_startup_heap, return_large_frees_to_the_o
 logger = logging.getLogger(__name__)
 
 ADD, ABORT, UTILITY, OUTPUTS, READY, FAILED = b"A", b"X", b"U", b"O", b"R", b"F"
+HEARTBEAT_S = 1.0  # the longest the engine stays silent
 
 
 class EngineReady(msgspec.Struct):
@@ -77,8 +84,19 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
     out_sock.send_multipart([READY, encoder.encode(EngineReady(
         core.max_model_len, loaded.arch.vocab_size, core.kv.num_blocks, core.kv.block_size, str(loaded.dtype),
         loaded.name, str(loaded.path)))])
-    EngineCoreProc(core, in_sock, out_sock, parent_pid).run()
+    proc = EngineCoreProc(core, in_sock, out_sock, parent_pid)
+    proc.run()
     ctx.term()
+    if proc.orphaned:
+        _remove_ipc_dir(input_addr)
+
+
+def _remove_ipc_dir(addr: str) -> None:
+    """The frontend died without cleaning up (kill -9): remove the IPC folder it made for us (tempfile's
+    tokenspout-* folder holding the two sockets), so no leftovers stay in /tmp."""
+    folder = os.path.dirname(addr.removeprefix("ipc://"))
+    if os.path.basename(folder).startswith("tokenspout-"):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _tune_malloc() -> None:
@@ -114,6 +132,7 @@ class EngineCoreProc:
         self.inputs: queue.Queue = queue.Queue()
         self.outputs: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
+        self.orphaned = False  # set when the frontend process went away
 
     def run(self) -> None:
         reader = threading.Thread(target=self._input_loop, daemon=True, name="engine-input")
@@ -179,8 +198,7 @@ class EngineCoreProc:
                 from tokenspout.engine.messages import EngineCoreOutput
 
                 logger.warning("rejected request %s: %s", msg.request_id, e)
-                self.outputs.put(EngineCoreOutputs(outputs=[EngineCoreOutput(msg.request_id, [],
-                                                                             finish_reason="error")]))
+                self.outputs.put(EngineCoreOutputs(outputs=[EngineCoreOutput(msg.request_id, [], finish_reason="error")]))
         elif kind == ABORT:
             self.core.abort_requests(msg.request_ids)
         elif kind == UTILITY and msg.name == "shutdown":
@@ -193,6 +211,7 @@ class EngineCoreProc:
             if not poller.poll(500):
                 if os.getppid() != self.parent_pid:  # the frontend died: do not linger as an orphan
                     logger.error("frontend process is gone; engine exiting")
+                    self.orphaned = True
                     self.stopping.set()
                     self.inputs.put((UTILITY, EngineCoreUtility("shutdown")))
                 continue
@@ -203,7 +222,10 @@ class EngineCoreProc:
     def _output_loop(self) -> None:
         encoder = msgspec.msgpack.Encoder()
         while True:
-            out = self.outputs.get()
+            try:
+                out = self.outputs.get(timeout=HEARTBEAT_S)
+            except queue.Empty:
+                out = EngineCoreOutputs()  # heartbeat: alive, nothing to say
             if out is None:
                 return
             self.out_sock.send_multipart([OUTPUTS, encoder.encode(out)], copy=False)

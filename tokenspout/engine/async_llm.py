@@ -4,17 +4,25 @@ One background task (the output handler) drains the engine's socket, runs the Ou
 outputs in chunks (yielding to the event loop between chunks so streaming responses keep flowing) and routes
 RequestOutputs to per-request collectors.  `generate()` is an async iterator over one request's collector; when its
 consumer stops early (client disconnect, cancellation) the request is aborted in the engine.
+
+Supervision (`start_supervision`, called by the server at start-up): a task that watches the engine process(es).
+A dead engine (its process exited, or crashed in a step) or a hung one (silent for --engine-hang-timeout: see
+core_client) fails its in-flight requests, then is restarted: a new process loads the model again while new
+requests get 503 + Retry-After; `restarts` counts them (/metrics).  With engine_restart False
+(--no-engine-restart) the server is told to exit non-zero instead, as vLLM does.  With data parallelism one dead
+engine is restarted alone while the others serve.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 
 from tokenspout.config import EngineConfig
-from tokenspout.engine.core_client import AsyncMPClient
+from tokenspout.engine.core_client import AsyncMPClient, wait_ready_async
 from tokenspout.engine.dp_client import DPAsyncMPClient
 from tokenspout.engine.exceptions import EngineDeadError
 from tokenspout.engine.messages import SchedulerStats
@@ -28,13 +36,15 @@ from tokenspout.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 _CHUNK = 128  # outputs processed between two yields to the event loop
+_SUPERVISE_S = 0.25  # how often the supervisor looks at the engine(s)
+_START_ATTEMPTS = 3  # restarts tried in a row before giving up (a model that no longer loads)
 
 
 def make_async_client(config: EngineConfig) -> AsyncMPClient | DPAsyncMPClient:
     """The engine process(es) for `config`, started and not waited for (the caller loads its tokenizer meanwhile)."""
     if config.data_parallel_size > 1:
         return DPAsyncMPClient(config, wait=False)
-    return AsyncMPClient(config, wait=False)
+    return AsyncMPClient(config, wait=False, hang_timeout_s=config.engine_hang_timeout_s)
 
 
 class AsyncLLM:
@@ -68,6 +78,10 @@ class AsyncLLM:
         self.stats_listeners: list = []  # callables(AsyncLLM) run after each batch of outputs (metrics)
         self.last_batch_num_tokens = 0  # tokens of the last batch of outputs (prompts done + generated), for them
         self._handler: asyncio.Task | None = None
+        self._supervisor: asyncio.Task | None = None
+        self.restarts = 0  # engine processes restarted after dying or hanging
+        self.restarting = False
+        self._fatal: str | None = None  # set when the engine is dead for good (no restart)
         self._dead: str | None = None
         self._prep = Offloader("tokenspout-process")  # tokenization and validation off the event loop
 
@@ -75,6 +89,20 @@ class AsyncLLM:
     @property
     def errored(self) -> bool:
         return self._dead is not None or not self.client.is_alive
+
+    @property
+    def recovering(self) -> bool:
+        """The engine is dead or restarting but will serve again: requests get 503 + Retry-After, not 500."""
+        return self.restarting or (self.errored and self.config.engine_restart and self._fatal is None
+                                   and self._supervisor is not None and not self._supervisor.done())
+
+    def start_supervision(self, on_fatal: Callable[[str], None] | None = None) -> None:
+        """Starts the output handler now (so heartbeats are read while idle) and the supervisor task (module
+        docstring).  `on_fatal(reason)`: called once when the engine is dead for good (--no-engine-restart, or a
+        restart that failed): the server exits non-zero."""
+        self._ensure_handler()
+        if self._supervisor is None or self._supervisor.done():
+            self._supervisor = asyncio.get_running_loop().create_task(self._supervise(on_fatal), name="supervisor")
 
     @property
     def dead_reason(self) -> str | None:
@@ -126,7 +154,8 @@ class AsyncLLM:
                 "spec_num_accepted_tokens": st.spec_num_accepted_tokens,
                 "spec_num_emitted_tokens": st.spec_num_emitted_tokens,
                 "prefix_cache_queries": st.prefix_cache_queries, "prefix_cache_hits": st.prefix_cache_hits,
-                "num_wasted_tokens": self.output_processor.stats.num_wasted_tokens}
+                "num_wasted_tokens": self.output_processor.stats.num_wasted_tokens,
+                "engine_restarts": self.restarts}
 
     def get_engine_snapshots(self) -> list[dict[str, float]]:
         """Per-engine gauges with --data-parallel-size > 1 (empty with one engine: the totals say it all)."""
@@ -144,11 +173,74 @@ class AsyncLLM:
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()
 
+    def kill(self) -> None:
+        """Exit at once (a second SIGTERM): the engine processes are killed, not asked to stop."""
+        self.client.kill()
+
     def shutdown(self) -> None:
+        if self._supervisor is not None:
+            self._supervisor.cancel()
         if self._handler is not None:
             self._handler.cancel()
         self._prep.shutdown()
         self.client.shutdown()
+
+    # ---- supervision ---------------------------------------------------------------------------------------
+    async def _supervise(self, on_fatal: Callable[[str], None] | None) -> None:
+        while True:
+            await asyncio.sleep(_SUPERVISE_S)
+            partial = None if self.errored else getattr(self.client, "health_problem", None)
+            if not self.errored and not partial:
+                self._ensure_handler()
+                continue
+            reason = self.dead_reason or partial or "engine is dead"
+            if self.config.engine_restart:
+                try:
+                    if partial:  # data parallel: the dead engines alone, the others keep serving
+                        restarted = await self.client.restart_dead()  # type: ignore[union-attr]
+                    else:
+                        await self._restart(reason)
+                        restarted = 1
+                    if restarted:
+                        self.restarts += restarted
+                        logger.warning("engine restarted (%d so far) after: %s", self.restarts, reason)
+                    continue
+                except Exception as e:  # noqa: BLE001 - a model that no longer loads: dead for good
+                    reason = f"{reason}; restart failed: {e}"
+            self._fatal = reason
+            logger.error("engine is dead and not restarted: %s", reason)
+            if on_fatal is not None:
+                on_fatal(reason)
+            return
+
+    async def _restart(self, reason: str) -> None:
+        """Replaces the whole engine client: a new process (or set of them) loads the model; in-flight requests end
+        with an error first."""
+        self.restarting = True
+        try:
+            if self._handler is not None:
+                self._handler.cancel()
+                with contextlib.suppress(BaseException):
+                    await self._handler
+            self.output_processor.propagate_error(reason)  # no-op for requests the handler failed already
+            self.client.shutdown()  # dead (or killed as hung): returns at once
+            for attempt in range(_START_ATTEMPTS):
+                client = make_async_client(self.config)
+                try:
+                    await wait_ready_async(client)
+                    break
+                except BaseException as e:  # also cancelled (server shutdown): never leave the new process behind
+                    client.shutdown()
+                    if not isinstance(e, RuntimeError) or attempt + 1 == _START_ATTEMPTS:
+                        raise
+                    await asyncio.sleep(2.0 ** attempt)
+            self.client = client
+            self.scheduler_stats = SchedulerStats(num_total_blocks=self.num_kv_blocks,
+                                                  num_free_blocks=self.num_kv_blocks)
+            self._dead = None
+            self._ensure_handler()
+        finally:
+            self.restarting = False
 
     # ---- internals -----------------------------------------------------------------------------------------
     def _abort_now(self, request_id: str) -> None:
@@ -164,6 +256,8 @@ class AsyncLLM:
         try:
             while True:
                 outs = await self.client.get_output_async()
+                if not outs.outputs and outs.scheduler_stats is None and outs.engine_error is None:
+                    continue  # a heartbeat (the client noted it)
                 for request_ids, reason in getattr(self.client, "take_failed", list)():
                     self.output_processor.propagate_error(reason, set(request_ids))  # one DP engine died
                 items = outs.outputs

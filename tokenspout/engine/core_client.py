@@ -4,11 +4,15 @@
 * SyncMPClient: EngineCoreProc in a spawned process over ZMQ, blocking calls (offline LLM).
 * AsyncMPClient: the same process over zmq.asyncio (AsyncLLM / the API server).
 
-The MP clients watch the engine process: if it dies, get_output() raises EngineDeadError instead of hanging.
+The MP clients watch the engine process: if it dies, get_output() raises EngineDeadError instead of hanging.  They
+also watch its heartbeat (the engine sends something at least every HEARTBEAT_S): silence for `hang_timeout_s`
+means the engine is hung (stopped, frozen); the client then kills it and reports it dead, so the frontend can fail
+its requests and restart it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import shutil
@@ -23,13 +27,14 @@ import zmq
 import zmq.asyncio
 
 from tokenspout.config import EngineConfig
-from tokenspout.core.engine_core_proc import ABORT, ADD, FAILED, OUTPUTS, READY, UTILITY, EngineReady
+from tokenspout.core.engine_core_proc import ABORT, ADD, FAILED, HEARTBEAT_S, OUTPUTS, READY, UTILITY, EngineReady
 from tokenspout.engine.exceptions import EngineDeadError
 from tokenspout.engine.messages import EngineCoreAbort, EngineCoreOutputs, EngineCoreRequest, EngineCoreUtility
 
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 200  # how often a waiting client checks that the engine process is alive
+DEFAULT_HANG_TIMEOUT_S = 30.0  # --engine-hang-timeout: no heartbeat for this long = hung
 
 
 class InprocClient:
@@ -86,9 +91,15 @@ def _cleanup(proc: subprocess.Popen, ipc_dir: str) -> None:
 class _MPBase:
     """Starts the engine process, waits for READY, owns the two sockets and the process's lifetime."""
 
-    def __init__(self, config: EngineConfig, ready_timeout_s: float = 600.0, on_wait=None, wait: bool = True):
+    def __init__(self, config: EngineConfig, ready_timeout_s: float = 600.0, on_wait=None, wait: bool = True,
+                 hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S):
         """wait=False: start the engine process and return; call wait_ready() before using the client (the
-        caller loads its tokenizer meanwhile, in parallel with the engine's start-up)."""
+        caller loads its tokenizer meanwhile, in parallel with the engine's start-up).  hang_timeout_s: silence
+        (no output, no heartbeat) after READY for this long marks the engine hung; at least 2 heartbeats."""
+        if not hang_timeout_s >= 2 * HEARTBEAT_S:
+            raise ValueError(f"the engine hang timeout must be at least {2 * HEARTBEAT_S:g} s, got {hang_timeout_s}")
+        self.hang_timeout_s = hang_timeout_s
+        self.last_heard = time.monotonic()
         self.ipc_dir = tempfile.mkdtemp(prefix="tokenspout-")
         input_addr, output_addr = f"ipc://{self.ipc_dir}/in", f"ipc://{self.ipc_dir}/out"
         self.ctx = zmq.Context()
@@ -121,33 +132,66 @@ class _MPBase:
     def _wait_ready(self, timeout_s: float, on_wait) -> EngineReady:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.out_sock.poll(_POLL_MS):
-                kind, payload = self.out_sock.recv_multipart()
-                if kind == READY:
-                    return msgspec.msgpack.decode(payload, type=EngineReady)
-                if kind == FAILED:
-                    self.shutdown()
-                    raise RuntimeError(f"engine failed to start: {msgspec.msgpack.decode(payload)}")
-            elif self.proc.poll() is not None:
-                self.shutdown()
-                raise RuntimeError(f"engine process exited during start-up (exit code {self.proc.returncode})")
+            info = self._poll_ready(_POLL_MS)
+            if info is not None:
+                return info
             if on_wait is not None:
                 on_wait()
         self.shutdown()
         raise RuntimeError(f"engine did not start within {timeout_s:.0f} s")
 
+    def _poll_ready(self, timeout_ms: int) -> EngineReady | None:
+        """One look for READY (waiting up to timeout_ms); raises RuntimeError if the engine failed or exited."""
+        if self.out_sock.poll(timeout_ms):
+            kind, payload = self.out_sock.recv_multipart()
+            if kind == READY:
+                self.last_heard = time.monotonic()
+                return msgspec.msgpack.decode(payload, type=EngineReady)
+            if kind == FAILED:
+                self.shutdown()
+                raise RuntimeError(f"engine failed to start: {msgspec.msgpack.decode(payload)}")
+        elif self.proc.poll() is not None:
+            self.shutdown()
+            raise RuntimeError(f"engine process exited during start-up (exit code {self.proc.returncode})")
+        return None
+
+    def try_ready(self) -> bool:
+        """Non-blocking wait_ready for event-loop callers (wait_ready_async): True once READY arrived."""
+        if self.info is None:
+            self.info = self._poll_ready(0)
+        return self.info is not None
+
     @property
     def is_alive(self) -> bool:
-        return self.dead_reason is None and self.proc.poll() is None
+        self._notice_death()
+        return self.dead_reason is None
+
+    def _notice_death(self) -> None:
+        if self.dead_reason is not None or self.info is None:
+            return
+        if self.proc.poll() is not None:
+            self.dead_reason = f"engine process died (exit code {self.proc.returncode})"
+        elif (silent := time.monotonic() - self.last_heard) > self.hang_timeout_s and not self._pending():
+            self.dead_reason = f"engine hung: no heartbeat for {silent:.1f} s (limit {self.hang_timeout_s:g} s)"
+            self.proc.kill()  # never let it resume (SIGCONT) and send outputs for requests already failed
+        else:
+            return
+        logger.error(self.dead_reason)
+
+    def _pending(self) -> bool:
+        """A message waits to be read: the engine spoke, this process has not listened (a busy or idle frontend)."""
+        try:
+            return bool(int(self.out_sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
+        except zmq.ZMQError:
+            return False
 
     def _check_alive(self) -> None:
-        if self.dead_reason is None and self.proc.poll() is not None:
-            self.dead_reason = f"engine process died (exit code {self.proc.returncode})"
-            logger.error(self.dead_reason)
+        self._notice_death()
         if self.dead_reason is not None:
             raise EngineDeadError(self.dead_reason)
 
     def _decode_outputs(self, frames) -> EngineCoreOutputs:
+        self.last_heard = time.monotonic()
         kind, payload = frames
         if bytes(kind) != OUTPUTS:
             raise EngineDeadError(f"unexpected message {bytes(kind)!r} from the engine")
@@ -169,6 +213,13 @@ class _MPBase:
         if request_ids and self.dead_reason is None:
             self._send(ABORT, EngineCoreAbort(list(request_ids)))
 
+    def kill(self) -> None:
+        """At once (a second SIGTERM): SIGKILL the engine process and remove its IPC folder."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
     def shutdown(self) -> None:
         if self.proc.poll() is None and self.dead_reason is None:
             try:
@@ -180,6 +231,18 @@ class _MPBase:
         self._finalizer()
         for s in (self.in_sock, self.out_sock):
             s.close(linger=0)
+
+
+async def wait_ready_async(client, timeout_s: float = 600.0) -> EngineReady:
+    """wait_ready without blocking the event loop: polls every engine of `client` (an AsyncMPClient or a data-parallel
+    client with .engines).  A cancelled wait leaves the client to the caller (shut it down in the loop's thread)."""
+    deadline = time.monotonic() + timeout_s
+    for engine in getattr(client, "engines", [client]):
+        while not engine.try_ready():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"engine did not start within {timeout_s:.0f} s")
+            await asyncio.sleep(_POLL_MS / 1000)
+    return client.wait_ready()  # every engine is ready: returns at once
 
 
 class SyncMPClient(_MPBase):

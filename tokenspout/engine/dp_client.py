@@ -35,7 +35,7 @@ import msgspec
 
 from tokenspout.config import EngineConfig
 from tokenspout.core.engine_core_proc import EngineReady
-from tokenspout.engine.core_client import AsyncMPClient
+from tokenspout.engine.core_client import AsyncMPClient, wait_ready_async
 from tokenspout.engine.exceptions import EngineDeadError
 from tokenspout.engine.messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 
@@ -104,7 +104,9 @@ class EngineRouter:
 
 class DPAsyncMPClient:
     def __init__(self, config: EngineConfig, wait: bool = True, **kw) -> None:
-        self.engines = [AsyncMPClient(c, wait=False, **kw) for c in engine_configs(config)]
+        self.configs = engine_configs(config)
+        self.engines = [AsyncMPClient(c, wait=False, hang_timeout_s=c.engine_hang_timeout_s, **kw)
+                        for c in self.configs]
         self.router = EngineRouter(len(self.engines))
         self.owner: dict[str, int] = {}
         self.dead: set[int] = set()  # engines found dead, whose requests were ended with an error
@@ -142,6 +144,31 @@ class DPAsyncMPClient:
     @property
     def is_alive(self) -> bool:
         return len(self._down()) < len(self.engines)
+
+    async def restart_dead(self) -> int:
+        """Replaces each engine whose death was handled (its requests failed) by a new process and waits for it to
+        load; the others serve meanwhile.  Returns how many were restarted."""
+        restarted = 0
+        for k in sorted(self.dead):
+            task = self._pending.pop(k, None)
+            if task is not None:
+                task.cancel()
+            self.engines[k].shutdown()  # dead already: returns at once
+            new = AsyncMPClient(self.configs[k], wait=False, hang_timeout_s=self.configs[k].engine_hang_timeout_s)
+            try:
+                await wait_ready_async(new)
+            except BaseException:
+                new.shutdown()
+                raise
+            self.engines[k] = new
+            self.stats[k] = None
+            self.dead.discard(k)
+            restarted += 1
+        return restarted
+
+    def kill(self) -> None:
+        for e in self.engines:
+            e.kill()
 
     def shutdown(self) -> None:
         for task in self._pending.values():

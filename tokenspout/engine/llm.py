@@ -53,7 +53,8 @@ def build_engine_config(model: str | None = None, *, dtype: str = "float32", qua
                         draft_layers: int | None = None, adaptive_speculation: bool = True,
                         async_scheduling: bool = False, generation_config: str = "auto",
                         chat_template: str | None = None, data_parallel_size: int = 1,
-                        tokenizer: str | None = None) -> EngineConfig:
+                        tokenizer: str | None = None, engine_hang_timeout: float = 30.0,
+                        engine_restart: bool = True) -> EngineConfig:
     path, name = resolve_model_path(model)  # converts the default model here, once, before any engine starts
     if tokenizer is not None:
         tok_path = Path(tokenizer).expanduser()
@@ -78,7 +79,8 @@ def build_engine_config(model: str | None = None, *, dtype: str = "float32", qua
         speculative=SpeculativeConfig(method=speculative, num_speculative_tokens=num_speculative_tokens,
                                       ngram_min=ngram_min, ngram_max=ngram_max, draft_model=draft_model,
                                       draft_layers=draft_layers, adaptive=adaptive_speculation),
-        num_threads=num_threads, data_parallel_size=data_parallel_size)
+        num_threads=num_threads, data_parallel_size=data_parallel_size, engine_hang_timeout_s=engine_hang_timeout,
+        engine_restart=engine_restart)
     cfg.validate()
     return cfg
 

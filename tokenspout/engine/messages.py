@@ -48,6 +48,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | str | None = None  # the stop token id that ended it (strings are found by the frontend)
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # the prompt tokens scored this step, when the request asked
+    # With finish_reason "error": what was wrong with the request, found only in the engine (a grammar this
+    # vocabulary cannot satisfy); the frontend raises it as bad input (HTTP 400).
+    error: str | None = None
 
     @property
     def finished(self) -> bool:

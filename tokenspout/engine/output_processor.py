@@ -127,6 +127,9 @@ class OutputProcessor:
             if state is None:
                 self.stats.num_wasted_tokens += len(out.new_token_ids)
                 continue
+            if out.error is not None and state.queue is not None:  # bad input the engine found: a 400
+                self.propagate_error(out.error, {out.request_id}, ValueError)
+                continue
             if state.first_token_time is None and (out.new_token_ids or out.finished):
                 self.stats.num_prompt_tokens += len(state.prompt_token_ids)
                 result.num_tokens += len(state.prompt_token_ids)
@@ -198,10 +201,12 @@ class OutputProcessor:
         self._emit_parents(touched, self._pending)
         return list(dict.fromkeys(engine_ids))
 
-    def propagate_error(self, message: str, request_ids: set[str] | None = None) -> None:
+    def propagate_error(self, message: str, request_ids: set[str] | None = None,
+                        error: type[Exception] = EngineDeadError) -> None:
         """The engine core died: every in-flight request (or those of `request_ids`, the engine requests of one
-        data-parallel engine that died) ends with finish_reason "error".  Queues get an EngineDeadError (raised to
-        the consumer); requests without a queue get a final output."""
+        data-parallel engine that died) ends with finish_reason "error".  Queues get an `error(message)` (raised to
+        the consumer: EngineDeadError, or ValueError for bad input the engine found); requests without a queue get
+        a final output."""
         now = time.time()
         touched: _Touched = {}
         queues: dict[int, RequestOutputCollector] = {}
@@ -216,8 +221,8 @@ class OutputProcessor:
                 self._emit(state, self._pending, touched)
         self._emit_parents(touched, self._pending)
         for q in queues.values():
-            q.put(EngineDeadError(message))
-        if queues or touched:
+            q.put(error(message))
+        if (queues or touched) and error is EngineDeadError:
             logger.error("engine error, failed %d request queue(s): %s", len(queues), message)
 
     # ---- outputs out -------------------------------------------------------------------------------------------

@@ -94,6 +94,10 @@ class ProcessedRequest(NamedTuple):
     parent: ParentRequest | None  # folds the n > 1 children into one output; None when n == 1
 
 
+_HUGE_PROMPT_CHARS = 16  # characters per context token beyond which a prompt is checked by its prefix first
+_CUT_MARGIN_TOKENS = 64
+
+
 class Processor:
     def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
                  generation_config: Mapping[str, Any] | None = None, chat_template: str | None = None) -> None:
@@ -147,6 +151,8 @@ class Processor:
                 raise ValueError("prompt must be a list of token ids when no tokenizer is loaded")
             if add_special_tokens is None:
                 add_special_tokens = default_add_special_tokens(prompt)
+            if params is None or params.truncate_prompt_tokens is None:
+                self._refuse_huge_prompt(prompt, add_special_tokens)
             ids = list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
             text: str | None = str(prompt)  # a plain str downstream
         elif isinstance(prompt, Sequence):
@@ -170,6 +176,20 @@ class Processor:
                 f"prompt is {len(ids)} tokens long, but max_model_len (the model's context length) is "
                 f"{self.max_model_len} tokens and at least one must be left for generation")
         return ids, text
+
+    def _refuse_huge_prompt(self, prompt: str, add_special_tokens: bool) -> None:
+        """A prompt far longer than the context in characters is refused from a prefix: tokenizing all of a 7 MB
+        prompt took ~14 s (and ~1 GB) only to say it is too long.  Its first HUGE_PROMPT_CHARS x max_model_len
+        characters are tokenized; if they alone exceed the context by a margin (a cut can split the last word into
+        a few more tokens than the whole text gives there), the whole prompt does too."""
+        head_chars = _HUGE_PROMPT_CHARS * self.max_model_len
+        if len(prompt) <= head_chars:
+            return
+        head = len(self.tokenizer.encode(prompt[:head_chars], add_special_tokens=add_special_tokens))
+        if head >= self.max_model_len + _CUT_MARGIN_TOKENS:
+            raise ValueError(
+                f"prompt is longer than max_model_len (the model's context length) of {self.max_model_len} tokens: "
+                f"its first {head_chars} of {len(prompt)} characters are {head} tokens already")
 
     def _truncate(self, ids: list[int], text: str | None, params: SamplingParams) -> tuple[list[int], str | None]:
         """truncate_prompt_tokens: keep k tokens (-1: as many as leave room for max_tokens, or one token)."""

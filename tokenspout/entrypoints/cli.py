@@ -61,6 +61,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "repetition_penalty) are the defaults of requests that omit them; vllm: neutral defaults")
     p.add_argument("--draft-layers", type=int, default=None,
                    help="--speculative draft: self-draft from the target's first L layers + its head")
+    p.add_argument("--engine-hang-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="an engine process silent this long (it sends a heartbeat every second, also during long "
+                        "steps) is hung: /health answers 503, it is killed and handled as dead")
+    p.add_argument("--engine-restart", action=argparse.BooleanOptionalAction, default=True,
+                   help="restart a dead or hung engine process (in-flight requests end with an error, new ones get "
+                        "503 until it is back); --no-engine-restart: the server exits non-zero instead, as vLLM")
     add_chat_template_arg(p)
 
 
@@ -93,7 +99,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             "draft_model": args.draft_model, "draft_layers": args.draft_layers,
             "async_scheduling": args.async_scheduling, "generation_config": args.generation_config,
             "chat_template": args.chat_template, "data_parallel_size": args.data_parallel_size,
-            "tokenizer": args.tokenizer}
+            "tokenizer": args.tokenizer, "engine_hang_timeout": args.engine_hang_timeout,
+            "engine_restart": args.engine_restart}
 
 
 class Spinner:
@@ -163,12 +170,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from tokenspout.engine.async_llm import AsyncLLM
         from tokenspout.entrypoints.openai.api_server import run_server
 
-        run_server(lambda: AsyncLLM(config, client=client), host=args.host, port=args.port,
-                   metrics_prefix=args.metrics_prefix, root_path=args.root_path, uds=args.uds,
-                   **server_app_options(args))
+        return run_server(lambda: AsyncLLM(config, client=client), host=args.host, port=args.port,
+                          metrics_prefix=args.metrics_prefix, shutdown_timeout=args.shutdown_timeout,
+                          root_path=args.root_path, uds=args.uds, **server_app_options(args))
     finally:
         client.shutdown()  # a no-op when the server has shut the engine down
-    return 0
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -180,6 +186,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     add_server_args(s)
+    s.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM / SIGINT, in-flight requests may finish for this long; then open streams end with "
+                        "an error frame and [DONE]; a second signal exits at once")
     s.add_argument("--metrics-prefix", type=_metrics_prefix, default="tokenspout",
                    help="prefix of the /metrics families (vllm: vLLM's names, for its Grafana dashboards)")
     add_ray_args(s)

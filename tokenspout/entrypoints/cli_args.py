@@ -73,10 +73,15 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="do not serve the playground page at / and /playground (README, Playground)")
     p.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
                    help="split <think> reasoning into message.reasoning_content (README, Reasoning)")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="accept a request's own Jinja chat template (chat_template, or inside chat_template_kwargs), "
+                        "rendered in a sandbox under a 5 s limit; without this flag such a request is a 400")
     from tokenspout.entrypoints.openai import limits
 
     p.add_argument("--max-request-body-bytes", type=int, default=limits.DEFAULT_MAX_BODY_BYTES,
                    help="a larger request body is a 413, refused before it is parsed (default: 8 MiB)")
+    p.add_argument("--max-request-header-bytes", type=int, default=limits.DEFAULT_MAX_HEADER_BYTES,
+                   help="request headers larger than this together (names + values) are a 431 (default: 32 KiB)")
     p.add_argument("--max-request-fanout", type=int, default=limits.DEFAULT_MAX_FANOUT,
                    help="at most this many completions (prompts x n) per request, else a 400 (default: 256)")
     p.add_argument("--max-queued-requests", type=int, default=limits.DEFAULT_MAX_QUEUED_REQUESTS,
@@ -119,6 +124,7 @@ def server_app_options(args: argparse.Namespace, environ: dict[str, str] | None 
             "allowed_headers": args.allowed_headers, "allow_credentials": args.allow_credentials,
             "tool_call_parser": args.tool_call_parser, "reasoning_parser": args.reasoning_parser,
             "playground": not args.no_playground, "limits": server_limits(args),
+            "trust_request_chat_template": args.trust_request_chat_template,
             "max_stored_responses": args.max_stored_responses,
             "max_stored_response_bytes": args.max_stored_response_bytes,
             "force_include_usage": args.enable_force_include_usage,
@@ -130,6 +136,7 @@ def server_limits(args: argparse.Namespace) -> Any:
     from tokenspout.entrypoints.openai.limits import ServerLimits
 
     return ServerLimits(max_body_bytes=args.max_request_body_bytes, max_fanout=args.max_request_fanout,
+                        max_header_bytes=args.max_request_header_bytes,
                         max_queued_requests=None if args.max_queued_requests < 0 else args.max_queued_requests,
                         running_capacity=args.max_num_seqs * args.data_parallel_size)
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.hf
+import numpy as np
 
 from tokenspout.sampling_params import StructuredOutputsParams
 from tokenspout.structured_output.backend import (
@@ -228,7 +229,22 @@ class GuidanceBackend(StructuredOutputBackend):
         matcher = llguidance.LLMatcher(self.ll_tokenizer, spec, log_level=0, limits=_LIMITS)
         if matcher.is_error():
             raise _invalid(params, matcher.get_error())
+        if not self._satisfiable(matcher):
+            raise _invalid(params, "no output of this model's vocabulary satisfies the grammar")
         return GuidanceGrammar(matcher, self._eos)
+
+    def _satisfiable(self, matcher: llguidance.LLMatcher) -> bool:
+        """Whether the grammar allows a first token.  A grammar no text of this vocabulary satisfies (an empty
+        character class, a dead end) leaves only EOS in its first mask (or errors) without accepting: sampling it
+        would force a token the grammar refuses, so it is refused now, as a 400.  (A grammar that accepts only the
+        empty string is satisfiable: its answer is empty, finish_reason "stop".)"""
+        mask = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint32).copy()
+        if matcher.is_error():
+            return False
+        for t in self._eos:
+            if t // 32 < len(mask):
+                mask[t // 32] &= ~np.uint32(1 << (t % 32))
+        return bool(mask.any()) or matcher.is_accepting()
 
     def fill_bitmasks(self, items: Sequence[tuple[Grammar, int]], bitmask: torch.Tensor) -> None:
         if self.fill_threads <= 1 or len(items) < _PAR_FILL_MIN_ROWS:

@@ -148,6 +148,11 @@ class AnthropicServingMessages:
     def __init__(self, chat: OpenAIServingChat) -> None:
         self.chat = chat
 
+    @staticmethod
+    def end_frame(err: OpenAIServingError) -> bytes:
+        """Ends a stream the server cut (its shutdown deadline): Anthropic's error event."""
+        return error_event(err)
+
     def _prepare_chat(self, req: MessagesBase) -> ChatJob:
         try:
             chat_req = ChatCompletionRequest.model_validate(chat_body(req))

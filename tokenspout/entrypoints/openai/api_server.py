@@ -57,10 +57,11 @@ from tokenspout.entrypoints.openai.serving_responses import OpenAIServingRespons
 from tokenspout.entrypoints.openai.serving_common import EngineClient
 from tokenspout.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenspout.entrypoints.openai.serving_tokenization import install_tokenization_routes
+from tokenspout.entrypoints.openai.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, Drain, DrainingServer, graceful_config
 from tokenspout.entrypoints.openai.sse import ClientDisconnected, SSEResponse, run_until_disconnect
 from tokenspout.metrics import DEFAULT_PREFIX, PROMETHEUS_CONTENT_TYPE, ServerMetrics, check_prefix
 from tokenspout.offload import Offloader
-from tokenspout.platform import freeze_startup_heap
+from tokenspout.platform import freeze_startup_heap, return_large_frees_to_the_os
 from tokenspout.playground import install_playground
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,7 @@ class ServerState:
     completion: OpenAIServingCompletion
     gate: AdmissionGate
     prep: Offloader  # request preparation (chat templates, grammars) off the event loop
+    drain: Drain  # the shutdown deadline (shutdown.py)
     responses: OpenAIServingResponses  # /v1/responses: a translation onto `chat`
     messages: AnthropicServingMessages  # /v1/messages (Anthropic): a translation onto `chat`
 
@@ -93,13 +95,22 @@ def _error(err: OpenAIServingError, path: str = "") -> Response:
     return response
 
 
+def num_prompts(prompt: Any) -> int:
+    """The prompts of a completions request's `prompt` (a string, a list of ids, or a list of either), counted
+    before it is validated: what admission charges for it."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return len(prompt)
+    return 1
+
+
 def _is_engine(obj: Any) -> bool:
     return not isinstance(obj, type) and hasattr(obj, "generate")  # else a factory (a class, function, partial)
 
 
 def _install(app: FastAPI, engine: EngineClient, metrics: ServerMetrics | None, record_request_metrics: bool,
              metrics_prefix: str = DEFAULT_PREFIX, chat_options: dict[str, Any] | None = None,
-             limits: ServerLimits = ServerLimits(), store: ResponseStore | None = None) -> None:
+             limits: ServerLimits = ServerLimits(), drain: Drain | None = None,
+             store: ResponseStore | None = None) -> None:
     if metrics is None:  # share the engine frontend's metrics object when it has one
         engine_metrics = getattr(engine, "metrics", None)
         metrics = engine_metrics if isinstance(engine_metrics, ServerMetrics) else ServerMetrics(
@@ -109,8 +120,8 @@ def _install(app: FastAPI, engine: EngineClient, metrics: ServerMetrics | None, 
     chat = OpenAIServingChat(engine, request_metrics, **(chat_options or {}))
     app.state.server = ServerState(
         engine, metrics, chat, OpenAIServingCompletion(engine, request_metrics), AdmissionGate(limits),
-        Offloader("tokenspout-prepare"), OpenAIServingResponses(chat, store if store is not None else ResponseStore()),
-        AnthropicServingMessages(chat),
+        Offloader("tokenspout-prepare"), drain or Drain(),
+        OpenAIServingResponses(chat, store if store is not None else ResponseStore()), AnthropicServingMessages(chat),
     )
 
 
@@ -139,6 +150,7 @@ def build_app(
     reasoning_parser: str | None = None,
     playground: bool = True,
     limits: ServerLimits = ServerLimits(),
+    trust_request_chat_template: bool = False,
     max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
     max_stored_response_bytes: int = DEFAULT_MAX_STORED_BYTES,
     force_include_usage: bool = False,
@@ -153,22 +165,28 @@ def build_app(
     ("vllm" for vLLM's dashboards) when the metrics object is made here.  `tool_call_parser` / `reasoning_parser`:
     --tool-call-parser / --reasoning-parser (see engine/chat_tools.py).  `playground`: serve the playground page at
     / and /playground (--no-playground turns it off).  `limits`: body size, fan-out and admission (limits.py).
+    `trust_request_chat_template`: accept a request's own chat template (chat_render.py; refused by default).
     `max_stored_responses` / `max_stored_response_bytes`: the bounds of /v1/responses' store (responses_store.py).
     `force_include_usage` / `return_tokens_as_token_ids` (vLLM's --enable-force-include-usage /
     --return-tokens-as-token-ids): every stream ends with a usage chunk / logprob tokens are "token_id:N", for
     chat and completion requests that do not say otherwise."""
     check_prefix(metrics_prefix)  # a bad prefix fails here, not at the server's start
     check_parser_names(tool_call_parser, reasoning_parser)
-    chat_options = {"tool_call_parser": tool_call_parser, "reasoning_parser": reasoning_parser}
+    chat_options = {"tool_call_parser": tool_call_parser, "reasoning_parser": reasoning_parser,
+                    "trust_request_chat_template": trust_request_chat_template}
     store = ResponseStore(max_stored_responses, max_stored_response_bytes)
     factory = None if _is_engine(engine) else engine
     owns = owns_engine if owns_engine is not None else factory is not None
+    drain = Drain()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if factory is not None:
             _install(app, factory(), metrics, record_request_metrics, metrics_prefix, chat_options,  # type: ignore[operator]
-                     limits, store)
+                     limits, drain, store)
+        supervise = getattr(app.state.server.engine, "start_supervision", None)
+        if supervise is not None:  # AsyncLLM: restart a dead or hung engine (or exit, via app.state.on_fatal)
+            supervise(lambda reason: getattr(app.state, "on_fatal", logger.error)(reason))
         freeze_startup_heap()
         try:
             yield
@@ -182,9 +200,11 @@ def build_app(
                     app.state.server.engine.shutdown()
 
     app = FastAPI(title="tokenspout", lifespan=lifespan)
+    app.state.drain = drain
+    app.state.trust_request_chat_template = trust_request_chat_template
     if factory is None:
         _install(app, engine, metrics, record_request_metrics, metrics_prefix, chat_options,  # type: ignore[arg-type]
-                 limits, store)
+                 limits, drain, store)
 
     def state(request: Request) -> ServerState:
         return request.app.state.server
@@ -208,18 +228,34 @@ def build_app(
                       request.url.path)
 
     def check_alive(st: ServerState) -> None:
+        if st.drain.draining:
+            raise OpenAIServingError("The server is shutting down.", status=HTTPStatus.SERVICE_UNAVAILABLE)
+        if getattr(st.engine, "recovering", False):
+            raise OpenAIServingError("The engine is restarting after a failure; retry shortly.",
+                                     status=HTTPStatus.SERVICE_UNAVAILABLE)
         if st.engine.errored:
             raise OpenAIServingError("The engine is dead; the server cannot serve requests.", status=500)
 
-    async def respond(request: Request, serving: Any, job: Any, stream: bool, count: int) -> Response:
-        """Runs the job once admitted: its `count` engine requests held in the admission gate until the response
-        ends."""
-        release = state(request).gate.admit(count)
-        if stream:
-            render = anthropic.error_body if anthropic.is_anthropic_path(request.url.path) else None
-            return SSEResponse(serving.stream(job), on_close=release, render_error=render)
+    async def prepare_and_respond(request: Request, serving: Any, req: Any, release: Callable[[], None]) -> Response:
+        """Prepares (off the event loop) and runs an admitted request; `release` frees its admission slots when the
+        response ends, however.  Admission comes first, from the request's own counts: a refusal is a 503 at once,
+        never queued behind other requests' preparation."""
+        st = state(request)
         try:
-            result = await run_until_disconnect(request.receive, serving.complete(job))
+            job = await st.prep.run(serving.prepare, req)
+        except BaseException:
+            release()
+            raise
+        if req.stream:
+            # each API's own error shapes: the JSON error before the first frame, the frame that ends a stream
+            # cut at the shutdown deadline
+            render, end = None, getattr(serving, "end_frame", None)
+            if anthropic.is_anthropic_path(request.url.path):
+                render = anthropic.error_body
+            return SSEResponse(serving.stream(job), on_close=release, drain=st.drain, render_error=render,
+                               end_frame=end)
+        try:
+            result = await run_until_disconnect(request.receive, serving.complete(job), st.drain)
         except ClientDisconnected:
             logger.info("client disconnected before the response was ready; request aborted")
             return Response(status_code=499)
@@ -246,15 +282,15 @@ def build_app(
         st = state(request)
         check_alive(st)
         server_defaults(req)
-        job = await st.prep.run(st.chat.prepare, req)
-        return await respond(request, st.chat, job, bool(req.stream), job.params.n)
+        release = st.gate.admit(req.n or 1)
+        return await prepare_and_respond(request, st.chat, req, release)
 
     async def complete(req: CompletionRequest, request: Request) -> Response:
         st = state(request)
         check_alive(st)
         server_defaults(req)
-        job = await st.prep.run(st.completion.prepare, req)
-        return await respond(request, st.completion, job, bool(req.stream), len(job.prompts) * job.params.n)
+        release = st.gate.admit(num_prompts(req.prompt) * (req.n or 1))
+        return await prepare_and_respond(request, st.completion, req, release)
 
     @app.post("/v1/chat/completions", dependencies=json_only,
               responses={200: {"model": ChatCompletionResponse}, **errors})
@@ -287,8 +323,7 @@ def build_app(
     async def create_response(req: ResponsesRequest, request: Request) -> Response:
         st = state(request)
         check_alive(st)
-        job = await st.prep.run(st.responses.prepare, req)
-        return await respond(request, st.responses, job, req.stream, 1)
+        return await prepare_and_respond(request, st.responses, req, st.gate.admit(1))
 
     @app.get("/v1/responses/{response_id}", responses={200: {"model": ResponseObject}, **errors})
     async def get_response(response_id: str, request: Request) -> Response:
@@ -303,8 +338,7 @@ def build_app(
     async def create_message(req: anthropic.MessagesRequest, request: Request) -> Response:
         st = state(request)
         check_alive(st)
-        job = await st.prep.run(st.messages.prepare, req)
-        return await respond(request, st.messages, job, req.stream, 1)
+        return await prepare_and_respond(request, st.messages, req, st.gate.admit(1))
 
     @app.post(anthropic.ROUTE + "/count_tokens", dependencies=json_only,
               responses={200: {"model": anthropic.CountTokensResponse}, **anthropic_errors})
@@ -349,7 +383,8 @@ def build_app(
     install_tokenization_routes(app)
     install_middleware(app, api_key=api_key, allowed_origins=allowed_origins, allowed_methods=allowed_methods,
                        allowed_headers=allowed_headers, allow_credentials=allow_credentials)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes)  # outermost: before any body is read
+    # outermost: before any body is read
+    app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes, max_header_bytes=limits.max_header_bytes)
     return app
 
 
@@ -362,21 +397,36 @@ def run_server(
     log_level: str = "info",
     access_log: bool = True,
     metrics_prefix: str = DEFAULT_PREFIX,
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
     root_path: str = "",
     uds: str | None = None,
     **app_options: Any,
-) -> None:
+) -> int:
     """Serves until interrupted; the server owns the engine and shuts it down on exit.  `app_options`: build_app's
-    api_key / CORS keywords.  `root_path` (--root-path): the path prefix a reverse proxy strips before forwarding;
-    `uds` (--uds): listen on this Unix domain socket instead of host:port."""
+    api_key / CORS keywords.  SIGTERM / SIGINT drain with a deadline of `shutdown_timeout` seconds (shutdown.py).
+    `root_path` (--root-path): the path prefix a reverse proxy strips before forwarding; `uds` (--uds): listen on
+    this Unix domain socket instead of host:port.  Returns the exit code: 1 when the engine died for good
+    (--no-engine-restart), else 0."""
+    # A hostile request's buffers (a 7 MB prompt's encoding, its JSON) go back to the system once freed.
+    return_large_frees_to_the_os()
     app = build_app(engine, metrics=metrics, owns_engine=True, metrics_prefix=metrics_prefix, **app_options)
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=access_log,
-                            root_path=root_path, uds=uds)
+    config = graceful_config(app, host, port, shutdown_timeout, log_level=log_level, access_log=access_log,
+                             root_path=root_path, uds=uds)
+
+    def kill_engines() -> None:
+        server_state = getattr(app.state, "server", None)
+        kill = getattr(server_state.engine, "kill", None) if server_state is not None else None
+        if kill is not None:
+            kill()
+
+    server = DrainingServer(config, app.state.drain, shutdown_timeout, kill_engines)
+    app.state.on_fatal = server.fail
     if uds:
         logger.info("serving on unix:%s (/v1)", uds)
     else:
         logger.info("serving on http://%s:%d%s/v1", host, port, root_path)
-    uvicorn.Server(config).run()
+    server.run()
+    return server.exit_code
 
 
 class BackgroundServer:

@@ -29,6 +29,7 @@ from tokenspout.entrypoints.openai.sse import send_json_error
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a 128k-token prompt is ~0.5-1 MB of JSON
 DEFAULT_MAX_FANOUT = 256  # two prompts at OpenAI's largest n (128)
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
+DEFAULT_MAX_HEADER_BYTES = 32 << 10  # nginx's default header buffers (4 x 8 KiB); real clients send < 2 KiB
 RETRY_AFTER_S = 1
 
 
@@ -38,9 +39,10 @@ class ServerLimits:
     max_fanout: int = DEFAULT_MAX_FANOUT
     max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS  # None: no admission control
     running_capacity: int = 64  # engine requests the engines run at once (--max-num-seqs x engines)
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES  # names + values of all request headers together
 
     def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_fanout", "running_capacity"):
+        for name in ("max_body_bytes", "max_fanout", "running_capacity", "max_header_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queued_requests is not None and self.max_queued_requests < 0:
@@ -60,13 +62,23 @@ class BodyTooLarge(StarletteHTTPException):
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    """The outermost middleware: request headers at most `max_header_bytes` together (431), the body at most
+    `max_bytes` (413), both refused before the app sees the request."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.max_header_bytes = max_header_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        header_bytes = sum(len(k) + len(v) for k, v in scope["headers"])
+        if header_bytes > self.max_header_bytes:
+            await send_json_error(send, OpenAIServingError(
+                f"Request headers too large: {header_bytes} bytes, the limit is {self.max_header_bytes} "
+                f"(--max-request-header-bytes).", status=HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE))
             return
         declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
         # Anthropic's routes answer in Anthropic's error shape (its clients parse that one)

@@ -31,7 +31,7 @@ from tokenspout.engine.chat_tools import (
     template_tool_messages,
     tools_template,
 )
-from tokenspout.entrypoints.openai.chat_render import render_chat_prompt
+from tokenspout.entrypoints.openai.chat_render import check_request_template, render_chat_prompt, request_template
 from tokenspout.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -88,10 +88,13 @@ _TOOL_FIELDS = {"tools", "tool_choice", "parallel_tool_calls", "response_format"
 
 class OpenAIServingChat:
     def __init__(self, engine: EngineClient, metrics: ServerMetrics | None = None, *,
-                 tool_call_parser: str | None = "auto", reasoning_parser: str | None = None) -> None:
+                 tool_call_parser: str | None = "auto", reasoning_parser: str | None = None,
+                 trust_request_chat_template: bool = False) -> None:
         """`tool_call_parser`: --tool-call-parser (a parser name, "auto" = by the chat template, None = no tool
-        calls); `reasoning_parser`: --reasoning-parser (None = reasoning stays in content)."""
+        calls); `reasoning_parser`: --reasoning-parser (None = reasoning stays in content);
+        `trust_request_chat_template`: --trust-request-chat-template (chat_render.py)."""
         self.engine = engine
+        self.trust_request_chat_template = trust_request_chat_template
         self.metrics = metrics
         self.tool_call_parser = tool_call_parser
         check_parser_names(tool_call_parser, reasoning_parser)  # an unknown name fails at startup
@@ -113,16 +116,20 @@ class OpenAIServingChat:
     def prepare(self, req: ChatCompletionRequest) -> ChatJob:
         """Everything that can fail before the engine sees the request (raises OpenAIServingError)."""
         check_model(self.engine, req.model)
+        own = request_template(req.chat_template, req.chat_template_kwargs)
+        check_request_template(own, self.trust_request_chat_template)
         messages = req.template_messages()
         params = req.to_sampling_params(getattr(self.engine, "default_sampling_params", None))
         template_kwargs = dict(req.chat_template_kwargs or {})
-        chat_template = tools_template(self.engine, req.chat_template, req.tools)
-        plan = self._plan(req, template_kwargs, chat_template) or ChatPlan()
+        # the bundled tools template, for tools on a ChatML template that never renders them (the server's choice)
+        fallback = None if own is not None else tools_template(self.engine, None, req.tools)
+        plan = self._plan(req, template_kwargs, own or fallback) or ChatPlan()
         if plan.tool_parser is not None or req.tools:
             messages = template_tool_messages(messages)
         prompt = render_chat_prompt(self.engine, messages, add_generation_prompt=req.add_generation_prompt,
                                     continue_final_message=req.continue_final_message,
-                                    chat_template_kwargs=template_kwargs, chat_template=chat_template)
+                                    chat_template_kwargs=template_kwargs, chat_template=req.chat_template,
+                                    trusted=self.trust_request_chat_template, server_template=fallback)
         if self.reasoning_cls is not None:
             plan.reasoning = self.reasoning_cls(str(prompt))
         try:

@@ -174,6 +174,13 @@ class OpenAIServingResponses:
         self.chat = chat
         self.store = store
 
+    @staticmethod
+    def end_frame(err: OpenAIServingError) -> bytes:
+        """Ends a stream the server cut (its shutdown deadline): an `error` event (its place in the sequence is
+        not known there)."""
+        payload = {"type": "error", "code": str(err.status), "message": err.message, "param": err.param}
+        return f"event: error\ndata: {json.dumps(payload)}\n\n".encode()
+
     @property
     def model_name(self) -> str:
         return self.chat.engine.model_name

@@ -158,24 +158,27 @@ def _vocab_size(engine: EngineClient) -> int:
     return int(size)
 
 
-def tokenize(engine: EngineClient, req: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
+def tokenize(engine: EngineClient, req: TokenizeCompletionRequest | TokenizeChatRequest,
+             trusted: bool = False) -> TokenizeResponse:
+    """`trusted`: --trust-request-chat-template (a template inside chat_template_kwargs is refused without it)."""
     check_model(engine, req.model)
     if isinstance(req, TokenizeChatRequest):
         # Through ChatCompletionRequest so the messages are flattened by the very code the chat route runs.
         chat = ChatCompletionRequest(messages=req.messages, tools=req.tools)
         kwargs = dict(req.chat_template_kwargs or {})
         messages = chat.template_messages()
-        chat_template = tools_template(engine, None, req.tools)  # the chat route's choice for these tools
+        # the chat route's choice for these tools (none when the request brings a template of its own)
+        fallback = None if kwargs.get("chat_template") is not None else tools_template(engine, None, req.tools)
         if req.tools:  # as the chat route renders them (tool_choice "none": only a template that reads them)
             messages = template_tool_messages(messages)
             try:
-                plan_chat(chat.tool_dicts(), "none", None, template=effective_template(engine, chat_template),
+                plan_chat(chat.tool_dicts(), "none", None, template=effective_template(engine, fallback),
                           parser_name=None, template_kwargs=kwargs)
             except ValueError as e:  # e.g. two tools of one name, as the chat route says
                 raise value_error_to_serving_error(e, {"tools"}) from None
         text = render_chat_prompt(engine, messages, add_generation_prompt=req.add_generation_prompt,
                                   continue_final_message=req.continue_final_message, chat_template_kwargs=kwargs,
-                                  chat_template=chat_template)
+                                  trusted=trusted, server_template=fallback)
     else:
         text = req.prompt
     ids = [int(t) for t in engine.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)]
@@ -242,7 +245,8 @@ def tokenization_router(get_engine: Callable[[Request], EngineClient],
     @router.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize_route(request: Request, body: TokenizeCompletionRequest | TokenizeChatRequest) -> Response:
         engine = get_engine(request)
-        return await get_offloader(request).run(lambda: _json(tokenize(engine, body)))  # and the JSON: 7M ids
+        trusted = bool(getattr(request.app.state, "trust_request_chat_template", False))
+        return await get_offloader(request).run(lambda: _json(tokenize(engine, body, trusted)))  # + JSON: 7M ids
 
     @router.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize_route(request: Request, body: DetokenizeRequest) -> Response:

@@ -9,7 +9,8 @@
    never closes the body iterator, so without this an abandoned request would keep generating until it finished.
 
 Stream errors after the first frame are sent as `data: {"error": {...}}` followed by `data: [DONE]` (as vLLM does);
-the official openai client raises APIError on such a frame.
+the official openai client raises APIError on such a frame.  The same ending is given to a stream still open at the
+shutdown deadline (shutdown.Drain): the engine request is aborted, the client gets a 503 error frame and [DONE].
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pydantic import BaseModel
 from starlette.responses import Response
 
 from tokenspout.entrypoints.openai.protocol import OpenAIServingError
+from tokenspout.entrypoints.openai.shutdown import Drain
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,11 @@ _SSE_HEADERS = [
 
 class ClientDisconnected(Exception):
     """The HTTP client went away before the response was complete."""
+
+
+def shutdown_error() -> OpenAIServingError:
+    return OpenAIServingError("The server is shutting down: the request did not finish before the shutdown "
+                              "deadline (--shutdown-timeout).", status=503)
 
 
 def sse_frame(payload: BaseModel) -> bytes:
@@ -85,12 +92,18 @@ class SSEResponse(Response):
     media_type = "text/event-stream"
 
     def __init__(self, frames: AsyncIterator[bytes], on_close: Callable[[], None] | None = None,
-                 render_error: Callable[[OpenAIServingError], bytes] | None = None) -> None:
+                 drain: Drain | None = None,
+                 render_error: Callable[[OpenAIServingError], bytes] | None = None,
+                 end_frame: Callable[[OpenAIServingError], bytes] | None = None) -> None:
         super().__init__(content=None, status_code=200)
         self.frames = frames
         self.on_close = on_close  # called once the stream has ended, however (an admission slot's release)
+        self.drain = drain  # the server's shutdown deadline
         self.render_error = render_error  # an error before the first frame in another API's shape
+        self.end_frame = end_frame  # the frame that ends a stream cut at the deadline, in another API's shape
         self.client_disconnected = False
+        self.cut_at_deadline = False
+        self._started = self._ended = False
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         failure: list[BaseException] = []  # re-raised outside the task group, unwrapped from its ExceptionGroup
@@ -103,7 +116,14 @@ class SSEResponse(Response):
                     logger.debug("client disconnected; cancelling the stream")
                     tg.cancel_scope.cancel()
 
+                async def deadline(drain: Drain) -> None:
+                    await drain.wait()
+                    self.cut_at_deadline = True
+                    tg.cancel_scope.cancel()
+
                 tg.start_soon(watch)
+                if self.drain is not None:
+                    tg.start_soon(deadline, self.drain)
                 try:
                     await self._stream(send)
                 except Exception as e:  # noqa: BLE001 -- re-raised below
@@ -114,6 +134,8 @@ class SSEResponse(Response):
             # even when this task is being cancelled.
             with anyio.CancelScope(shield=True):
                 await self.frames.aclose()  # type: ignore[attr-defined]
+                if self.cut_at_deadline and not self._ended and not self.client_disconnected:
+                    await self._end_at_deadline(send)
             if self.on_close is not None:
                 self.on_close()
         if failure:
@@ -130,16 +152,28 @@ class SSEResponse(Response):
             await send_json_error(send, OpenAIServingError("internal server error", status=500), self.render_error)
             return
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+        self._started = True
         if first is not None:
             await send({"type": "http.response.body", "body": first, "more_body": True})
             async for frame in self.frames:
                 await send({"type": "http.response.body", "body": frame, "more_body": True})
+        self._ended = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
+    async def _end_at_deadline(self, send: Any) -> None:
+        if not self._started:
+            await send_json_error(send, shutdown_error(), self.render_error)
+            return
+        self._ended = True
+        err = shutdown_error()
+        body = self.end_frame(err) if self.end_frame is not None else error_frame(err) + DONE_FRAME
+        await send({"type": "http.response.body", "body": body, "more_body": False})
 
-async def run_until_disconnect(receive: Any, work: Awaitable[T]) -> T:
+
+async def run_until_disconnect(receive: Any, work: Awaitable[T], drain: Drain | None = None) -> T:
     """Awaits `work`, cancelling it if the client disconnects first (which closes the engine generator it is
-    iterating, so the engine aborts the request); then raises ClientDisconnected."""
+    iterating, so the engine aborts the request); then raises ClientDisconnected.  At the shutdown deadline
+    (`drain`) the work is cancelled the same way and a 503 OpenAIServingError raised."""
     outcome: list[tuple[bool, Any]] = []  # (ok, value or exception), unwrapped from the task group's ExceptionGroup
     async with anyio.create_task_group() as tg:
 
@@ -147,7 +181,14 @@ async def run_until_disconnect(receive: Any, work: Awaitable[T]) -> T:
             await _wait_for_disconnect(receive)
             tg.cancel_scope.cancel()
 
+        async def deadline(drain: Drain) -> None:
+            await drain.wait()
+            outcome.append((False, shutdown_error()))
+            tg.cancel_scope.cancel()
+
         tg.start_soon(watch)
+        if drain is not None:
+            tg.start_soon(deadline, drain)
         try:
             outcome.append((True, await work))
         except Exception as e:  # noqa: BLE001 -- re-raised below

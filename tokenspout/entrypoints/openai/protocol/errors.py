@@ -15,6 +15,7 @@ _ERROR_TYPES = {
     404: "NotFoundError",
     413: "RequestTooLargeError",
     415: "UnsupportedMediaTypeError",
+    431: "RequestHeaderFieldsTooLargeError",
     499: "ClientClosedRequest",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
