@@ -331,10 +331,8 @@ class ServerMetrics:
         ):
             if key in snapshot:
                 total = float(snapshot[key])
-                previous = self._snapshot_totals.get(key, 0.0)
-                # A restarted engine starts its totals again from 0: what it counted since is all new.
-                delta = total - previous if total >= previous else total
-                if delta > 0:
+                delta = total - self._snapshot_totals.get(key, 0.0)
+                if delta > 0:  # a restarted engine resets its totals: never decrease a counter
                     self._l(counter).inc(delta)
                 self._snapshot_totals[key] = total
         drafts = self._snapshot_totals.get("spec_num_drafts", 0.0)

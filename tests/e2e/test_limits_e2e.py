@@ -15,6 +15,7 @@ import pytest
 from tests.helpers import background_server
 from tests.unit.fake_engine import FakeEngine
 from tokenspout.entrypoints.openai.limits import ServerLimits
+from tokenspout.entrypoints.openai.protocol.bounds import RequestBounds
 
 LIMITS = ServerLimits(max_body_bytes=4096, max_fanout=8, max_queued_requests=2, running_capacity=2,
                       max_header_bytes=2048)
@@ -153,13 +154,13 @@ def nested_schema(levels: int) -> dict:
 
 
 @pytest.mark.parametrize("field,value,message", [
-    ("stop", ["x"] * 65, "at most 64 stop strings"),
-    ("bad_words", ["w"] * 1025, "at most 1024 items"),
-    ("guided_choice", ["c"] * 1025, "at most 1024 items"),
-    ("stop_token_ids", [5] * 1025, "at most 1024 items"),
-    ("logit_bias", {str(i): 1.0 for i in range(1025)}, "at most 1024 items"),
-    ("guided_json", nested_schema(40), "nested deeper than 64 levels"),
-    ("messages", [{"role": "user", "content": "hi"}] * 4097, "at most 4096 items"),
+    ("stop", ["x"] * 65, "at most 64 entries, got 65 (--max-request-stop)"),
+    ("bad_words", ["w"] * 1025, "at most 1024 entries, got 1025 (--max-request-list-entries)"),
+    ("guided_choice", ["c"] * 1025, "at most 1024 entries"),
+    ("stop_token_ids", [5] * 1025, "at most 1024 entries"),
+    ("logit_bias", {str(i): 1.0 for i in range(1025)}, "at most 1024 entries"),
+    ("guided_json", nested_schema(40), "nested deeper than 64 levels (--max-request-json-depth)"),
+    ("messages", [{"role": "user", "content": "hi"}] * 4097, "at most 4096 entries, got 4097 (--max-request-messages)"),
 ])
 def test_lists_and_nesting_are_bounded_with_a_400_naming_the_field(roomy, engine, field, value, message):
     """Each bound a 400 that names the field; the largest allowed size of each is accepted."""
@@ -173,6 +174,32 @@ def test_lists_and_nesting_are_bounded_with_a_400_naming_the_field(roomy, engine
     if field in within:
         assert c.chat.completions.create(**base, extra_body={field: within[field]}).choices
     wait_idle(roomy)
+
+
+def test_the_bounds_are_the_servers_flags(engine):
+    """A server started with other bounds applies them (the request models read the server's RequestBounds), in
+    both directions, while another server in the same process keeps the defaults."""
+    tight = ServerLimits(bounds=RequestBounds(stop=2, token_list=3, messages=2, tools=1, json_depth=4))
+    roomy_bounds = ServerLimits(bounds=RequestBounds(stop=100, token_list=2000))
+    base = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    with background_server(engine, limits=tight) as t, background_server(engine, limits=roomy_bounds) as r:
+        ct, cr = client(t), client(r)
+        for extra, param in (({"stop": ["a", "b", "c"]}, "stop"), ({"bad_words": ["a"] * 4}, "bad_words"),
+                             ({"structured_outputs": {"choice": ["a"] * 4}}, "structured_outputs"),
+                             ({"guided_json": nested_schema(3)}, "guided_json")):
+            with pytest.raises(openai.BadRequestError) as exc:
+                ct.chat.completions.create(model=engine.model_name, **base, extra_body=extra)
+            assert exc.value.body["param"] == param and "--max-request-" in exc.value.body["message"], exc.value.body
+        with pytest.raises(openai.BadRequestError) as exc:
+            ct.chat.completions.create(model=engine.model_name, max_tokens=1,
+                                       messages=[{"role": "user", "content": "hi"}] * 3)
+        assert "--max-request-messages" in exc.value.body["message"]
+        r_tok = httpx.post(t.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}] * 3})
+        assert r_tok.status_code == 400 and "--max-request-messages" in r_tok.text
+        assert ct.chat.completions.create(model=engine.model_name, **base, extra_body={"stop": ["a", "b"]}).choices
+        # past the defaults, within the roomy server's flags
+        assert cr.chat.completions.create(model=engine.model_name, **base,
+                                          extra_body={"stop": ["x"] * 100, "bad_words": ["w"] * 2000}).choices
 
 
 def test_tokenizing_a_huge_prompt_does_not_stall_the_event_loop(engine):

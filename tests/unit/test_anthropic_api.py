@@ -99,3 +99,20 @@ def test_too_large_bodies_are_413s_in_anthropics_shape():
     assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
     r = client.post("/v1/chat/completions", json={"messages": body["messages"]})
     assert r.status_code == 413 and r.json()["error"]["code"] == 413
+
+
+def test_the_agent_routes_honour_the_request_bound_flags():
+    """--max-request-messages / -tools / -stop bound /v1/responses and /v1/messages too (400s naming the flag)."""
+    from tokenspout.entrypoints.openai.limits import ServerLimits
+    from tokenspout.entrypoints.openai.protocol.bounds import RequestBounds
+
+    client = TestClient(build_app(FakeEngine(), limits=ServerLimits(bounds=RequestBounds(messages=2, stop=1))))
+    three = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]
+    r = client.post("/v1/responses", json={"input": three, "max_output_tokens": 2})
+    assert r.status_code == 400 and "--max-request-messages" in r.json()["error"]["message"]
+    r = client.post("/v1/messages", json={"model": "fake-model", "max_tokens": 2, "messages": three})
+    assert r.status_code == 400 and "--max-request-messages" in r.json()["error"]["message"]
+    r = client.post("/v1/messages", json={"model": "fake-model", "max_tokens": 2, "messages": three[:1],
+                                          "stop_sequences": ["x", "y"]})
+    assert r.status_code == 400 and "--max-request-stop" in r.json()["error"]["message"]
+    assert client.post("/v1/responses", json={"input": three[:2], "max_output_tokens": 2}).status_code == 200

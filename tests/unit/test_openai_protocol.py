@@ -404,3 +404,12 @@ async def test_fake_engine_rejects_bad_input_at_first_step():
     eng.kill()
     with pytest.raises(EngineDeadError):
         await anext(eng.generate("ok", SamplingParams(), "r"))
+
+
+def test_large_tokenize_responses_serialize_in_chunks_to_the_same_json():
+    from tokenspout.entrypoints.openai.serving_tokenization import TokenizeResponse, _json
+
+    big = TokenizeResponse(count=200_001, max_model_len=8, tokens=list(range(200_001)))
+    assert _json(big).body == big.model_dump_json().encode()
+    small = TokenizeResponse(count=2, max_model_len=8, tokens=[1, 2], token_strs=["a", "b"])
+    assert _json(small).body == small.model_dump_json().encode()

@@ -82,6 +82,16 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="a larger request body is a 413, refused before it is parsed (default: 8 MiB)")
     p.add_argument("--max-request-header-bytes", type=int, default=limits.DEFAULT_MAX_HEADER_BYTES,
                    help="request headers larger than this together (names + values) are a 431 (default: 32 KiB)")
+    from tokenspout.entrypoints.openai.protocol.bounds import FLAGS, RequestBounds
+
+    defaults = RequestBounds()
+    what = {"json_depth": "levels of JSON nesting anywhere in a request body", "stop": "stop strings",
+            "token_list": "entries of stop_token_ids, bad_words, logit_bias, guided_choice / structured choices",
+            "allowed_token_ids": "allowed_token_ids entries", "messages": "chat messages (also on /tokenize)",
+            "tools": "tools"}
+    for bound, flag in FLAGS.items():
+        p.add_argument(flag, type=int, default=getattr(defaults, bound), metavar="N",
+                       help=f"at most N {what[bound]} per request, else a 400 (default: {getattr(defaults, bound)})")
     p.add_argument("--max-request-fanout", type=int, default=limits.DEFAULT_MAX_FANOUT,
                    help="at most this many completions (prompts x n) per request, else a 400 (default: 256)")
     p.add_argument("--max-queued-requests", type=int, default=limits.DEFAULT_MAX_QUEUED_REQUESTS,
@@ -135,8 +145,11 @@ def server_limits(args: argparse.Namespace) -> Any:
     """limits.ServerLimits from the flags; the engines run --max-num-seqs each."""
     from tokenspout.entrypoints.openai.limits import ServerLimits
 
+    from tokenspout.entrypoints.openai.protocol.bounds import FLAGS, RequestBounds
+
+    bounds = RequestBounds(**{b: getattr(args, f.removeprefix("--").replace("-", "_")) for b, f in FLAGS.items()})
     return ServerLimits(max_body_bytes=args.max_request_body_bytes, max_fanout=args.max_request_fanout,
-                        max_header_bytes=args.max_request_header_bytes,
+                        max_header_bytes=args.max_request_header_bytes, bounds=bounds,
                         max_queued_requests=None if args.max_queued_requests < 0 else args.max_queued_requests,
                         running_capacity=args.max_num_seqs * args.data_parallel_size)
 

@@ -11,8 +11,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from tokenspout.entrypoints.openai.protocol import OpenAIServingError
-from tokenspout.entrypoints.openai.protocol.chat import MAX_MESSAGES, MAX_TOOLS
-from tokenspout.entrypoints.openai.protocol.sampling import MAX_STOP, StrictModel
+from tokenspout.entrypoints.openai.protocol.bounds import check_sizes
+from tokenspout.entrypoints.openai.protocol.sampling import StrictModel
 from tokenspout.entrypoints.openai.protocol.sampling import _check_text as check_text
 
 MAX_BLOCKS = 1024  # content blocks in one message (an agent's turn may hold many tool results)
@@ -183,9 +183,9 @@ class MessagesBase(StrictModel):
     """What /v1/messages and /v1/messages/count_tokens share."""
 
     model: str
-    messages: list[InputMessage] = Field(max_length=MAX_MESSAGES)
+    messages: list[InputMessage]  # --max-request-messages
     system: str | list[TextBlock] | None = None
-    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tools: list[Tool] | None = None  # --max-request-tools
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     output_config: OutputConfig | None = None
@@ -195,6 +195,8 @@ class MessagesBase(StrictModel):
     @classmethod
     def _valid_text(cls, data: Any) -> Any:
         check_text(data, "")
+        # the bounds of the server parsing the request (bounds.py: each a serve flag, named in the 400)
+        check_sizes(data, {"messages": "messages", "tools": "tools", "stop_sequences": "stop"})
         return data
 
     def system_text(self) -> str | None:
@@ -205,7 +207,7 @@ class MessagesBase(StrictModel):
 
 class MessagesRequest(MessagesBase):
     max_tokens: int = Field(ge=1)
-    stop_sequences: list[str] | None = Field(default=None, max_length=MAX_STOP)
+    stop_sequences: list[str] | None = None  # --max-request-stop
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)  # Anthropic's range
     top_p: float | None = None
     top_k: int | None = None

@@ -384,7 +384,8 @@ def build_app(
     install_middleware(app, api_key=api_key, allowed_origins=allowed_origins, allowed_methods=allowed_methods,
                        allowed_headers=allowed_headers, allow_credentials=allow_credentials)
     # outermost: before any body is read
-    app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes, max_header_bytes=limits.max_header_bytes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes, max_header_bytes=limits.max_header_bytes,
+                       bounds=limits.bounds)
     return app
 
 

@@ -24,6 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tokenspout.entrypoints.anthropic.protocol import error_body as anthropic_error_body
 from tokenspout.entrypoints.anthropic.protocol import is_anthropic_path
 from tokenspout.entrypoints.openai.protocol import OpenAIServingError
+from tokenspout.entrypoints.openai.protocol.bounds import RequestBounds, bind_bounds
 from tokenspout.entrypoints.openai.sse import send_json_error
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a 128k-token prompt is ~0.5-1 MB of JSON
@@ -40,6 +41,7 @@ class ServerLimits:
     max_queued_requests: int | None = DEFAULT_MAX_QUEUED_REQUESTS  # None: no admission control
     running_capacity: int = 64  # engine requests the engines run at once (--max-num-seqs x engines)
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES  # names + values of all request headers together
+    bounds: RequestBounds = RequestBounds()  # list sizes and JSON nesting inside a request (protocol/bounds.py)
 
     def __post_init__(self) -> None:
         for name in ("max_body_bytes", "max_fanout", "running_capacity", "max_header_bytes"):
@@ -63,17 +65,21 @@ class BodyTooLarge(StarletteHTTPException):
 
 class BodyLimitMiddleware:
     """The outermost middleware: request headers at most `max_header_bytes` together (431), the body at most
-    `max_bytes` (413), both refused before the app sees the request."""
+    `max_bytes` (413), both refused before the app sees the request; and the request's task gets the server's
+    RequestBounds, which the request models validate against."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+                 bounds: RequestBounds = RequestBounds()) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.max_header_bytes = max_header_bytes
+        self.bounds = bounds
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        bind_bounds(self.bounds)
         header_bytes = sum(len(k) + len(v) for k, v in scope["headers"])
         if header_bytes > self.max_header_bytes:
             await send_json_error(send, OpenAIServingError(

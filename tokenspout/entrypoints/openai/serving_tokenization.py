@@ -31,7 +31,7 @@ from tokenspout.entrypoints.openai.protocol import (
     validation_error_to_serving_error,
     value_error_to_serving_error,
 )
-from tokenspout.entrypoints.openai.protocol.chat import MAX_MESSAGES, MAX_TOOLS
+from tokenspout.entrypoints.openai.protocol.bounds import check_sizes
 from tokenspout.entrypoints.openai.serving_common import EngineClient, check_model
 from tokenspout.offload import Offloader
 
@@ -51,16 +51,21 @@ class TokenizeCompletionRequest(_Request):
 
 class TokenizeChatRequest(_Request):
     model: str | None = None
-    messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
+    messages: list[ChatMessage]
     add_generation_prompt: bool = Field(default=True, description="End with the assistant's turn header.")
     continue_final_message: bool = Field(
         default=False, description="Leave the last message open (prefill); excludes add_generation_prompt.")
     add_special_tokens: bool = Field(
         default=False, description="Add the tokenizer's special tokens on top of what the chat template writes.")
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS,
-                                         description="Rendered as the chat route renders them.")
+    tools: list[ChatTool] | None = Field(default=None, description="Rendered as the chat route renders them.")
     return_token_strs: bool | None = Field(default=False, description="Also return each token id's string.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded(cls, data: Any) -> Any:
+        check_sizes(data, {"messages": "messages", "tools": "tools"})
+        return data
 
     @model_validator(mode="after")
     def _generation_prompt(self) -> TokenizeChatRequest:
@@ -138,8 +143,22 @@ _BODY_MODELS: dict[str, tuple[type[BaseModel], ...]] = {
 }
 
 
+_JSON_CHUNK = 1 << 16  # token ids serialized per GIL-holding call
+
+
 def _json(model: BaseModel) -> Response:
+    if isinstance(model, TokenizeResponse) and len(model.tokens) > _JSON_CHUNK and model.token_strs is None:
+        return Response(content=_tokens_json(model), media_type="application/json")
     return Response(content=model.model_dump_json(), media_type="application/json")
+
+
+def _tokens_json(r: TokenizeResponse) -> bytes:
+    """The same JSON as model_dump_json, with the ids written 65,536 at a time: pydantic serializes a 1.8M-id list
+    in one call that holds the GIL (~0.2 s), stalling the event loop's streams and /health for that long."""
+    head = r.model_copy(update={"tokens": []}).model_dump_json().encode()
+    before, after = head.split(b'"tokens":[]', 1)
+    chunks = [",".join(map(str, r.tokens[i:i + _JSON_CHUNK])).encode() for i in range(0, len(r.tokens), _JSON_CHUNK)]
+    return before + b'"tokens":[' + b",".join(chunks) + b"]" + after
 
 
 def _token_strs(tokenizer: Any, ids: list[int]) -> list[str]:

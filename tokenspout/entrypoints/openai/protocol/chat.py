@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
+from tokenspout.entrypoints.openai.protocol.bounds import RequestBounds
 from tokenspout.entrypoints.openai.protocol.common import (
     PromptLogprobsJSON,
     TopLogprob,
@@ -17,8 +18,9 @@ from tokenspout.entrypoints.openai.protocol.errors import OpenAIServingError
 from tokenspout.entrypoints.openai.protocol.sampling import SamplingRequest, StrictModel
 from tokenspout.sampling_params import MAX_LOGPROBS, SamplingParams
 
-MAX_MESSAGES = 4096  # 10^5 messages held the event loop 5 s while rendered
-MAX_TOOLS = 128  # OpenAI's bound
+_DEFAULTS = RequestBounds()
+MAX_MESSAGES = _DEFAULTS.messages  # the defaults (bounds.py: each a server flag)
+MAX_TOOLS = _DEFAULTS.tools
 
 
 class ContentPart(BaseModel):
@@ -71,7 +73,7 @@ class NamedToolChoice(StrictModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage] = Field(max_length=MAX_MESSAGES)
+    messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -88,9 +90,11 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     echo: bool = False  # the reply starts with the last message's content when it has the reply's role
     # tool calling (see engine/chat_tools.py)
-    tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+
+    SIZED: ClassVar[dict[str, str]] = {**SamplingRequest.SIZED, "messages": "messages", "tools": "tools"}
 
     def tool_dicts(self) -> list[dict[str, Any]] | None:
         return None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
-from tokenspout.entrypoints.openai.protocol.chat import MAX_MESSAGES, MAX_TOOLS
+from tokenspout.entrypoints.openai.protocol.bounds import check_sizes
 from tokenspout.entrypoints.openai.protocol.common import unix_now
 from tokenspout.entrypoints.openai.protocol.sampling import StrictModel
 from tokenspout.entrypoints.openai.protocol.sampling import _check_text as check_text
@@ -144,9 +144,9 @@ class ReasoningConfig(StrictModel):
 # ------------------------------------------------------------------------------------------------ the request
 class ResponsesRequest(StrictModel):
     model: str | None = None
-    input: str | list[InputItem] = Field(max_length=MAX_MESSAGES)
+    input: str | list[InputItem]  # items bounded as chat messages (--max-request-messages)
     instructions: str | None = None
-    tools: list[FunctionTool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tools: list[FunctionTool] | None = None  # --max-request-tools
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
@@ -179,6 +179,8 @@ class ResponsesRequest(StrictModel):
     @classmethod
     def _valid_text(cls, data: Any) -> Any:
         check_text(data, "")
+        # the bounds of the server parsing the request (bounds.py: each a serve flag, named in the 400)
+        check_sizes(data, {"input": "messages", "tools": "tools"})
         return data
 
     @property

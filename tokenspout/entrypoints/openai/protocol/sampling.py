@@ -4,30 +4,31 @@ the top level, structured-output fields, and the mapping onto SamplingParams."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal, Self
+from typing import Any, ClassVar, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from tokenspout.entrypoints.openai.protocol.bounds import FLAGS, RequestBounds, check_sizes, request_bounds
 from tokenspout.entrypoints.openai.protocol.errors import OpenAIServingError, value_error_to_serving_error
 from tokenspout.entrypoints.openai.structured import structured_outputs_from_request
 from tokenspout.sampling_params import SEED_MAX, SEED_MIN, RequestOutputKind, SamplingParams
 
 MAX_N = 128  # OpenAI's bound on n
-# Bounds on a request's lists and nesting (hostile input: 10^5 guided_choice entries held the event loop 17 s, 10^4
-# bad_words 9 s); generous for any real use, each a 400 naming the field.
-MAX_JSON_DEPTH = 64  # a JSON schema 30 levels deep still fits (each level is "properties" + a name)
-MAX_STOP = 64  # strings (OpenAI allows 4)
-MAX_TOKEN_LIST = 1024  # stop_token_ids, bad_words, logit_bias entries, guided choices
-MAX_ALLOWED_TOKEN_IDS = 262144  # the largest vocabularies (Gemma's 256k) listed whole
+# The default bounds on a request's lists and nesting (bounds.py: each a server flag).
+_DEFAULTS = RequestBounds()
+MAX_JSON_DEPTH = _DEFAULTS.json_depth
+MAX_STOP = _DEFAULTS.stop
+MAX_TOKEN_LIST = _DEFAULTS.token_list
+MAX_ALLOWED_TOKEN_IDS = _DEFAULTS.allowed_token_ids
 
 
 def _check_text(value: Any, path: str, depth: int = 0) -> None:
     """Strings must be encodable as UTF-8: JSON allows lone UTF-16 surrogates ("\\ud800"), tokenizers do not.
-    Objects and lists nest at most MAX_JSON_DEPTH deep (the walk stops there, and later code that recurses over a
-    schema or a message can never meet a deeper one)."""
-    if depth > MAX_JSON_DEPTH:
+    Objects and lists nest at most request_bounds().json_depth deep (the walk stops there, and later code that
+    recurses over a schema or a message can never meet a deeper one)."""
+    if depth > (limit := request_bounds().json_depth):
         field = path.split(".", 1)[0] or "body"
-        raise ValueError(f"{field}: JSON nested deeper than {MAX_JSON_DEPTH} levels")
+        raise ValueError(f"{field}: JSON nested deeper than {limit} levels ({FLAGS['json_depth']})")
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -74,11 +75,17 @@ class StructuredOutputsRequest(StrictModel):
 
     json_: dict[str, Any] | bool | str | None = Field(default=None, alias="json")
     regex: str | None = None
-    choice: list[str] | None = Field(default=None, max_length=MAX_TOKEN_LIST)
+    choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded(cls, data: Any) -> Any:
+        check_sizes(data, {"choice": "token_list"}, "structured_outputs.")
+        return data
 
 
 class SamplingRequest(StrictModel):
@@ -93,7 +100,7 @@ class SamplingRequest(StrictModel):
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = Field(default=None, max_length=MAX_TOKEN_LIST)
+    logit_bias: dict[str, float] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # OpenAI's end-user id: informational only
@@ -104,12 +111,12 @@ class SamplingRequest(StrictModel):
     repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_TOKEN_LIST)
+    stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    allowed_token_ids: list[int] | None = Field(default=None, max_length=MAX_ALLOWED_TOKEN_IDS)
-    bad_words: list[str] | None = Field(default=None, max_length=MAX_TOKEN_LIST)
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
     truncation_side: Literal["left", "right"] | None = None
     return_token_ids: bool = False
@@ -118,11 +125,16 @@ class SamplingRequest(StrictModel):
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | bool | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = Field(default=None, max_length=MAX_TOKEN_LIST)
+    guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: StructuredOutputsRequest | None = None
     # classifier-free guidance
     guidance_scale: float = 1.0
+
+    # Lists bounded by the server's flags (bounds.py): field -> RequestBounds attribute.
+    SIZED: ClassVar[dict[str, str]] = {"stop": "stop", "logit_bias": "token_list", "stop_token_ids": "token_list",
+                                       "allowed_token_ids": "allowed_token_ids", "bad_words": "token_list",
+                                       "guided_choice": "token_list"}
     negative_prompt: str | None = None
     # vLLM extra: logprobs of the prompt tokens (+ top-N), in the response's prompt_logprobs
     prompt_logprobs: int | None = None
@@ -134,8 +146,7 @@ class SamplingRequest(StrictModel):
     @classmethod
     def _valid_text(cls, data: Any) -> Any:
         _check_text(data, "")
-        if isinstance(data, dict) and isinstance(data.get("stop"), list) and len(data["stop"]) > MAX_STOP:
-            raise ValueError(f"stop: at most {MAX_STOP} stop strings, got {len(data['stop'])}")
+        check_sizes(data, cls.SIZED)
         return data
 
     @model_validator(mode="after")
