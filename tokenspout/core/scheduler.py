@@ -265,7 +265,7 @@ class Scheduler:
         if err is not None:
             logger.warning("request %s: grammar failed to compile: %s", req.request_id, err)
             self._finish(req, RequestStatus.FINISHED_ABORTED)
-            self._early_outputs.append(EngineCoreOutput(req.request_id, [], finish_reason="error", error=err))
+            self._early_outputs.append(EngineCoreOutput(req.request_id, [], finish_reason="error", stop_reason=err))
             return False
         return True
 

@@ -45,12 +45,13 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs] | None = None  # one per new token, when the request asked
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    stop_reason: int | str | None = None  # the stop token id that ended it (strings are found by the frontend)
+    # The stop token id that ended it (strings are found by the frontend).  With finish_reason "error": what was
+    # wrong with the request, found only in the engine (a grammar this vocabulary cannot satisfy), which the
+    # frontend raises as bad input (HTTP 400).  (No field of its own: an array-like struct writes every field, so
+    # a new one would cost a byte on every output.)
+    stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: PromptLogprobs | None = None  # the prompt tokens scored this step, when the request asked
-    # With finish_reason "error": what was wrong with the request, found only in the engine (a grammar this
-    # vocabulary cannot satisfy); the frontend raises it as bad input (HTTP 400).
-    error: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -127,8 +127,8 @@ class OutputProcessor:
             if state is None:
                 self.stats.num_wasted_tokens += len(out.new_token_ids)
                 continue
-            if out.error is not None and state.queue is not None:  # bad input the engine found: a 400
-                self.propagate_error(out.error, {out.request_id}, ValueError)
+            if out.finish_reason == "error" and isinstance(out.stop_reason, str) and state.queue is not None:
+                self.propagate_error(out.stop_reason, {out.request_id}, ValueError)  # bad input the engine found
                 continue
             if state.first_token_time is None and (out.new_token_ids or out.finished):
                 self.stats.num_prompt_tokens += len(state.prompt_token_ids)
