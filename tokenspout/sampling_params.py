@@ -57,6 +57,9 @@ class StructuredOutputsParams:
     # Set by the server's reasoning parser: the grammar applies only after the first occurrence of this text (the
     # reasoning's end marker); before it, any text.  Not a user field.
     reasoning_end: str | None = None
+    # With reasoning_end: the reasoning is optional and opened by this text (qwen3: a reply that does not open with
+    # `<think>` is all answer, so the grammar must apply from its first token).  None: the reply starts inside it.
+    reasoning_start: str | None = None
 
     def __post_init__(self) -> None:
         set_fields = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]

@@ -105,8 +105,15 @@ def test_chat_with_tools_returns_parsed_calls(llm):
         assert call["type"] == "function" and call["function"]["name"] == "get_weather"
         jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
         assert out.outputs[0].text.startswith("<tool_call>\n")  # the raw text stays in `text`
-    with pytest.raises(ValueError, match="does not render tools"):  # the model's own template has no tools
-        llm.chat(messages, tools=tools)
+    own = llm.tokenizer.chat_template  # SmolLM2's own template never reads `tools`: named, it is refused
+    with pytest.raises(ValueError, match="does not render tools"):
+        llm.chat(messages, tools=tools, chat_template_kwargs={"chat_template": own})
+    # left to the default, a ChatML template without tools gets the bundled ChatML tools template
+    params = SamplingParams(temperature=0, max_tokens=48)
+    [default] = llm.chat(messages, params, tools=tools, tool_choice="required", parallel_tool_calls=False)
+    [explicit] = llm.chat(messages, params, tools=tools, tool_choice="required", parallel_tool_calls=False,
+                          chat_template_kwargs={"chat_template": template})
+    assert default.prompt == explicit.prompt and default.outputs[0].text == explicit.outputs[0].text
 
 
 def test_no_repeat_ngram_greedy_matches_transformers(llm, hf_model, tokenizer):

@@ -183,3 +183,24 @@ def test_n_choices_share_the_prompt_logprobs(client, model, ref):
     _check_prompt_logprobs(plps[0], ids, lsm, 1)
     for c in r.choices:
         assert c.logprobs.token_logprobs[0] is None and None not in c.logprobs.token_logprobs[1:]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_honours_return_tokens_as_token_ids(client, model, ref, stream):
+    """vLLM-test finding: the echoed prompt's tokens are "token_id:N" too (they were text)."""
+    ids, _ = ref
+    kw = dict(model=model, prompt=PROMPT, max_tokens=2, temperature=0, echo=True, logprobs=1,
+              extra_body={"return_tokens_as_token_ids": True})
+    if stream:
+        tokens, tops = [], []
+        for chunk in client.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                if c.logprobs is not None:
+                    tokens += c.logprobs.tokens
+                    tops += c.logprobs.top_logprobs
+    else:
+        (c,) = client.completions.create(**kw).choices
+        tokens, tops = c.logprobs.tokens, c.logprobs.top_logprobs
+    assert tokens[:len(ids)] == [f"token_id:{i}" for i in ids]
+    assert all(t.startswith("token_id:") for t in tokens[len(ids):]) and len(tokens) == len(ids) + 2
+    assert all(k.startswith("token_id:") for top in tops if top for k in top)

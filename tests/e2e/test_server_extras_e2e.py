@@ -169,3 +169,18 @@ def test_new_routes_are_in_the_openapi_document(server):
     assert {"/tokenize", "/detokenize", "/version"} <= set(spec["paths"])
     assert {"TokenizeCompletionRequest", "TokenizeChatRequest", "DetokenizeRequest"} <= set(
         spec["components"]["schemas"])
+
+
+def test_tokenizer_info(http, server, tokenizer):
+    """vLLM's GET /tokenizer_info: the tokenizer's class and settings, its added tokens, the chat template; no
+    local paths; behind the API key as the other tokenizer routes."""
+    with httpx.Client(base_url=server.url, timeout=60) as anon:
+        assert anon.get("/tokenizer_info").status_code == 401
+    info = http.get("/tokenizer_info").json()
+    assert info["tokenizer_class"] and info["chat_template"] == tokenizer.chat_template
+    assert info["eos_token"] == tokenizer.eos_token and isinstance(info["model_max_length"], int)
+    added = info["added_tokens_decoder"]
+    assert added and all(set(t) >= {"content", "special"} for t in added.values())
+    for token_id, t in added.items():
+        assert tokenizer.convert_ids_to_tokens(int(token_id)) == t["content"]
+    assert not {"name_or_path", "vocab_file", "tokenizer_file"} & set(info)

@@ -211,3 +211,75 @@ def test_tokenize_with_tools_counts_the_chat_prompt(client, model, server):
     assert count == r.usage.prompt_tokens and count > bare + 50  # the tool definitions are in the prompt
     dup = httpx.post(server.url + "/tokenize", json={"messages": ASK, "tools": [TOOLS[0], TOOLS[0]]}, timeout=60)
     assert dup.status_code == 400 and dup.json()["error"]["param"] == "tools"
+
+
+DEFS_SCHEMA = {  # pydantic's shape for nested models: local $defs, referenced from the root
+    "type": "object",
+    "properties": {"place": {"$ref": "#/$defs/Place"}, "unit": {"$ref": "#/definitions/Unit"}},
+    "required": ["place", "unit"],
+    "$defs": {"Place": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                        "required": ["city"], "additionalProperties": False}},
+    "definitions": {"Unit": {"enum": ["celsius", "fahrenheit"]}},
+}
+
+
+def test_parameters_with_defs_and_refs_are_enforced(client, model):
+    """vLLM-test finding: a tool whose parameters use local $defs / $ref was a 400 (the schema is nested inside the
+    call's grammar, where root-relative pointers broke); now the call validates against it."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": DEFS_SCHEMA}},
+             {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}}}}]
+    r = client.chat.completions.create(model=model, messages=ASK, tools=tools, max_tokens=MAX_TOKENS, temperature=0,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                       parallel_tool_calls=False)
+    (call,) = r.choices[0].message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), DEFS_SCHEMA)
+
+
+BOUNDED = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},  # qwen3_coder's text runs on
+                                            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"]}
+
+
+@pytest.mark.parametrize("parser", ["pythonic", "qwen3_coder"])
+def test_more_parsers_constrain_and_parse_calls(engine, model, parser):
+    """--tool-call-parser pythonic (Llama 3.2 / 4's `[get_weather(city="...")]`) and qwen3_coder (Qwen3-Coder's
+    `<function=...><parameter=...>` XML) on the real model: the grammar makes the tiny model write the format,
+    which comes back as an OpenAI tool call whose arguments follow the schema, streamed and not."""
+    from tests.helpers import background_server
+
+    with background_server(engine, tool_call_parser=parser) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=300)
+        tools = [{**TOOLS[0], "function": {**TOOLS[0]["function"], "parameters": BOUNDED}}, TOOLS[1]]
+        kw = dict(model=model, messages=ASK, tools=tools, tool_choice="required", max_tokens=MAX_TOKENS,
+                  temperature=0, parallel_tool_calls=False)
+        r = client.chat.completions.create(**kw)
+        (call,) = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
+        assert call.function.name == tools[0]["function"]["name"]
+        jsonschema.validate(json.loads(call.function.arguments), BOUNDED)
+        args, name = "", None
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            for tc in chunk.choices[0].delta.tool_calls or [] if chunk.choices else []:
+                name = name or tc.function.name
+                args += tc.function.arguments or ""
+        assert (name, args) == (call.function.name, call.function.arguments)
+
+
+def test_qwen3_reasoning_parser_still_enforces_calls_and_formats(engine, model):
+    """vLLM-test finding: with --reasoning-parser qwen3, tool_choice "required" and response_format were enforced
+    only after a </think> -- and a reply that does not open with <think> (this model never writes one) came back
+    as free text.  Now the grammar applies from the first token unless the reply opens with <think>."""
+    from tests.helpers import background_server
+
+    with background_server(engine, reasoning_parser="qwen3") as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="x", max_retries=0, timeout=300)
+        r = client.chat.completions.create(model=model, messages=ASK, tools=[TOOLS[0]], tool_choice="required",
+                                           max_tokens=MAX_TOKENS, temperature=0, parallel_tool_calls=False)
+        (call,) = r.choices[0].message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), TOOLS[0]["function"]["parameters"])
+        schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+                  "required": ["city"], "additionalProperties": False}
+        r = client.chat.completions.create(model=model, messages=ASK, max_tokens=MAX_TOKENS, temperature=0,
+                                           response_format={"type": "json_schema", "json_schema": {
+                                               "name": "city", "schema": schema}})
+        jsonschema.validate(json.loads(r.choices[0].message.content), schema)

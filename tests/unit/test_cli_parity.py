@@ -102,3 +102,17 @@ def test_load_chat_template_file_or_text(tmp_path):
         load_chat_template(str(tmp_path / "missing.jinja"))
     with pytest.raises(ValueError, match="not a valid Jinja template"):
         load_chat_template("{% for m in messages %}")
+
+
+def test_vllm_server_flags(tmp_path):
+    """--enable-force-include-usage, --return-tokens-as-token-ids, --root-path, --uds (vLLM's) and the response
+    store's bounds parse and reach build_app / run_server."""
+    args = parse("serve", "--enable-force-include-usage", "--return-tokens-as-token-ids", "--root-path", "/llm",
+                 "--uds", str(tmp_path / "s.sock"), "--max-stored-responses", "7",
+                 "--max-stored-response-bytes", "4096")
+    options = server_app_options(args, {})
+    assert options["force_include_usage"] and options["return_tokens_as_token_ids"]
+    assert (options["max_stored_responses"], options["max_stored_response_bytes"]) == (7, 4096)
+    assert (args.root_path, args.uds) == ("/llm", str(tmp_path / "s.sock"))
+    defaults = server_app_options(parse("serve"), {})
+    assert not defaults["force_include_usage"] and not defaults["return_tokens_as_token_ids"]

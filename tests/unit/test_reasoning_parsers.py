@@ -321,3 +321,18 @@ def test_after_reasoning_wraps_any_spec():
     assert lark["grammars"][1] == {"lark_grammar": "start: /[a-z]+/", "name": "answer"}
     assert "@answer" in lark["grammars"][0]["lark_grammar"]
     assert "<\\/think>" in lark["grammars"][0]["lark_grammar"]  # the marker is escaped for the regex
+
+
+def test_optional_reasoning_grammar(ll_tokenizer, tokenizer):
+    """qwen3 (the reply is reasoning only when it opens with <think>): the answer's grammar holds from the first
+    token of a reply without <think>, and after </think> in one with it (vLLM-test finding: it held only after a
+    </think> that a reply without reasoning never writes)."""
+    spec = grammar_spec(StructuredOutputsParams(json=SCHEMA, reasoning_end="</think>", reasoning_start="<think>"))
+    assert _accepts(ll_tokenizer, tokenizer, spec, '{"a":1}')
+    assert _accepts(ll_tokenizer, tokenizer, spec, '<think>\nhmm {not json}\n</think>\n\n{"a":1}')
+    assert not _accepts(ll_tokenizer, tokenizer, spec, "Sure, here it is.")
+    assert not _accepts(ll_tokenizer, tokenizer, spec, 'thinking</think>{"a":1}')  # reasoning must open with it
+    assert not _accepts(ll_tokenizer, tokenizer, spec, "<think>x</think>\nfree text")
+    assert Qwen3ReasoningParser("").optional_start == "<think>"
+    assert DeepSeekR1ReasoningParser("").optional_start is None
+    assert Qwen3ReasoningParser("<|im_start|>assistant\n<think>\n").optional_start is None  # opened by the prompt

@@ -32,6 +32,8 @@ PARTIAL_MARKERS = {
     "hermes": ("<tool_c", "<tool_call"),
     "llama3_json": ("<|python", "<|python_tag"),
     "mistral": ("[TOOL_CA", "[TOOL_CALLS"),
+    "pythonic": ("<|python_st", "<|python_start"),
+    "qwen3_coder": ("<tool_c", "<tool_call"),
 }
 
 
@@ -806,7 +808,7 @@ PLAIN_TEMPLATE = "{%- for message in messages %}<|im_start|>{{ message.role }}\n
 
 
 def test_registry_names():
-    assert set(TOOL_PARSERS) == set(PARSER_NAMES)
+    assert set(TOOL_PARSERS) == {*PARSER_NAMES, "pythonic", "qwen3_coder"}  # those two: own sections below
     assert TOOL_PARSERS["hermes"] is HermesToolParser
     for name, cls in TOOL_PARSERS.items():
         assert cls.name == name and issubclass(cls, ToolParser)
@@ -817,6 +819,7 @@ def test_registry_names():
 @pytest.mark.parametrize("template,expected", [
     (QWEN_TEMPLATE, "hermes"), (MISTRAL_TEMPLATE, "mistral"), (LLAMA_TEMPLATE, "llama3_json"),
     (LLAMA_NO_TAG_TEMPLATE, "llama3_json"), (PLAIN_TEMPLATE, None), (None, None), ("", None),
+    ("respond in the format [func_name1(params_name1=params_value1, params_name2=params_value2...)]", "pythonic"),
 ])
 def test_resolve_auto_by_template(template, expected):
     parser = resolve_tool_parser("auto", template)
@@ -845,3 +848,196 @@ def test_resolve_by_name():
 ])
 def test_template_renders_tools(template, expected):
     assert template_renders_tools(template) is expected
+
+
+def test_call_grammar_hoists_local_defs_and_refs():
+    """$defs / definitions and the $refs into them (or into the schema itself: "#") keep pointing at the right
+    schema once the parameters sit inside the call's JSON schema; llguidance accepts the grammar."""
+    from tokenspout.sampling_params import StructuredOutputsParams
+    from tokenspout.structured_output import validate
+    from tokenspout.tool_parsers.grammar import call_schema
+
+    tree = {"type": "object", "properties": {"name": {"type": "string"}, "kids": {"type": "array",
+                                                                                "items": {"$ref": "#"}}}}
+    nested = {"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}, "u": {"$ref": "#/definitions/U"}},
+              "$defs": {"P": {"type": "object", "properties": {"next": {"$ref": "#/$defs/P"}}}},
+              "definitions": {"U": {"enum": ["a"]}}}
+    tools = [{"type": "function", "function": {"name": "tree", "parameters": tree}},
+             {"type": "function", "function": {"name": "nested", "parameters": nested}},
+             {"type": "function", "function": {"name": "plain", "parameters": {"type": "object"}}}]
+    schema = json.loads(call_schema(tools).removeprefix("%json "))
+    defs = schema["$defs"]
+    assert defs["t0"]["properties"]["kids"]["items"] == {"$ref": "#/$defs/t0"}
+    assert defs["t1"]["properties"] == {"p": {"$ref": "#/$defs/t1.P"}, "u": {"$ref": "#/$defs/t1.U"}}
+    assert defs["t1.P"]["properties"]["next"] == {"$ref": "#/$defs/t1.P"} and defs["t1.U"] == {"enum": ["a"]}
+    assert schema["anyOf"][2]["properties"]["arguments"] == {"type": "object", "additionalProperties": False}
+    grammar = HermesToolParser().grammar(tools, required=True, parallel=True, special_token_ids={})
+    validate(StructuredOutputsParams(grammar=grammar))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pythonic (Llama 3.2 / 4): a Python list of calls with keyword arguments
+# ----------------------------------------------------------------------------------------------------------------
+
+PYTHONIC_CASES = [  # (text, content, calls)
+    ("[get_weather(city='San Francisco', metric='celsius')]", "",
+     [("get_weather", {"city": "San Francisco", "metric": "celsius"})]),
+    ('<|python_start|>[get_weather(city="Paris"), get_time()]<|python_end|>', "",
+     [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ("[search(query=\"it's\", opts={'k': [1, 2.5, None], 'b': True}, pair=(1, 'x'),)]\n", "",
+     [("search", {"query": "it's", "opts": {"k": [1, 2.5, None], "b": True}, "pair": [1, "x"]})]),
+    ("The weather in Paris is sunny.", "The weather in Paris is sunny.", []),
+    ("[1, 2, 3]", "[1, 2, 3]", []),
+    ("[]", "[]", []),
+    ("[f(x=1)]<|python_end|>\n\nAnything else?", "Anything else?", [("f", {"x": 1})]),  # text after the list
+    ("<|python_start|>[f(x=1)]<|python_end|>", "", [("f", {"x": 1})]),
+]
+PYTHONIC_MALFORMED = ["[f(x={1, 2})]", "[f(1)]", "[f(x=1) g()]", "[f(x=)]", "[f(x=1]", "[f(x=[1, 2)]"]
+
+
+@pytest.mark.parametrize("text", PYTHONIC_MALFORMED)
+def test_pythonic_malformed_is_content(text):
+    """A set (no JSON form), a positional argument, broken syntax: the whole reply is content at the end."""
+    assert parse_final("pythonic", text) == (text, [])
+
+
+@pytest.mark.parametrize("text,content,calls", PYTHONIC_CASES)
+def test_pythonic_outputs_parse_and_stream(text, content, calls):
+    got_content, got_calls = parse_final("pythonic", text)
+    assert got_content == content
+    assert [(n, json.loads(a)) for n, a in got_calls] == calls
+    out = stream_chars("pythonic", text)
+    assert (out.content, out.calls) == (got_content, got_calls)
+
+
+def test_pythonic_generated_outputs_stream_and_parse():
+    """Random argument values written as Python literals (repr) parse back to the same JSON, streamed or not."""
+    rng = random.Random("tool-parsers-pythonic")
+    for _ in range(40):
+        calls = [(rng.choice(["get_weather", "search", "f_1"]),
+                  {f"{rng.choice(['city', 'query', 'opts'])}{i}": _value(rng) for i in range(rng.randint(0, 4))})
+                 for _ in range(rng.randint(1, 3))]
+        sep = rng.choice([", ", ","])
+        text = rng.choice(["", "<|python_start|>"]) + "[" + sep.join(
+            f"{n}({sep.join(f'{k}={v!r}' for k, v in a.items())})" for n, a in calls) + "]"
+        got_content, got_calls = parse_final("pythonic", text)
+        assert got_content == "" and [(n, json.loads(a)) for n, a in got_calls] == calls, text
+        out = stream_chars("pythonic", text, check_markers=False)
+        assert (out.content, out.calls) == (got_content, got_calls), text
+
+
+def test_pythonic_cut_call_keeps_the_complete_arguments():
+    parse = TOOL_PARSERS["pythonic"]().parse("[get_weather(city='Paris', days=", True)
+    assert [(c.name, c.arguments, c.complete) for c in parse.calls] == [("get_weather", '{"city": "Paris"', False)]
+
+
+def test_pythonic_grammar(ll_tokenizer, tokenizer):
+    import llguidance
+
+    parser = TOOL_PARSERS["pythonic"]()
+    one, two = '[get_weather(city="Paris", days=2)]', '[get_weather(city="Paris", days=2), get_time()]'
+    for required, parallel in MODES:
+        grammar = parser.grammar(TOOLS, required=required, parallel=parallel, special_token_ids={})
+        assert llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("grammar", grammar)) == ""
+        assert _accepts(ll_tokenizer, tokenizer, grammar, one)
+        assert _accepts(ll_tokenizer, tokenizer, grammar, '[get_weather(city="Paris")]')  # days is optional
+        assert _accepts(ll_tokenizer, tokenizer, grammar, "[get_time()]")
+        assert _accepts(ll_tokenizer, tokenizer, grammar, two) == parallel
+        for bad in ('[get_wether(city="Paris")]', "[get_weather(city=42)]", '[get_weather(city="P", days="2")]',
+                    "[get_weather(days=2)]", '[get_weather(city="P", city="Q")]'):
+            assert not _accepts(ll_tokenizer, tokenizer, grammar, bad), bad
+        answer = "The weather in Paris is sunny."
+        assert _accepts(ll_tokenizer, tokenizer, grammar, answer) == (not required)
+    calls = parser.parse(two, True).tool_calls()
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris", "days": 2}),
+                                                                   ("get_time", {})]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# qwen3_coder: XML blocks, parameter values typed by the function's schema
+# ----------------------------------------------------------------------------------------------------------------
+
+CODER_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "ratio": {"type": "number"},
+        "metric": {"type": "boolean"}, "opts": {"type": "object"}, "tags": {"type": "array"}},
+        "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}},
+]
+
+
+def _coder(*calls: tuple[str, dict[str, str]]) -> str:
+    return "\n".join("<tool_call>\n<function=" + name + ">\n" + "".join(
+        f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items()) + "</function>\n</tool_call>"
+        for name, params in calls)
+
+
+def _coder_parser():
+    parser = TOOL_PARSERS["qwen3_coder"]()
+    parser.bind_tools(CODER_TOOLS)
+    return parser
+
+
+CODER_CASES = [  # (text, content, calls)
+    (_coder(("get_weather", {"city": "New York", "days": "3", "ratio": "0.5", "metric": "True",
+                             "opts": '{"a": [1, null]}', "tags": "['x', 'y']"})), "",
+     [("get_weather", {"city": "New York", "days": 3, "ratio": 0.5, "metric": True, "opts": {"a": [1, None]},
+                       "tags": ["x", "y"]})]),
+    ("Let me check.\n" + _coder(("get_weather", {"city": "42\nline two"}), ("get_time", {})) + "\nDone.",
+     "Let me check.\nDone.", [("get_weather", {"city": "42\nline two"}), ("get_time", {})]),
+    (_coder(("unknown_fn", {"x": "[1, 2]", "y": "plain text"})), "",
+     [("unknown_fn", {"x": [1, 2], "y": "plain text"})]),  # untyped: JSON when it is JSON
+    ("No tools needed: <tool> is not a marker.", "No tools needed: <tool> is not a marker.", []),
+]
+
+
+@pytest.mark.parametrize("text,content,calls", CODER_CASES)
+def test_qwen3_coder_outputs_parse_and_stream(text, content, calls):
+    parse = _coder_parser().parse(text, True)
+    assert parse.content == content
+    assert [(c.name, json.loads(c.arguments)) for c in parse.tool_calls()] == calls
+    stream = ToolCallStream(_coder_parser())
+    out = Reassembled()
+    for i in range(len(text) + 1):
+        out.add(*stream.update(text[:i], final=False))
+        assert "<tool_c" not in out.content
+    out.add(*stream.update(text, final=True))
+    assert (out.content, out.calls) == (parse.content, [(c.name, c.arguments) for c in parse.tool_calls()])
+
+
+@pytest.mark.parametrize("text", [
+    _coder(("get_weather", {"city": "Paris", "days": "many"})),  # not an integer
+    "<tool_call>\n<junk>\n</tool_call>",
+    "<tool_call>\n<function=f>\nstray text\n</function>\n</tool_call>",
+])
+def test_qwen3_coder_malformed_block_is_content(text):
+    parse = _coder_parser().parse(text, True)
+    assert (parse.content, parse.calls) == (text, [])
+
+
+def test_qwen3_coder_cut_call_keeps_complete_parameters():
+    text = _coder(("get_weather", {"city": "Paris", "days": "3"}))
+    cut = text[:text.index("3\n</parameter>")]
+    (call,) = _coder_parser().parse(cut, True).calls
+    assert (call.name, call.arguments, call.complete) == ("get_weather", '{"city": "Paris"', False)
+
+
+def test_qwen3_coder_grammar(ll_tokenizer, tokenizer):
+    import llguidance
+
+    parser = _coder_parser()
+    one = _coder(("get_weather", {"city": "Paris", "days": "2"}))
+    two = one + "\n" + _coder(("get_time", {}))
+    for required, parallel in MODES:
+        grammar = parser.grammar(CODER_TOOLS, required=required, parallel=parallel, special_token_ids={})
+        assert llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("grammar", grammar)) == ""
+        assert _accepts(ll_tokenizer, tokenizer, grammar, one)
+        assert _accepts(ll_tokenizer, tokenizer, grammar, _coder(("get_weather", {"city": "a </para b"})))
+        assert _accepts(ll_tokenizer, tokenizer, grammar, _coder(("get_weather", {"city": "P", "opts": '{"k":1}'})))
+        assert _accepts(ll_tokenizer, tokenizer, grammar, two) == parallel
+        for bad in (one.replace("get_weather", "get_wether"), one.replace("\n2\n", "\ntwo\n"),
+                    _coder(("get_weather", {"days": "2"})), _coder(("get_weather", {"city": "P", "opts": "[1]"}))):
+            assert not _accepts(ll_tokenizer, tokenizer, grammar, bad), bad
+        assert _accepts(ll_tokenizer, tokenizer, grammar, "The weather is fine.") == (not required)
+        if not required:
+            assert _accepts(ll_tokenizer, tokenizer, grammar, "Let me check.\n" + one)

@@ -12,9 +12,11 @@ only after the reasoning's end marker.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tokenspout.engine.chat_output import ChatOutputParser
@@ -121,10 +123,13 @@ def plan_tools(tools: Sequence[Mapping[str, Any]] | None, tool_choice: ToolChoic
                          "so the model would never see them; start the server with --chat-template FILE (a "
                          "template that renders tools) and --tool-call-parser NAME, or send 'chat_template'")
     parser = resolve_tool_parser(parser_name, template)
+    if parser is not None:
+        parser.bind_tools(tools)
     if parser is None:
         reason = "the server was started without --tool-call-parser" if parser_name is None else \
             "--tool-call-parser auto cannot tell the tool-call format from the chat template"
-        raise ValueError(f"tools: {reason}; start it with --tool-call-parser hermes, llama3_json or mistral")
+        raise ValueError(f"tools: {reason}; start it with --tool-call-parser hermes, llama3_json, mistral, "
+                         f"pythonic or qwen3_coder")
     return parser, True
 
 
@@ -148,7 +153,8 @@ def constrain(params: SamplingParams, parser: ToolParser | None, tools: Sequence
         if parser.needs_special_tokens:
             params.skip_special_tokens = False  # its markers are special tokens
     if reasoning is not None and params.structured_outputs is not None and not reasoning.starts_in_answer():
-        params.structured_outputs = dataclasses.replace(params.structured_outputs, reasoning_end=reasoning.end_marker)
+        params.structured_outputs = dataclasses.replace(params.structured_outputs, reasoning_end=reasoning.end_marker,
+                                                        reasoning_start=reasoning.optional_start)
 
 
 def check_parser_names(tool_call_parser: str | None, reasoning_parser: str | None) -> None:
@@ -171,3 +177,30 @@ def effective_template(engine_or_processor: Any, request_template: str | None) -
     processor = getattr(engine_or_processor, "processor", engine_or_processor)
     template = getattr(processor, "chat_template", None) or getattr(processor.tokenizer, "chat_template", None)
     return template if isinstance(template, str) else None
+
+
+_CHATML_TOOLS = Path(__file__).resolve().parent.parent / "tool_parsers" / "templates" / "chatml_tools.jinja"
+
+
+@functools.cache
+def chatml_tools_template() -> str:
+    """ChatML with Hermes-style tool calling (Qwen2.5's way of rendering tools), bundled with the package."""
+    return _CHATML_TOOLS.read_text(encoding="utf-8")
+
+
+@functools.lru_cache(maxsize=16)
+def _chatml_without_tools(template: str) -> bool:
+    return "<|im_start|>" in template and not template_renders_tools(template)
+
+
+def tools_template(engine_or_processor: Any, request_template: str | None, tools: Sequence[Any] | None) -> str | None:
+    """The template a chat request renders with, given its own (`request_template`) and its `tools`: a request
+    with tools whose template is ChatML that never renders them (SmolLM2's: the default model's, so `make serve`
+    would refuse every agent) gets the bundled ChatML tools template, whose Hermes calls the `auto` parser reads.
+    Anything else keeps the usual choice (None: --chat-template, else the model's)."""
+    if request_template or not tools:
+        return request_template
+    template = effective_template(engine_or_processor, None)
+    if template is not None and _chatml_without_tools(template):
+        return chatml_tools_template()
+    return None

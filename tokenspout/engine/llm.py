@@ -29,6 +29,7 @@ from tokenspout.engine.chat_tools import (
     plan_chat,
     special_token_ids,
     template_tool_messages,
+    tools_template,
 )
 from tokenspout.engine.core_client import InprocClient, SyncMPClient
 from tokenspout.engine.output_processor import OutputProcessor
@@ -157,6 +158,9 @@ class LLM:
         convs = ([cast("list[dict]", messages)] if messages and isinstance(messages[0], dict)
                  else cast("list[list[dict]]", messages))
         kwargs = dict(chat_template_kwargs or {})
+        fallback = tools_template(self.processor, kwargs.get("chat_template"), tools)
+        if fallback is not None:
+            kwargs["chat_template"] = fallback
         plan = plan_chat(tools, tool_choice, parallel_tool_calls, parser_name=tool_call_parser,
                          template=effective_template(self.processor, kwargs.get("chat_template")),
                          template_kwargs=kwargs)

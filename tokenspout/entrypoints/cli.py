@@ -172,7 +172,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         return run_server(lambda: AsyncLLM(config, client=client), host=args.host, port=args.port,
                           metrics_prefix=args.metrics_prefix, shutdown_timeout=args.shutdown_timeout,
-                          **server_app_options(args))
+                          root_path=args.root_path, uds=args.uds, **server_app_options(args))
     finally:
         client.shutdown()  # a no-op when the server has shut the engine down
 

@@ -99,6 +99,23 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "run; past it a new request is a 503 with Retry-After (default: 1024; negative: no limit)")
 
 
+    from tokenspout.entrypoints.openai import responses_store
+
+    p.add_argument("--max-stored-responses", type=int, default=responses_store.DEFAULT_MAX_STORED_RESPONSES,
+                   help="/v1/responses with store: at most this many responses kept in memory, the least recently "
+                        "used evicted first (default: 1024; 0: none stored)")
+    p.add_argument("--max-stored-response-bytes", type=int, default=responses_store.DEFAULT_MAX_STORED_BYTES,
+                   help="... and at most this many bytes of them (default: 64 MiB)")
+    p.add_argument("--enable-force-include-usage", action="store_true",
+                   help="as vLLM: every stream ends with a usage chunk, as if stream_options.include_usage")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="as vLLM: logprob tokens are 'token_id:N' unless a request says otherwise")
+    p.add_argument("--root-path", default="",
+                   help="as vLLM: the path prefix a reverse proxy strips before forwarding (FastAPI's root_path)")
+    p.add_argument("--uds", default=None, metavar="PATH",
+                   help="as vLLM: listen on this Unix domain socket instead of --host / --port")
+
+
 def resolve_model(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """`serve MODEL` and `--model MODEL` are one setting; two different values are an error (exit 2)."""
     tag = getattr(args, "model_tag", None)
@@ -117,7 +134,11 @@ def server_app_options(args: argparse.Namespace, environ: dict[str, str] | None 
             "allowed_headers": args.allowed_headers, "allow_credentials": args.allow_credentials,
             "tool_call_parser": args.tool_call_parser, "reasoning_parser": args.reasoning_parser,
             "playground": not args.no_playground, "limits": server_limits(args),
-            "trust_request_chat_template": args.trust_request_chat_template}
+            "trust_request_chat_template": args.trust_request_chat_template,
+            "max_stored_responses": args.max_stored_responses,
+            "max_stored_response_bytes": args.max_stored_response_bytes,
+            "force_include_usage": args.enable_force_include_usage,
+            "return_tokens_as_token_ids": args.return_tokens_as_token_ids}
 
 
 def server_limits(args: argparse.Namespace) -> Any:

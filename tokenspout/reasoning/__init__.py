@@ -43,6 +43,12 @@ class ReasoningParser:
     def starts_in_answer(self) -> bool:
         return self.prompt_closed
 
+    @property
+    def optional_start(self) -> str | None:
+        """The marker that opens the reasoning when the reply may skip it (qwen3), else None (the reply starts
+        inside the reasoning)."""
+        return None if self.opens_in_reasoning or self.prompt_opened else THINK_START
+
     def split(self, text: str, final: bool) -> ReasoningSplit:
         if self.prompt_closed:
             return ReasoningSplit("", text, True)

@@ -42,7 +42,9 @@ def spec_key(params: StructuredOutputsParams) -> tuple[str, str]:
     """(kind, text) identifying a grammar: the compile cache's key.  Schemas are keyed by their exact text, not a
     normalised form: property order decides the order of keys in the output, so two orderings are two grammars."""
     kind, text = _spec_key(params)
-    return (kind, text) if params.reasoning_end is None else (kind, f"{text}\x00after:{params.reasoning_end}")
+    if params.reasoning_end is None:
+        return kind, text
+    return kind, f"{text}\x00after:{params.reasoning_end}\x00opened-by:{params.reasoning_start}"
 
 
 def _spec_key(params: StructuredOutputsParams) -> tuple[str, str]:

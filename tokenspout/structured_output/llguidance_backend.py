@@ -68,18 +68,26 @@ def _invalid(params: StructuredOutputsParams, message: str) -> ValueError:
 def grammar_spec(params: StructuredOutputsParams) -> str:
     """The llguidance grammar text for a request (not yet checked beyond what parsing the spec itself finds)."""
     spec = _answer_spec(params)
-    return spec if params.reasoning_end is None else after_reasoning(spec, params.reasoning_end)
+    if params.reasoning_end is None:
+        return spec
+    return after_reasoning(spec, params.reasoning_end, params.reasoning_start)
 
 
-def after_reasoning(spec: str, end_marker: str) -> str:
+def after_reasoning(spec: str, end_marker: str, start_marker: str | None = None) -> str:
     """`spec` applied only after the reasoning: free text up to and including the first `end_marker` (a lazy
-    lexeme), whitespace, then the answer's grammar as a named subgrammar."""
+    lexeme), whitespace, then the answer's grammar as a named subgrammar.  `start_marker`: the reasoning is
+    optional, opened by it; a reply that does not open with it is the answer from its first token (vLLM-test
+    finding: with qwen3 a reply without `<think>` was never constrained)."""
     top = json.loads(spec) if spec.lstrip().startswith("{") else {"grammars": [{"lark_grammar": spec}]}
     grammars = top["grammars"]
     grammars[0] = {**grammars[0], "name": "answer"}
     marker = lark_regex_escape(end_marker)
-    lark = ("start: reasoning /[ \\t\\r\\n]*/ @answer\n"
-            f"reasoning[lazy]: /(?s:.*){marker}/\n")
+    if start_marker is None:
+        lark = ("start: reasoning /[ \\t\\r\\n]*/ @answer\n"
+                f"reasoning[lazy]: /(?s:.*){marker}/\n")
+    else:
+        lark = (f"start: {json.dumps(start_marker)} reasoning /[ \\t\\r\\n]*/ @answer | @answer\n"
+                f"reasoning[lazy]: /(?s:.*){marker}/\n")
     return json.dumps({**top, "grammars": [{"lark_grammar": lark}, *grammars]})
 
 

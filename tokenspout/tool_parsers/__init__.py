@@ -6,14 +6,17 @@ from tokenspout.tool_parsers.base import ParsedCall, ToolParse, ToolParser
 from tokenspout.tool_parsers.hermes import HermesToolParser
 from tokenspout.tool_parsers.llama3_json import Llama3JsonToolParser
 from tokenspout.tool_parsers.mistral import MistralToolParser
+from tokenspout.tool_parsers.pythonic import PythonicToolParser
+from tokenspout.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 from tokenspout.tool_parsers.stream import ToolCallStream
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)
+    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, PythonicToolParser,
+                          Qwen3CoderToolParser)
 }
 # What in a chat template's text tells which format its model was trained on (checked in this order).
-_TEMPLATE_SIGNS = (("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3_json"),
-                   ('"parameters"', "llama3_json"))
+_TEMPLATE_SIGNS = (("<function=", "qwen3_coder"), ("<tool_call>", "hermes"), ("[TOOL_CALLS]", "mistral"), ("<|python_tag|>", "llama3_json"),
+                   ("[func_name1(", "pythonic"), ('"parameters"', "llama3_json"))
 
 
 def template_renders_tools(template: str | None) -> bool:

@@ -110,6 +110,10 @@ class ToolParser(ABC):
         calls only; else free text, and once the start marker is written, the constrained calls.
         `special_token_ids`: markers that are one special token, referenced by id (`<[id]>`)."""
 
+    def bind_tools(self, tools: Sequence[Mapping[str, Any]] | None) -> None:
+        """The request's tools, for a format whose text does not say the arguments' types (qwen3_coder's XML
+        values); most parsers need nothing.  Called once on each request's own parser."""
+
     def new_call_id(self) -> str:
         return "chatcmpl-tool-" + secrets.token_hex(16)
 

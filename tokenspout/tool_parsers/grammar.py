@@ -18,21 +18,63 @@ HEADER = "%llguidance {}\n"
 WS = "/[ \\t\\r\\n]*/"
 
 
+def _has_ref(value: Any) -> bool:
+    if isinstance(value, dict):
+        return "$ref" in value or any(_has_ref(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_ref(v) for v in value)
+    return False
+
+
+def _rebase_refs(value: Any, rebase: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: rebase(v) if k == "$ref" and isinstance(v, str) else _rebase_refs(v, rebase)
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rebase_refs(v, rebase) for v in value]
+    return value
+
+
+def _hoisted(params: dict[str, Any], index: int, defs: dict[str, Any]) -> dict[str, Any]:
+    """`params` moved into the call schema's root `$defs` (as `t<index>`, its own `$defs` / `definitions` as
+    `t<index>.<name>`), its local `$ref`s rewritten to match; returns the `$ref` that stands in its place.  A
+    schema's `$ref`s point from its own root, which inside the call schema is no longer the document's root
+    (vLLM-test finding: `$defs` / `$ref` parameters were a 400)."""
+    base = f"t{index}"
+    own = {**params.get("$defs", {}), **params.get("definitions", {})}
+
+    def rebase(ref: str) -> str:
+        for prefix in ("#/$defs/", "#/definitions/"):
+            if ref.startswith(prefix):
+                return f"#/$defs/{base}.{ref[len(prefix):]}"
+        return f"#/$defs/{base}{ref[1:]}" if ref.startswith("#") else ref  # "#" and "#/properties/..."
+
+    body = {k: v for k, v in params.items() if k not in ("$defs", "definitions")}
+    defs[base] = _rebase_refs(body, rebase)
+    for name, schema in own.items():
+        defs[f"{base}.{name}"] = _rebase_refs(schema, rebase)
+    return {"$ref": f"#/$defs/{base}"}
+
+
 def call_schema(tools: Sequence[Mapping[str, Any]], args_key: str = "arguments") -> str:
     """`%json {...}` for a call to any of `tools`; each function's `parameters` schema is enforced (strict or not:
     the constraint is what makes a small model's calls parse), with no undeclared top-level arguments."""
     options = []
-    for tool in tools:
+    defs: dict[str, Any] = {}
+    for index, tool in enumerate(tools):
         fn = tool["function"]
-        params = dict(fn.get("parameters") or {"type": "object", "properties": {}})
+        params: dict[str, Any] = dict(fn.get("parameters") or {"type": "object", "properties": {}})
         # A function's parameters are its signature: an argument it does not declare would fail the call, so
         # undeclared ones are closed off unless the schema itself allows them.
         params.setdefault("additionalProperties", False)
+        args = _hoisted(params, index, defs) if _has_ref(params) else params
         options.append({"type": "object",
-                        "properties": {"name": {"const": fn["name"]}, args_key: params},
+                        "properties": {"name": {"const": fn["name"]}, args_key: args},
                         "required": ["name", args_key], "additionalProperties": False})
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
     schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+    if defs:
+        schema["$defs"] = defs
     return "%json " + json.dumps(schema, ensure_ascii=False)
 
 

@@ -1,8 +1,11 @@
 """The OpenAI-compatible HTTP server: FastAPI app factory, uvicorn runner, and a background-thread server for tests.
 
-Endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health (503 once the engine is
+Endpoints: POST /v1/chat/completions, POST /v1/completions, POST /v1/responses (+ GET / DELETE
+/v1/responses/{id}: serving_responses.py), POST /v1/messages and /v1/messages/count_tokens (Anthropic's Messages
+API: entrypoints/anthropic/), GET /v1/models, GET /health (503 once the engine is
 dead), GET /metrics (Prometheus text), POST /tokenize, POST /detokenize, GET /version (serving_tokenization.py).
 Optional API-key auth and CORS, and X-Request-Id on every response: middleware.py.  Every error is answered in
+Anthropic's shape `{"type": "error", "error": {"type", "message"}}` on the /v1/messages routes, elsewhere in
 OpenAI's shape `{"error": {"message", "type", "param", "code"}}`; bad input (malformed JSON, unknown fields
 included) is a 400, never a 422; a body that is not `application/json` is a 415.  Request and response bodies are
 described in /openapi.json.
@@ -22,11 +25,13 @@ from typing import Any
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 from tokenspout.engine.chat_tools import check_parser_names
+from tokenspout.entrypoints.anthropic import protocol as anthropic
+from tokenspout.entrypoints.anthropic.serving_messages import AnthropicServingMessages
 from tokenspout.entrypoints.openai.limits import RETRY_AFTER_S, AdmissionGate, BodyLimitMiddleware, ServerLimits
 from tokenspout.entrypoints.openai.middleware import install_middleware
 from tokenspout.entrypoints.openai.protocol import (
@@ -38,9 +43,17 @@ from tokenspout.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
     OpenAIServingError,
+    StreamOptions,
     validation_error_to_serving_error,
 )
+from tokenspout.entrypoints.openai.protocol.responses import ResponseDeleted, ResponseObject, ResponsesRequest
+from tokenspout.entrypoints.openai.responses_store import (
+    DEFAULT_MAX_STORED_BYTES,
+    DEFAULT_MAX_STORED_RESPONSES,
+    ResponseStore,
+)
 from tokenspout.entrypoints.openai.serving_chat import OpenAIServingChat
+from tokenspout.entrypoints.openai.serving_responses import OpenAIServingResponses
 from tokenspout.entrypoints.openai.serving_common import EngineClient
 from tokenspout.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenspout.entrypoints.openai.serving_tokenization import install_tokenization_routes
@@ -65,14 +78,18 @@ class ServerState:
     gate: AdmissionGate
     prep: Offloader  # request preparation (chat templates, grammars) off the event loop
     drain: Drain  # the shutdown deadline (shutdown.py)
+    responses: OpenAIServingResponses  # /v1/responses: a translation onto `chat`
+    messages: AnthropicServingMessages  # /v1/messages (Anthropic): a translation onto `chat`
 
 
 def _json(model: BaseModel, status: int = 200) -> Response:
     return Response(content=model.model_dump_json(), status_code=status, media_type="application/json")
 
 
-def _error(err: OpenAIServingError) -> Response:
-    response = _json(err.to_response(), err.status)
+def _error(err: OpenAIServingError, path: str = "") -> Response:
+    """The error in OpenAI's shape, or Anthropic's on the Messages routes (each client parses its own)."""
+    body = anthropic.error_response(err) if anthropic.is_anthropic_path(path) else err.to_response()
+    response = _json(body, err.status)
     if err.status == HTTPStatus.SERVICE_UNAVAILABLE:
         response.headers["Retry-After"] = str(RETRY_AFTER_S)
     return response
@@ -92,17 +109,19 @@ def _is_engine(obj: Any) -> bool:
 
 def _install(app: FastAPI, engine: EngineClient, metrics: ServerMetrics | None, record_request_metrics: bool,
              metrics_prefix: str = DEFAULT_PREFIX, chat_options: dict[str, Any] | None = None,
-             limits: ServerLimits = ServerLimits(), drain: Drain | None = None) -> None:
+             limits: ServerLimits = ServerLimits(), drain: Drain | None = None,
+             store: ResponseStore | None = None) -> None:
     if metrics is None:  # share the engine frontend's metrics object when it has one
         engine_metrics = getattr(engine, "metrics", None)
         metrics = engine_metrics if isinstance(engine_metrics, ServerMetrics) else ServerMetrics(
             engine.model_name, prefix=metrics_prefix, max_model_len=getattr(engine, "max_model_len", None))
     app.state.detach_metrics = metrics.attach_engine(engine)
     request_metrics = metrics if record_request_metrics else None
+    chat = OpenAIServingChat(engine, request_metrics, **(chat_options or {}))
     app.state.server = ServerState(
-        engine, metrics, OpenAIServingChat(engine, request_metrics, **(chat_options or {})),
-        OpenAIServingCompletion(engine, request_metrics), AdmissionGate(limits), Offloader("tokenspout-prepare"),
-        drain or Drain()
+        engine, metrics, chat, OpenAIServingCompletion(engine, request_metrics), AdmissionGate(limits),
+        Offloader("tokenspout-prepare"), drain or Drain(),
+        OpenAIServingResponses(chat, store if store is not None else ResponseStore()), AnthropicServingMessages(chat),
     )
 
 
@@ -132,6 +151,10 @@ def build_app(
     playground: bool = True,
     limits: ServerLimits = ServerLimits(),
     trust_request_chat_template: bool = False,
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
+    max_stored_response_bytes: int = DEFAULT_MAX_STORED_BYTES,
+    force_include_usage: bool = False,
+    return_tokens_as_token_ids: bool = False,
 ) -> FastAPI:
     """`engine`: a constructed AsyncLLM (or anything meeting EngineClient), or a zero-argument factory called in
     the server's event loop at startup (for engines that bind to the running loop).  `owns_engine` (default: True
@@ -142,11 +165,16 @@ def build_app(
     ("vllm" for vLLM's dashboards) when the metrics object is made here.  `tool_call_parser` / `reasoning_parser`:
     --tool-call-parser / --reasoning-parser (see engine/chat_tools.py).  `playground`: serve the playground page at
     / and /playground (--no-playground turns it off).  `limits`: body size, fan-out and admission (limits.py).
-    `trust_request_chat_template`: accept a request's own chat template (chat_render.py; refused by default)."""
+    `trust_request_chat_template`: accept a request's own chat template (chat_render.py; refused by default).
+    `max_stored_responses` / `max_stored_response_bytes`: the bounds of /v1/responses' store (responses_store.py).
+    `force_include_usage` / `return_tokens_as_token_ids` (vLLM's --enable-force-include-usage /
+    --return-tokens-as-token-ids): every stream ends with a usage chunk / logprob tokens are "token_id:N", for
+    chat and completion requests that do not say otherwise."""
     check_prefix(metrics_prefix)  # a bad prefix fails here, not at the server's start
     check_parser_names(tool_call_parser, reasoning_parser)
     chat_options = {"tool_call_parser": tool_call_parser, "reasoning_parser": reasoning_parser,
                     "trust_request_chat_template": trust_request_chat_template}
+    store = ResponseStore(max_stored_responses, max_stored_response_bytes)
     factory = None if _is_engine(engine) else engine
     owns = owns_engine if owns_engine is not None else factory is not None
     drain = Drain()
@@ -155,7 +183,7 @@ def build_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         if factory is not None:
             _install(app, factory(), metrics, record_request_metrics, metrics_prefix, chat_options,  # type: ignore[operator]
-                     limits, drain)
+                     limits, drain, store)
         supervise = getattr(app.state.server.engine, "start_supervision", None)
         if supervise is not None:  # AsyncLLM: restart a dead or hung engine (or exit, via app.state.on_fatal)
             supervise(lambda reason: getattr(app.state, "on_fatal", logger.error)(reason))
@@ -176,27 +204,28 @@ def build_app(
     app.state.trust_request_chat_template = trust_request_chat_template
     if factory is None:
         _install(app, engine, metrics, record_request_metrics, metrics_prefix, chat_options,  # type: ignore[arg-type]
-                 limits, drain)
+                 limits, drain, store)
 
     def state(request: Request) -> ServerState:
         return request.app.state.server
 
     @app.exception_handler(OpenAIServingError)
-    async def _serving_error(_: Request, exc: OpenAIServingError) -> Response:
-        return _error(exc)
+    async def _serving_error(request: Request, exc: OpenAIServingError) -> Response:
+        return _error(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
-        return _error(validation_error_to_serving_error(exc.errors()))
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return _error(validation_error_to_serving_error(exc.errors()), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
-        return _error(OpenAIServingError(str(exc.detail), status=exc.status_code))
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return _error(OpenAIServingError(str(exc.detail), status=exc.status_code), request.url.path)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> Response:
+    async def _unexpected(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error", exc_info=exc)
-        return _error(OpenAIServingError(f"internal server error: {type(exc).__name__}", status=500))
+        return _error(OpenAIServingError(f"internal server error: {type(exc).__name__}", status=500),
+                      request.url.path)
 
     def check_alive(st: ServerState) -> None:
         if st.drain.draining:
@@ -218,7 +247,13 @@ def build_app(
             release()
             raise
         if req.stream:
-            return SSEResponse(serving.stream(job), on_close=release, drain=st.drain)
+            # each API's own error shapes: the JSON error before the first frame, the frame that ends a stream
+            # cut at the shutdown deadline
+            render, end = None, getattr(serving, "end_frame", None)
+            if anthropic.is_anthropic_path(request.url.path):
+                render = anthropic.error_body
+            return SSEResponse(serving.stream(job), on_close=release, drain=st.drain, render_error=render,
+                               end_frame=end)
         try:
             result = await run_until_disconnect(request.receive, serving.complete(job), st.drain)
         except ClientDisconnected:
@@ -232,21 +267,84 @@ def build_app(
     json_only = [Depends(_require_json)]
     errors: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 404, 413, 415, 500,
                                                                                            503)}
+    anthropic_errors: dict[int | str, dict[str, Any]] = {code: {"model": anthropic.ErrorResponse}
+                                                         for code in (400, 401, 404, 413, 415, 500, 503)}
+
+    def server_defaults(req: ChatCompletionRequest | CompletionRequest) -> None:
+        """The server-wide flags, for what the request leaves unsaid."""
+        if return_tokens_as_token_ids and "return_tokens_as_token_ids" not in req.model_fields_set:
+            req.return_tokens_as_token_ids = True
+        if force_include_usage and req.stream and not req.include_usage:
+            options = req.stream_options or StreamOptions()
+            req.stream_options = options.model_copy(update={"include_usage": True})
+
+    async def chat(req: ChatCompletionRequest, request: Request) -> Response:
+        st = state(request)
+        check_alive(st)
+        server_defaults(req)
+        release = st.gate.admit(req.n or 1)
+        return await prepare_and_respond(request, st.chat, req, release)
+
+    async def complete(req: CompletionRequest, request: Request) -> Response:
+        st = state(request)
+        check_alive(st)
+        server_defaults(req)
+        release = st.gate.admit(num_prompts(req.prompt) * (req.n or 1))
+        return await prepare_and_respond(request, st.completion, req, release)
 
     @app.post("/v1/chat/completions", dependencies=json_only,
               responses={200: {"model": ChatCompletionResponse}, **errors})
     async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-        st = state(request)
-        check_alive(st)
-        release = st.gate.admit(req.n or 1)
-        return await prepare_and_respond(request, st.chat, req, release)
+        return await chat(req, request)
 
     @app.post("/v1/completions", dependencies=json_only, responses={200: {"model": CompletionResponse}, **errors})
     async def completions(req: CompletionRequest, request: Request) -> Response:
+        return await complete(req, request)
+
+    @app.post("/invocations", dependencies=json_only, responses={200: {"model": ChatCompletionResponse}, **errors})
+    async def invocations(request: Request) -> Response:
+        """vLLM's (SageMaker's) single route: a body with `messages` is a chat request, one with `prompt` a
+        completion request; anything else is a 400."""
+        try:
+            body = await request.json()
+        except ValueError as e:
+            raise OpenAIServingError(f"request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict) or ("messages" in body) == ("prompt" in body):
+            raise OpenAIServingError("/invocations takes a chat request (with 'messages') or a completion request "
+                                     "(with 'prompt')")
+        try:
+            if "messages" in body:
+                return await chat(ChatCompletionRequest.model_validate(body), request)
+            return await complete(CompletionRequest.model_validate(body), request)
+        except ValidationError as e:
+            raise validation_error_to_serving_error(e) from None
+
+    @app.post("/v1/responses", dependencies=json_only, responses={200: {"model": ResponseObject}, **errors})
+    async def create_response(req: ResponsesRequest, request: Request) -> Response:
         st = state(request)
         check_alive(st)
-        release = st.gate.admit(num_prompts(req.prompt) * (req.n or 1))
-        return await prepare_and_respond(request, st.completion, req, release)
+        return await prepare_and_respond(request, st.responses, req, st.gate.admit(1))
+
+    @app.get("/v1/responses/{response_id}", responses={200: {"model": ResponseObject}, **errors})
+    async def get_response(response_id: str, request: Request) -> Response:
+        return Response(content=state(request).responses.retrieve(response_id), media_type="application/json")
+
+    @app.delete("/v1/responses/{response_id}", responses={200: {"model": ResponseDeleted}, **errors})
+    async def delete_response(response_id: str, request: Request) -> Response:
+        return _json(state(request).responses.delete(response_id))
+
+    @app.post(anthropic.ROUTE, dependencies=json_only,
+              responses={200: {"model": anthropic.MessagesResponse}, **anthropic_errors})
+    async def create_message(req: anthropic.MessagesRequest, request: Request) -> Response:
+        st = state(request)
+        check_alive(st)
+        return await prepare_and_respond(request, st.messages, req, st.gate.admit(1))
+
+    @app.post(anthropic.ROUTE + "/count_tokens", dependencies=json_only,
+              responses={200: {"model": anthropic.CountTokensResponse}, **anthropic_errors})
+    async def count_message_tokens(req: anthropic.CountTokensRequest, request: Request) -> Response:
+        st = state(request)
+        return _json(await st.prep.run(st.messages.count_tokens, req))
 
     if playground:
         install_playground(app)
@@ -301,15 +399,20 @@ def run_server(
     access_log: bool = True,
     metrics_prefix: str = DEFAULT_PREFIX,
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+    root_path: str = "",
+    uds: str | None = None,
     **app_options: Any,
 ) -> int:
     """Serves until interrupted; the server owns the engine and shuts it down on exit.  `app_options`: build_app's
     api_key / CORS keywords.  SIGTERM / SIGINT drain with a deadline of `shutdown_timeout` seconds (shutdown.py).
-    Returns the exit code: 1 when the engine died for good (--no-engine-restart), else 0."""
+    `root_path` (--root-path): the path prefix a reverse proxy strips before forwarding; `uds` (--uds): listen on
+    this Unix domain socket instead of host:port.  Returns the exit code: 1 when the engine died for good
+    (--no-engine-restart), else 0."""
     # A hostile request's buffers (a 7 MB prompt's encoding, its JSON) go back to the system once freed.
     return_large_frees_to_the_os()
     app = build_app(engine, metrics=metrics, owns_engine=True, metrics_prefix=metrics_prefix, **app_options)
-    config = graceful_config(app, host, port, shutdown_timeout, log_level=log_level, access_log=access_log)
+    config = graceful_config(app, host, port, shutdown_timeout, log_level=log_level, access_log=access_log,
+                             root_path=root_path, uds=uds)
 
     def kill_engines() -> None:
         server_state = getattr(app.state, "server", None)
@@ -319,7 +422,10 @@ def run_server(
 
     server = DrainingServer(config, app.state.drain, shutdown_timeout, kill_engines)
     app.state.on_fatal = server.fail
-    logger.info("serving on http://%s:%d/v1", host, port)
+    if uds:
+        logger.info("serving on unix:%s (/v1)", uds)
+    else:
+        logger.info("serving on http://%s:%d%s/v1", host, port, root_path)
     server.run()
     return server.exit_code
 

@@ -66,16 +66,20 @@ def run_with_time_limit(fn: Callable[[], T], seconds: float) -> T:
 def render_chat_prompt(engine: EngineClient, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
                        continue_final_message: bool = False,
                        chat_template_kwargs: Mapping[str, Any] | None = None, chat_template: str | None = None,
-                       trusted: bool = False) -> str:
+                       trusted: bool = False, server_template: str | None = None) -> str:
     """The engine's chat template over `messages` (already flattened by template_messages()).  With
     continue_final_message the last message is left open and no generation prompt is added (vLLM's rule).
     `chat_template`: the request's own template, which wins over --chat-template and the model's; refused unless
-    `trusted`, and then run under the time limit (module docstring)."""
+    `trusted`, and then run under the time limit (module docstring).  `server_template`: a template the server
+    chose for this request (the bundled tools template: chat_tools.tools_template), used when the request brings
+    none; the server's own code, so neither checked nor limited."""
     own = request_template(chat_template, chat_template_kwargs)
     check_request_template(own, trusted)
     kwargs = dict(chat_template_kwargs or {})
     if chat_template is not None:
         kwargs["chat_template"] = chat_template
+    elif own is None and server_template is not None:
+        kwargs["chat_template"] = server_template
     if continue_final_message:
         kwargs["continue_final_message"] = True
 

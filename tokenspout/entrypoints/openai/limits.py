@@ -21,6 +21,8 @@ from http import HTTPStatus
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tokenspout.entrypoints.anthropic.protocol import error_body as anthropic_error_body
+from tokenspout.entrypoints.anthropic.protocol import is_anthropic_path
 from tokenspout.entrypoints.openai.protocol import OpenAIServingError
 from tokenspout.entrypoints.openai.protocol.bounds import RequestBounds, bind_bounds
 from tokenspout.entrypoints.openai.sse import send_json_error
@@ -85,12 +87,14 @@ class BodyLimitMiddleware:
                 f"(--max-request-header-bytes).", status=HTTPStatus.REQUEST_HEADER_FIELDS_TOO_LARGE))
             return
         declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        # Anthropic's routes answer in Anthropic's error shape (its clients parse that one)
+        render = anthropic_error_body if is_anthropic_path(scope["path"]) else None
         if declared is not None and not declared.isdigit():
-            await send_json_error(send, OpenAIServingError("Content-Length is not a number"))
+            await send_json_error(send, OpenAIServingError("Content-Length is not a number"), render)
             return
         if declared is not None and int(declared) > self.max_bytes:  # answered without reading the body
             await send_json_error(send, OpenAIServingError(_too_large(self.max_bytes),
-                                                           status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE))
+                                                           status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE), render)
             return
         seen = 0
 

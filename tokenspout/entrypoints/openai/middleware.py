@@ -20,6 +20,7 @@ from fastapi import FastAPI
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tokenspout.entrypoints.anthropic.protocol import auth_error_body, is_anthropic_path
 from tokenspout.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, OpenAIServingError
 from tokenspout.entrypoints.openai.request_ids import REQUEST_ID_HEADER, new_request_id, reset_current, set_current
 from tokenspout.entrypoints.openai.sse import send_json_error
@@ -59,7 +60,11 @@ class APIKeyMiddleware:
     def _authorized(self, scope: Scope) -> tuple[bool, str]:
         header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
         if header is None:
-            return False, "Missing API key: send it in the header 'Authorization: Bearer <key>'."
+            # Anthropic's clients send the key as `x-api-key`
+            anthropic_key = next((v for k, v in scope["headers"] if k == b"x-api-key"), None)
+            if anthropic_key is None:
+                return False, "Missing API key: send it in the header 'Authorization: Bearer <key>' (or 'x-api-key')."
+            header = b"Bearer " + anthropic_key
         scheme, _, token = header.strip().partition(b" ")
         token = token.strip()
         if scheme.lower() == b"basic" and token:
@@ -90,8 +95,11 @@ class APIKeyMiddleware:
             return
         # A browser opening the page is asked for credentials (Basic); API clients are told to send a Bearer key.
         challenge = b'Basic realm="tokenspout", charset="UTF-8"' if is_page(path) else b"Bearer"
-        body = ErrorResponse(error=ErrorInfo(message=message, type="AuthenticationError", param=None, code=401))
-        payload = body.model_dump_json().encode()
+        if is_anthropic_path(path):  # Anthropic's clients read their own error shape
+            payload = auth_error_body(message)
+        else:
+            body = ErrorResponse(error=ErrorInfo(message=message, type="AuthenticationError", param=None, code=401))
+            payload = body.model_dump_json().encode()
         await send({"type": "http.response.start", "status": 401,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
                                 (b"www-authenticate", challenge)]})

@@ -1,7 +1,8 @@
 """POST /v1/chat/completions: chat template → engine → one response or an SSE stream of chunks.
 
 Stream shape (as OpenAI): per choice a first chunk with delta {role: "assistant", content: ""}, then content chunks
-(with logprobs.content when asked), then a chunk with an empty delta and the finish_reason (+ vLLM's stop_reason);
+(with logprobs.content when asked), the last of them with the finish_reason (+ vLLM's stop_reason; a chunk with an
+empty delta only when the last output released nothing);
 a usage chunk with `choices: []` only when stream_options.include_usage; then `data: [DONE]`.
 
 vLLM extras: `prompt_logprobs: N` answers with a top-level `prompt_logprobs` (not with stream); `echo: true` starts
@@ -28,6 +29,7 @@ from tokenspout.engine.chat_tools import (
     plan_chat,
     special_token_ids,
     template_tool_messages,
+    tools_template,
 )
 from tokenspout.entrypoints.openai.chat_render import check_request_template, render_chat_prompt, request_template
 from tokenspout.entrypoints.openai.protocol import (
@@ -101,14 +103,14 @@ class OpenAIServingChat:
         self.reasoning_cls: type[ReasoningParser] | None = reasoning_parser_class(reasoning_parser)
         self._special_ids: dict[str, int] | None = None
 
-    def _plan(self, req: ChatCompletionRequest, template_kwargs: dict) -> ChatPlan | None:
+    def _plan(self, req: ChatCompletionRequest, template_kwargs: dict, chat_template: str | None) -> ChatPlan | None:
         """The tool parser for `req` (None without tools or with tool_choice "none"); adds `tools` to the
         template's arguments when the template renders them."""
         if req.tools is None and req.tool_choice is None:
             return None
         try:
             return plan_chat(req.tool_dicts(), req.tool_choice_value(), req.parallel_tool_calls,
-                             template=effective_template(self.engine, req.chat_template),
+                             template=effective_template(self.engine, chat_template),
                              parser_name=self.tool_call_parser, template_kwargs=template_kwargs)
         except ValueError as e:
             raise value_error_to_serving_error(e, _TOOL_FIELDS) from None
@@ -116,18 +118,20 @@ class OpenAIServingChat:
     def prepare(self, req: ChatCompletionRequest) -> ChatJob:
         """Everything that can fail before the engine sees the request (raises OpenAIServingError)."""
         check_model(self.engine, req.model)
-        check_request_template(request_template(req.chat_template, req.chat_template_kwargs),
-                               self.trust_request_chat_template)
+        own = request_template(req.chat_template, req.chat_template_kwargs)
+        check_request_template(own, self.trust_request_chat_template)
         messages = req.template_messages()
         params = req.to_sampling_params(getattr(self.engine, "default_sampling_params", None))
         template_kwargs = dict(req.chat_template_kwargs or {})
-        plan = self._plan(req, template_kwargs) or ChatPlan()
+        # the bundled tools template, for tools on a ChatML template that never renders them (the server's choice)
+        fallback = None if own is not None else tools_template(self.engine, None, req.tools)
+        plan = self._plan(req, template_kwargs, own or fallback) or ChatPlan()
         if plan.tool_parser is not None or req.tools:
             messages = template_tool_messages(messages)
         prompt = render_chat_prompt(self.engine, messages, add_generation_prompt=req.add_generation_prompt,
                                     continue_final_message=req.continue_final_message,
                                     chat_template_kwargs=template_kwargs, chat_template=req.chat_template,
-                                    trusted=self.trust_request_chat_template)
+                                    trusted=self.trust_request_chat_template, server_template=fallback)
         if self.reasoning_cls is not None:
             plan.reasoning = self.reasoning_cls(str(prompt))
         try:
@@ -224,9 +228,15 @@ class OpenAIServingChat:
 
         envelope = ChunkEnvelope(chunk())
 
-        def frame(*choices: ChatCompletionStreamChoice) -> bytes:
+        def frame(*choices: ChatCompletionStreamChoice, no_tokens: bool = False,
+                  prompt_token_ids: list[int] | None = None) -> bytes:
             if req.continuous_usage:  # vLLM's continuous_usage_stats: every chunk carries the usage so far
-                return sse_frame(chunk(*choices, usage=usage_of([state])))
+                usage = usage_of([state])
+                if no_tokens:  # the role and echo chunks carry no generated token (vLLM counts none for them)
+                    usage.completion_tokens, usage.total_tokens = 0, usage.prompt_tokens
+                return sse_frame(chunk(*choices, usage=usage, prompt_token_ids=prompt_token_ids))
+            if prompt_token_ids is not None:
+                return sse_frame(chunk(*choices, prompt_token_ids=prompt_token_ids))
             return envelope.frame(*choices)
 
         try:
@@ -240,13 +250,13 @@ class OpenAIServingChat:
                     if first:
                         for i in range(params.n):
                             role = ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                            if req.return_token_ids and i == 0:  # vLLM: the prompt's ids ride on the first chunk
-                                yield sse_frame(chunk(role, prompt_token_ids=out.prompt_token_ids))
-                            else:
-                                yield frame(role)
+                            # vLLM: with return_token_ids the prompt's ids ride on the first chunk
+                            ids = out.prompt_token_ids if req.return_token_ids and i == 0 else None
+                            yield frame(role, no_tokens=True, prompt_token_ids=ids)
                         if job.echo:
                             for i in range(params.n):
-                                yield frame(ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=job.echo)))
+                                yield frame(ChatCompletionStreamChoice(index=i, delta=DeltaMessage(content=job.echo)),
+                                            no_tokens=True)
                     for c in out.outputs:
                         for choice in self._choice_frames(c, params.logprobs, req,
                                                           parsers[c.index] if parsers else None):
@@ -282,6 +292,8 @@ class OpenAIServingChat:
             send = bool(c.text or c.token_ids)
         else:  # what the parser releases (held-back text is released at the end), or the tokens' own fields
             send = bool(parts) or (bool(c.text or c.token_ids) and (top_n is not None or req.return_token_ids))
+        # As OpenAI and vLLM: the finish_reason rides on the last token's chunk (a chunk of its own, with an empty
+        # delta, only when the last output carries nothing to send).
         if send:
             frames.append(ChatCompletionStreamChoice(
                 index=c.index,
@@ -289,12 +301,17 @@ class OpenAIServingChat:
                 logprobs=self._logprobs(c.logprobs or [], top_n, req.return_tokens_as_token_ids)
                 if top_n is not None else None,
                 token_ids=list(c.token_ids) if req.return_token_ids else None,
+                finish_reason=finish_reason, stop_reason=c.stop_reason,
             ))
-        if c.finish_reason is not None:
+        elif c.finish_reason is not None:
             frames.append(ChatCompletionStreamChoice(
                 index=c.index, delta=DeltaMessage(), finish_reason=finish_reason, stop_reason=c.stop_reason
             ))
         return frames
+
+    def token_logprobs(self, positions: list[PositionLogprobs], top_n: int) -> list[ChatTokenLogprob]:
+        """Chat's logprob entries of `positions` (what the Responses API's output_text.logprobs hold too)."""
+        return self._logprobs(positions, top_n).content or []
 
     def _logprobs(self, positions: list[PositionLogprobs], top_n: int, as_ids: bool = False) -> ChatChoiceLogprobs:
         content = []

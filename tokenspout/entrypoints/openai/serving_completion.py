@@ -24,6 +24,7 @@ from tokenspout.entrypoints.openai.protocol import (
     CompletionResponse,
     OpenAIServingError,
 )
+from tokenspout.entrypoints.openai.protocol.completion import CompletionStreamChoice, CompletionStreamResponse
 from tokenspout.entrypoints.openai.request_ids import request_ids
 from tokenspout.entrypoints.openai.serving_beam import beam_search_completion
 from tokenspout.entrypoints.openai.serving_common import (
@@ -116,7 +117,8 @@ class OpenAIServingCompletion:
                 logprobs = None
                 if top_n is not None:
                     logprobs = CompletionLogprobs()
-                    offset = self._echo_logprobs(logprobs, state, top_n) if req.echo else 0
+                    offset = self._echo_logprobs(logprobs, state, top_n, req.return_tokens_as_token_ids) \
+                        if req.echo else 0
                     self._extend_logprobs(logprobs, c.logprobs, offset, req.return_tokens_as_token_ids)
                 ids = req.return_token_ids
                 choices.append(CompletionChoice(index=p * n + j, text=echo + c.text, logprobs=logprobs,
@@ -139,11 +141,12 @@ class OpenAIServingCompletion:
         def chunk(index: int, text: str, logprobs: CompletionLogprobs | None = None, finish: str | None = None,
                   stop_reason: int | str | None = None, token_ids: list[int] | None = None,
                   prompt_token_ids: list[int] | None = None) -> bytes:
-            choice = CompletionChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish,
-                                      stop_reason=stop_reason, token_ids=token_ids, prompt_token_ids=prompt_token_ids)
+            choice = CompletionStreamChoice(index=index, text=text, logprobs=logprobs, finish_reason=finish,
+                                            stop_reason=stop_reason, token_ids=token_ids,
+                                            prompt_token_ids=prompt_token_ids)
             if req.continuous_usage:  # vLLM's continuous_usage_stats: every chunk carries the usage so far
-                return sse_frame(CompletionResponse(id=job.request_id, created=job.created, model=model,
-                                                    choices=[choice], usage=usage_of(states)))
+                return sse_frame(CompletionStreamResponse(id=job.request_id, created=job.created, model=model,
+                                                          choices=[choice], usage=usage_of(states)))
             return envelope.frame(choice)
 
         sent_prompt_ids = [False] * (len(job.prompts) * n)  # return_token_ids: once per choice, first chunk
@@ -167,21 +170,23 @@ class OpenAIServingCompletion:
                             lp = None
                             if top_n is not None:
                                 lp = CompletionLogprobs()
-                                offsets[p * n + j] = self._echo_logprobs(lp, state, top_n)
+                                offsets[p * n + j] = self._echo_logprobs(lp, state, top_n,
+                                                                         req.return_tokens_as_token_ids)
                             else:
                                 offsets[p * n + j] = len(text)
                             yield chunk(p * n + j, text, lp, prompt_token_ids=prompt_ids(p * n + j, state))
                     for c in out.outputs:
                         index = p * n + c.index
-                        if c.text or c.token_ids:
+                        if c.text or c.token_ids:  # the finish_reason rides on the last token's chunk (as OpenAI)
                             lp = None
                             if top_n is not None:
                                 lp = CompletionLogprobs()
                                 offsets[index] = self._extend_logprobs(lp, c.logprobs or [], offsets[index],
                                                                        req.return_tokens_as_token_ids)
-                            yield chunk(index, c.text, lp, token_ids=list(c.token_ids) if req.return_token_ids else None,
+                            yield chunk(index, c.text, lp, c.finish_reason, c.stop_reason,
+                                        token_ids=list(c.token_ids) if req.return_token_ids else None,
                                         prompt_token_ids=prompt_ids(index, state))
-                        if c.finish_reason is not None:
+                        elif c.finish_reason is not None:
                             yield chunk(index, "", None, c.finish_reason, c.stop_reason,
                                         prompt_token_ids=prompt_ids(index, state))
             if req.include_usage:
@@ -198,10 +203,11 @@ class OpenAIServingCompletion:
         yield DONE_FRAME
 
     # ------------------------------------------------------------------------------------------ legacy logprobs
-    def _echo_logprobs(self, out: CompletionLogprobs, state: PromptState, top_n: int) -> int:
+    def _echo_logprobs(self, out: CompletionLogprobs, state: PromptState, top_n: int, as_ids: bool = False) -> int:
         """The prompt's tokens with their prompt logprobs (the first null, as OpenAI) and at most top_n + 1 entries
         in top_logprobs (the prompt token, then its position's best, as for generated tokens); returns the text
-        offset after them."""
+        offset after them (counted on the decoded text).  `as_ids`: return_tokens_as_token_ids, for the prompt's
+        tokens as for the generated ones (as vLLM)."""
         offset = 0
         tok = self.engine.tokenizer
         scored = state.prompt_logprobs or []
@@ -209,15 +215,16 @@ class OpenAIServingCompletion:
             pos = scored[i] if i < len(scored) else None
             if pos is None or token_id not in pos:
                 text = tok.decode([token_id])
-                out.tokens.append(text)
+                out.tokens.append(f"token_id:{token_id}" if as_ids else text)
                 out.token_logprobs.append(None)
                 out.top_logprobs.append(None)
             else:
                 items: list[tuple[int, Logprob]] = list(pos.items())[: top_n + 1]  # the prompt token first
                 text = token_str(self.engine, token_id, pos[token_id])
-                out.tokens.append(text)
+                out.tokens.append(token_str(self.engine, token_id, pos[token_id], as_ids))
                 out.token_logprobs.append(safe_logprob(pos[token_id].logprob))
-                out.top_logprobs.append({token_str(self.engine, t, tl): safe_logprob(tl.logprob) for t, tl in items})
+                out.top_logprobs.append({token_str(self.engine, t, tl, as_ids): safe_logprob(tl.logprob)
+                                         for t, tl in items})
             out.text_offset.append(offset)
             offset += len(text)
         return offset

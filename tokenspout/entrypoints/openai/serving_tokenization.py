@@ -1,4 +1,4 @@
-"""POST /tokenize, POST /detokenize and GET /version, in vLLM's shapes.
+"""POST /tokenize, POST /detokenize, GET /tokenizer_info and GET /version, in vLLM's shapes.
 
 /tokenize takes a text prompt (`add_special_tokens` defaults to True: the tokenizer's rule, as a completion prompt
 is encoded) or chat messages (rendered by render_chat_prompt exactly as /v1/chat/completions renders them, and
@@ -10,6 +10,7 @@ still counted (the answer carries max_model_len to compare with).
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -20,7 +21,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 from starlette.responses import Response
 
-from tokenspout.engine.chat_tools import effective_template, plan_chat, template_tool_messages
+from tokenspout.engine.chat_tools import effective_template, plan_chat, template_tool_messages, tools_template
 from tokenspout.entrypoints.openai.chat_render import render_chat_prompt
 from tokenspout.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -185,16 +186,18 @@ def tokenize(engine: EngineClient, req: TokenizeCompletionRequest | TokenizeChat
         chat = ChatCompletionRequest(messages=req.messages, tools=req.tools)
         kwargs = dict(req.chat_template_kwargs or {})
         messages = chat.template_messages()
+        # the chat route's choice for these tools (none when the request brings a template of its own)
+        fallback = None if kwargs.get("chat_template") is not None else tools_template(engine, None, req.tools)
         if req.tools:  # as the chat route renders them (tool_choice "none": only a template that reads them)
             messages = template_tool_messages(messages)
             try:
-                plan_chat(chat.tool_dicts(), "none", None, template=effective_template(engine, None),
+                plan_chat(chat.tool_dicts(), "none", None, template=effective_template(engine, fallback),
                           parser_name=None, template_kwargs=kwargs)
             except ValueError as e:  # e.g. two tools of one name, as the chat route says
                 raise value_error_to_serving_error(e, {"tools"}) from None
         text = render_chat_prompt(engine, messages, add_generation_prompt=req.add_generation_prompt,
                                   continue_final_message=req.continue_final_message, chat_template_kwargs=kwargs,
-                                  trusted=trusted)
+                                  trusted=trusted, server_template=fallback)
     else:
         text = req.prompt
     ids = [int(t) for t in engine.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)]
@@ -210,6 +213,46 @@ def detokenize(engine: EngineClient, req: DetokenizeRequest) -> DetokenizeRespon
             raise OpenAIServingError(f"tokens.{i}: token id {t} is outside the vocabulary [0, {vocab})",
                                      param=f"tokens.{i}")
     return DetokenizeResponse(prompt=engine.tokenizer.decode(req.tokens))
+
+
+# Tokenizer settings that name files or folders of the server's machine: not sent.
+_LOCAL_KEYS = {"name_or_path", "vocab_file", "merges_file", "tokenizer_file", "is_local", "local_files_only",
+               "cache_dir"}
+
+
+def _json_safe(value: Any) -> Any:
+    """A tokenizer setting as JSON: AddedToken objects as their text, containers walked, anything else left out
+    (None)."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    content = getattr(value, "content", None)
+    if isinstance(content, str):  # an AddedToken
+        return content
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    return None
+
+
+def tokenizer_info(engine: EngineClient) -> dict[str, Any]:
+    """vLLM's /tokenizer_info: the tokenizer's class and settings (tokenizer_config.json's), its added tokens with
+    their flags, and the chat template the server renders with."""
+    tok = engine.tokenizer
+    info: dict[str, Any] = {"tokenizer_class": type(tok).__name__}
+    for key, value in dict(getattr(tok, "init_kwargs", None) or {}).items():
+        if key in _LOCAL_KEYS or key in ("added_tokens_decoder", "chat_template"):
+            continue
+        safe = _json_safe(value)
+        if safe is not None or value is None:
+            info[key] = safe
+    added = getattr(tok, "added_tokens_decoder", None) or {}
+    info["added_tokens_decoder"] = {
+        str(i): {"content": t.content, **{flag: bool(getattr(t, flag, False))
+                                          for flag in ("single_word", "lstrip", "rstrip", "normalized", "special")}}
+        for i, t in added.items()}
+    info["chat_template"] = effective_template(engine, None)
+    return info
 
 
 def tokenization_router(get_engine: Callable[[Request], EngineClient],
@@ -228,6 +271,12 @@ def tokenization_router(get_engine: Callable[[Request], EngineClient],
     async def detokenize_route(request: Request, body: DetokenizeRequest) -> Response:
         engine = get_engine(request)
         return await get_offloader(request).run(lambda: _json(detokenize(engine, body)))
+
+    @router.get("/tokenizer_info")
+    async def tokenizer_info_route(request: Request) -> Response:
+        engine = get_engine(request)
+        return await get_offloader(request).run(
+            lambda: Response(content=json.dumps(tokenizer_info(engine)), media_type="application/json"))
 
     @router.get("/version", response_model=VersionResponse)
     async def version() -> Response:

@@ -68,8 +68,10 @@ def error_frame(err: OpenAIServingError) -> bytes:
     return sse_frame(err.to_response())
 
 
-async def send_json_error(send: Any, err: OpenAIServingError) -> None:
-    body = err.to_response().model_dump_json().encode()
+async def send_json_error(send: Any, err: OpenAIServingError,
+                          render: Callable[[OpenAIServingError], bytes] | None = None) -> None:
+    """`render`: the body in another API's error shape (Anthropic's), else OpenAI's."""
+    body = render(err) if render is not None else err.to_response().model_dump_json().encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": err.status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
@@ -90,11 +92,15 @@ class SSEResponse(Response):
     media_type = "text/event-stream"
 
     def __init__(self, frames: AsyncIterator[bytes], on_close: Callable[[], None] | None = None,
-                 drain: Drain | None = None) -> None:
+                 drain: Drain | None = None,
+                 render_error: Callable[[OpenAIServingError], bytes] | None = None,
+                 end_frame: Callable[[OpenAIServingError], bytes] | None = None) -> None:
         super().__init__(content=None, status_code=200)
         self.frames = frames
         self.on_close = on_close  # called once the stream has ended, however (an admission slot's release)
         self.drain = drain  # the server's shutdown deadline
+        self.render_error = render_error  # an error before the first frame in another API's shape
+        self.end_frame = end_frame  # the frame that ends a stream cut at the deadline, in another API's shape
         self.client_disconnected = False
         self.cut_at_deadline = False
         self._started = self._ended = False
@@ -139,11 +145,11 @@ class SSEResponse(Response):
         try:
             first = await anext(self.frames, None)
         except OpenAIServingError as e:
-            await send_json_error(send, e)
+            await send_json_error(send, e, self.render_error)
             return
         except Exception:
             logger.exception("stream failed before its first frame")
-            await send_json_error(send, OpenAIServingError("internal server error", status=500))
+            await send_json_error(send, OpenAIServingError("internal server error", status=500), self.render_error)
             return
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
         self._started = True
@@ -156,10 +162,11 @@ class SSEResponse(Response):
 
     async def _end_at_deadline(self, send: Any) -> None:
         if not self._started:
-            await send_json_error(send, shutdown_error())
+            await send_json_error(send, shutdown_error(), self.render_error)
             return
         self._ended = True
-        body = error_frame(shutdown_error()) + DONE_FRAME
+        err = shutdown_error()
+        body = self.end_frame(err) if self.end_frame is not None else error_frame(err) + DONE_FRAME
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
 

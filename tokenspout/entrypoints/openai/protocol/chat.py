@@ -33,12 +33,19 @@ class ContentPart(BaseModel):
 
 
 class ChatMessage(StrictModel):
+    """Keys beyond OpenAI's reach the chat template as they are (as vLLM: templates read e.g. `reasoning_content`
+    or `thinking` on an assistant turn); they are still bounded by the body's size and nesting checks."""
+
+    model_config = ConfigDict(extra="allow")
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
     # An agent's history: they reach the chat template whole (templates that know tools render them).
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+    # OpenAI's fields this server cannot honour stay a 400 rather than reaching the template as extra keys.
+    audio: None = None
+    function_call: None = None
 
 
 _CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -125,6 +132,8 @@ class ChatCompletionRequest(SamplingRequest):
             for key in ("name", "tool_calls", "tool_call_id"):
                 if getattr(msg, key) is not None:
                     entry[key] = getattr(msg, key)
+            for key, value in (msg.model_extra or {}).items():
+                entry[key] = value
             out.append(entry)
         return out
 
@@ -214,6 +223,14 @@ class DeltaMessage(BaseModel):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
+def _drop_null_ids(out: dict[str, Any]) -> dict[str, Any]:
+    """vLLM leaves return_token_ids' fields out of a stream's chunks that do not carry them (never null)."""
+    for key in ("token_ids", "prompt_token_ids"):
+        if key in out and out[key] is None:
+            del out[key]
+    return out
+
+
 class ChatCompletionStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
@@ -221,6 +238,10 @@ class ChatCompletionStreamChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None  # vLLM's return_token_ids: this chunk's ids
+
+    @model_serializer(mode="wrap")
+    def _omit_null_ids(self, handler):
+        return _drop_null_ids(handler(self))
 
 
 class ChatCompletionChunk(BaseModel):
@@ -232,3 +253,7 @@ class ChatCompletionChunk(BaseModel):
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
     prompt_token_ids: list[int] | None = None  # vLLM's return_token_ids: in the first chunk
+
+    @model_serializer(mode="wrap")
+    def _omit_null_ids(self, handler):
+        return _drop_null_ids(handler(self))

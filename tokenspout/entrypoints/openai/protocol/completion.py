@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_serializer
 from typing_extensions import TypeIs
 
 from tokenspout.entrypoints.openai.protocol.common import PromptLogprobsJSON, UsageInfo, unix_now
@@ -108,6 +108,18 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: PromptLogprobsJSON | None = None  # vLLM: per choice for completions
 
 
+class CompletionStreamChoice(CompletionChoice):
+    """A stream chunk's choice: return_token_ids' fields are left out where the chunk carries none (as vLLM)."""
+
+    @model_serializer(mode="wrap")
+    def _omit_null_ids(self, handler):
+        out = handler(self)
+        for key in ("token_ids", "prompt_token_ids"):
+            if key in out and out[key] is None:
+                del out[key]
+        return out
+
+
 class CompletionResponse(BaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
@@ -116,3 +128,9 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
     system_fingerprint: str | None = None
+
+
+class CompletionStreamResponse(CompletionResponse):
+    """A stream chunk (its choices leave out absent ids)."""
+
+    choices: list[CompletionStreamChoice]  # type: ignore[assignment]
