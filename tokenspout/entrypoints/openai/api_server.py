@@ -265,10 +265,10 @@ def build_app(
 
     # Typed bodies: FastAPI validates them (errors -> 400 via the handler above) and /openapi.json describes them.
     json_only = [Depends(_require_json)]
-    errors: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 404, 413, 415, 500,
-                                                                                           503)}
+    errors: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (400, 404, 413, 415, 431,
+                                                                                           500, 503)}
     anthropic_errors: dict[int | str, dict[str, Any]] = {code: {"model": anthropic.ErrorResponse}
-                                                         for code in (400, 401, 404, 413, 415, 500, 503)}
+                                                         for code in (400, 401, 404, 413, 415, 431, 500, 503)}
 
     def server_defaults(req: ChatCompletionRequest | CompletionRequest) -> None:
         """The server-wide flags, for what the request leaves unsaid."""
