@@ -125,21 +125,38 @@ def hostile_phase(url: str, probe: Probe) -> list[dict]:
     return rows
 
 
-async def admission_phase(url: str, n: int, max_tokens: int) -> dict:
-    """n concurrent completions at once; 503s are refusals (timed), 200s must all complete."""
-    async def one(c: httpx.AsyncClient) -> tuple[int, float, int]:
-        t = time.monotonic()
-        r = await c.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Tell me a story",
-                                                        "max_tokens": max_tokens, "ignore_eos": True})
-        done = r.json()["usage"]["completion_tokens"] if r.status_code == 200 else 0
-        return r.status_code, time.monotonic() - t, done
+async def _raw_post(host: str, port: int, body: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+    reader, writer = await asyncio.open_connection(host, port)
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
+    return reader, writer, head + body
 
-    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as c:
-        results = await asyncio.gather(*[one(c) for _ in range(n)])
+
+async def admission_phase(url: str, n: int, max_tokens: int) -> dict:
+    """n concurrent completions at once: every connection is opened first, then every request is written in one
+    go, so a request's time is the server's, from its bytes sent to its status line.  503s are refusals (timed),
+    200s must all complete."""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"model": MODEL, "prompt": "Tell me a story", "max_tokens": max_tokens,
+                       "ignore_eos": True}).encode()
+    conns = [await _raw_post(host, int(port), body) for _ in range(n)]
+
+    async def one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, request: bytes) -> tuple[int, float, int]:
+        t = time.monotonic()
+        writer.write(request)
+        await writer.drain()
+        status = int((await reader.readline()).split()[1])
+        waited = time.monotonic() - t
+        rest = await reader.read()
+        writer.close()
+        done = json.loads(rest.split(b"\r\n\r\n", 1)[1])["usage"]["completion_tokens"] if status == 200 else 0
+        return status, waited, done
+
+    results = await asyncio.gather(*[one(*c) for c in conns])
     refused = [s for code, s, _ in results if code == 503]
     ok = [tok for code, _, tok in results if code == 200]
-    return {"sent": n, "refused": len(refused), "refused_max_ms": max(refused, default=0.0) * 1e3,
+    return {"sent": n, "refused": len(refused), "refused_p50_ms": percentile(refused, 50) * 1e3,
+            "refused_max_ms": max(refused, default=0.0) * 1e3,
             "admitted": len(ok), "admitted_completed": sum(t == max_tokens for t in ok),
             "other_statuses": sorted({code for code, _, _ in results} - {200, 503})}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -35,6 +36,7 @@ class EngineCore:
         self.max_model_len = self.loaded.max_model_len
         spec = config.speculative
         self._tokenizer = None  # the HF tokenizer, for grammars: loaded by warm_up() or the first grammar request
+        self._tokenizer_lock = threading.Lock()
         # The grammar manager is made on the first grammar request; its tokenizer is loaded by warm_up().
         self.structured = LazyStructuredOutputs(self._load_tokenizer, self.loaded.arch.vocab_size,
                                                 config.scheduler.max_num_seqs)
@@ -58,19 +60,20 @@ class EngineCore:
                                                initargs=(threads,))
 
     def warm_up(self) -> None:
-        """Loads what a first grammar request would otherwise wait for, while the engine is idle (EngineCoreProc
-        calls it once, when idle after READY): the tokenizer and with it transformers (~1 s of imports that the
-        start-up no longer pays) and the grammar manager's module.  Building the grammar backend stays lazy."""
-        self._load_tokenizer()
+        """Builds what a first grammar request would otherwise wait for: the tokenizer and with it transformers
+        (~1 s of imports that the start-up no longer pays), the grammar manager and its backend (llguidance's view
+        of the vocabulary).  EngineCoreProc runs it once, in a thread beside the steps, right after READY; safe
+        against a grammar request arriving meanwhile (both build under locks, once)."""
+        self.structured.get().build_backend()
 
     def _load_tokenizer(self) -> Any:
         """The HF tokenizer, for grammars (loaded once)."""
-        if self._tokenizer is None:
-            from tokenspout.engine.tokenizer import load_tokenizer
-            from tokenspout.structured_output import manager  # noqa: F401 - imported for its cost, now
+        with self._tokenizer_lock:
+            if self._tokenizer is None:
+                from tokenspout.engine.tokenizer import load_tokenizer
 
-            self._tokenizer = load_tokenizer(self.config.model.tokenizer or self.loaded.path)
-        return self._tokenizer
+                self._tokenizer = load_tokenizer(self.config.model.tokenizer or self.loaded.path)
+            return self._tokenizer
 
     def add_request(self, req: EngineCoreRequest) -> None:
         if req.request_id in self.scheduler.requests:

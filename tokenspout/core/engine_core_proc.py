@@ -155,18 +155,13 @@ class EngineCoreProc:
     def _busy_loop(self) -> None:
         core = self.core
         last_stats = None
-        warmed = False
+        # Right after READY, beside the steps: load what the first grammar request needs (the tokenizer, the grammar
+        # manager and its llguidance tokenizer, ~2.5 s), so that request never builds them on the step loop's
+        # thread.  (Built lazily there, the first grammar request of a busy engine held the GIL ~0.4-1.4 s: a
+        # 418 ms gap in another request's stream, bench.chaos.)  Its Python gives the GIL back every few ms.
+        threading.Thread(target=self._warm_up, name="engine-warm-up", daemon=True).start()
         while not self.stopping.is_set():
             block = not core.has_unfinished_requests()
-            if block and not warmed and self.inputs.empty():
-                # Idle (right after READY, unless requests came at once): load what the first grammar request
-                # needs now, so it does not wait for it.  A request that arrives meanwhile waits ~1 s, once.
-                warmed = True
-                try:
-                    core.warm_up()
-                except Exception as e:  # noqa: BLE001 - optional: a grammar request will report the real error
-                    logger.warning("warm-up failed: %s", e)
-                continue
             try:
                 item = self.inputs.get(timeout=1.0) if block else self.inputs.get_nowait()
             except queue.Empty:
@@ -187,6 +182,12 @@ class EngineCoreProc:
             elif last_stats is None or last_stats.num_running or last_stats.num_waiting:
                 last_stats = core.stats()  # went idle (e.g. after aborts): tell the frontend
                 self.outputs.put(EngineCoreOutputs(scheduler_stats=last_stats, timestamp=time.monotonic()))
+
+    def _warm_up(self) -> None:
+        try:
+            self.core.warm_up()
+        except Exception as e:  # noqa: BLE001 - optional: a grammar request will report the real error
+            logger.warning("warm-up failed: %s", e)
 
     def _handle(self, item) -> None:
         kind, msg = item

@@ -8,6 +8,7 @@ handle when constructed, and `manager` stays None until the engine core's first 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -21,15 +22,17 @@ class LazyStructuredOutputs:
         self._vocab_size = vocab_size
         self._max_num_rows = max_num_rows
         self.manager: StructuredOutputManager | None = None
+        self._lock = threading.Lock()  # the engine's warm-up thread and its first grammar request may race here
 
     def get(self) -> StructuredOutputManager:
         """The manager, made now if this is the first grammar request."""
-        if self.manager is None:
-            from tokenspout.structured_output.manager import StructuredOutputManager
+        with self._lock:
+            if self.manager is None:
+                from tokenspout.structured_output.manager import StructuredOutputManager
 
-            self.manager = StructuredOutputManager(self._load_tokenizer(), self._vocab_size,
-                                                   max_num_rows=self._max_num_rows)
-        return self.manager
+                self.manager = StructuredOutputManager(self._load_tokenizer(), self._vocab_size,
+                                                       max_num_rows=self._max_num_rows)
+            return self.manager
 
     def active(self) -> StructuredOutputManager | None:
         """The manager when it holds grammar requests now, else None (a step without grammars never touches it)."""

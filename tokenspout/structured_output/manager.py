@@ -226,6 +226,10 @@ class StructuredOutputManager:
     def _compile(self, params: StructuredOutputsParams) -> Grammar:
         return self._backend_or_build().compile(params)
 
+    def build_backend(self) -> None:
+        """Builds the grammar backend now (the engine's warm-up) rather than at the first compile."""
+        self._backend_or_build()
+
     def _backend_or_build(self) -> StructuredOutputBackend:
         with self._backend_lock:
             if self._backend is None:

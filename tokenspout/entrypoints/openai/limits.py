@@ -25,13 +25,13 @@ from tokenspout.entrypoints.anthropic.protocol import error_body as anthropic_er
 from tokenspout.entrypoints.anthropic.protocol import is_anthropic_path
 from tokenspout.entrypoints.openai.protocol import OpenAIServingError
 from tokenspout.entrypoints.openai.protocol.bounds import RequestBounds, bind_bounds
+from tokenspout.entrypoints.openai.protocol.errors import RETRY_AFTER_S
 from tokenspout.entrypoints.openai.sse import send_json_error
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20  # a 128k-token prompt is ~0.5-1 MB of JSON
 DEFAULT_MAX_FANOUT = 256  # two prompts at OpenAI's largest n (128)
 DEFAULT_MAX_QUEUED_REQUESTS = 1024
 DEFAULT_MAX_HEADER_BYTES = 32 << 10  # nginx's default header buffers (4 x 8 KiB); real clients send < 2 KiB
-RETRY_AFTER_S = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,10 +63,21 @@ class BodyTooLarge(StarletteHTTPException):
         super().__init__(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, _too_large(limit))
 
 
+# The routes that start engine requests (each charges the admission gate).
+GENERATION_ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+                               "/invocations"})
+
+
+def _route(scope: Scope) -> str:
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
+
+
 class BodyLimitMiddleware:
     """The outermost middleware: request headers at most `max_header_bytes` together (431), the body at most
-    `max_bytes` (413), both refused before the app sees the request; and the request's task gets the server's
-    RequestBounds, which the request models validate against."""
+    `max_bytes` (413), a generation request while the admission queue is full (503), all refused before the app
+    parses the request; and the request's task gets the server's RequestBounds, which the request models validate
+    against."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
                  bounds: RequestBounds = RequestBounds()) -> None:
@@ -96,6 +107,13 @@ class BodyLimitMiddleware:
             await send_json_error(send, OpenAIServingError(_too_large(self.max_bytes),
                                                            status=HTTPStatus.REQUEST_ENTITY_TOO_LARGE), render)
             return
+        if scope["method"] == "POST" and _route(scope) in GENERATION_ROUTES:
+            server = getattr(scope["app"].state, "server", None)  # the app's ServerState (api_server.py)
+            if server is not None and server.gate.saturated:
+                # The queue is full: any generation request would be refused after its body was parsed and
+                # validated; refusing it here keeps a storm's 503s within milliseconds (bench.chaos).
+                await send_json_error(send, ServerBusy(server.gate.limits, server.gate.in_flight), render)
+                return
         seen = 0
 
         async def counted() -> Message:
@@ -123,6 +141,12 @@ class AdmissionGate:
     def __init__(self, limits: ServerLimits) -> None:
         self.limits = limits
         self.in_flight = 0
+
+    @property
+    def saturated(self) -> bool:
+        """Every request would be refused now (admit() of one more engine request raises ServerBusy)."""
+        lim = self.limits
+        return lim.max_queued_requests is not None and self.in_flight >= lim.running_capacity + lim.max_queued_requests
 
     def admit(self, count: int) -> Callable[[], None]:
         """Admits one API request's `count` engine requests (prompts x n) or raises: a 400 past the fan-out limit,

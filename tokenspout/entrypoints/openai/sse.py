@@ -16,6 +16,7 @@ shutdown deadline (shutdown.Drain): the engine request is aborted, the client ge
 from __future__ import annotations
 
 import logging
+from http import HTTPStatus
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -24,6 +25,7 @@ from pydantic import BaseModel
 from starlette.responses import Response
 
 from tokenspout.entrypoints.openai.protocol import OpenAIServingError
+from tokenspout.entrypoints.openai.protocol.errors import RETRY_AFTER_S
 from tokenspout.entrypoints.openai.shutdown import Drain
 
 logger = logging.getLogger(__name__)
@@ -73,6 +75,8 @@ async def send_json_error(send: Any, err: OpenAIServingError,
     """`render`: the body in another API's error shape (Anthropic's), else OpenAI's."""
     body = render(err) if render is not None else err.to_response().model_dump_json().encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if err.status == HTTPStatus.SERVICE_UNAVAILABLE:
+        headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
     await send({"type": "http.response.start", "status": err.status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
 

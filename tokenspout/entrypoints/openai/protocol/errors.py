@@ -33,6 +33,9 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+RETRY_AFTER_S = 1  # the Retry-After of every 503 (busy, restarting, draining): the openai client retries after it
+
+
 class OpenAIServingError(Exception):
     """An error the server answers in OpenAI's shape; raised anywhere in the serving path."""
 
