@@ -201,11 +201,7 @@ class AnthropicServingMessages:
             try:
                 first = await anext(deltas, None)
             except Exception as e:
-                err = to_serving_error(e)
-                if err.status < 500:
-                    state.discard()  # rejected input: the request never ran
-                else:
-                    state.finish("error")
+                err = state.failed(e)  # a 4xx: rejected input, the request never ran
                 raise _renamed(err) from e
             started = True
             events = _EventWriter()

@@ -172,11 +172,7 @@ class OpenAIServingChat:
                 async for _, out in outs:
                     state.observe(out)
         except Exception as e:
-            err = to_serving_error(e)
-            if err.status < 500:
-                state.discard()  # rejected input: the request never ran
-            else:
-                state.finish("error")
+            err = state.failed(e)  # a 4xx: rejected input, the request never ran
             raise err from e
         finally:
             state.finish("abort")  # no-op unless cancelled (client gone)

@@ -219,6 +219,16 @@ class PromptState:
         """The engine rejected the request: it never ran, so it is not a finished request."""
         self.timer.finished = True
 
+    def failed(self, exc: BaseException) -> OpenAIServingError:
+        """The request failed with `exc`: rejected input (a 4xx) never ran and is discarded, anything else counts
+        as a request that ended in error.  Returns the HTTP error to raise or send."""
+        err = to_serving_error(exc)
+        if err.status < 500:
+            self.discard()
+        else:
+            self.finish("error")
+        return err
+
 
 def usage_of(states: list[PromptState]) -> UsageInfo:
     prompt = sum(s.prompt_tokens for s in states)

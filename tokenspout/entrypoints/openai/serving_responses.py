@@ -272,11 +272,7 @@ class OpenAIServingResponses:
             try:
                 first = await anext(deltas, None)
             except Exception as e:
-                err = to_serving_error(e)
-                if err.status < 500:
-                    state.discard()  # rejected input: the request never ran
-                else:
-                    state.finish("error")
+                err = state.failed(e)  # a 4xx: rejected input, the request never ran
                 raise _renamed(err) from e
             top_n = job.chat.params.logprobs
             events = _EventWriter(job.skeleton(self.model_name), logprobs=None if top_n is None else (
