@@ -259,6 +259,17 @@ class AsyncMPClient(_MPBase):
         # its first use, so it can exist while the READY handshake (blocking calls on out_sock) has yet to happen.
         self.async_out = zmq.asyncio.Socket.shadow(self.out_sock)
 
+    def shutdown(self) -> None:
+        # The shadow first: closing it takes its file descriptor out of the event loop's selector.  Closed under it
+        # instead, the loop kept a stale entry for that number, and the next socket to reuse it (an HTTP connection
+        # accepted right after a dead engine was replaced) was never watched: its request hung (epoll forgets a
+        # closed descriptor, asyncio's map of them does not).  A shadow does not own the socket: out_sock closes it.
+        try:
+            self.async_out.close(linger=0)
+        except Exception:  # noqa: BLE001 - at interpreter teardown the loop may be gone; nothing left to unregister
+            logger.debug("could not close the engine output socket's asyncio shadow", exc_info=True)
+        super().shutdown()
+
     async def get_output_async(self) -> EngineCoreOutputs:
         while not await self.async_out.poll(_POLL_MS):
             self._check_alive()
