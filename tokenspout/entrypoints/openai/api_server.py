@@ -14,6 +14,7 @@ described in /openapi.json.
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -426,7 +427,10 @@ def run_server(
         logger.info("serving on unix:%s (/v1)", uds)
     else:
         logger.info("serving on http://%s:%d%s/v1", host, port, root_path)
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled once it has shut down: not an error here
+        return server.exit_code or 128 + signal.SIGINT
     return server.exit_code
 
 
