@@ -78,6 +78,23 @@ def call_schema(tools: Sequence[Mapping[str, Any]], args_key: str = "arguments")
     return "%json " + json.dumps(schema, ensure_ascii=False)
 
 
+def args_rule(params: Mapping[str, Any], rules: Mapping[str, str], sep: str = '", "') -> str:
+    """A function's arguments as one rule, from its parameters' schema and each declared argument's rule name
+    (`rules`, in declaration order), `sep` (a grammar term, or "" for none) between them: the schema's required
+    ones in its order, then each optional one at most once, in order (pythonic's and qwen3_coder's calls)."""
+    required = [rules[n] for n in params.get("required", []) if n in rules]
+    optional = [r for n, r in rules.items() if r not in required]
+    glue = f" {sep} " if sep else " "
+    if required:
+        return " ".join([glue.join(required)] + [f"({sep} {o})?" if sep else f"{o}?" for o in optional])
+    if not optional:
+        return '""'
+    # none required: whichever optional argument comes first, then the later ones, each at most once
+    firsts = [" ".join([o] + [f"({sep} {later})?" if sep else f"{later}?" for later in optional[i + 1:]])
+              for i, o in enumerate(optional)]
+    return "(" + " | ".join(firsts) + ")?"
+
+
 def literal(text: str) -> str:
     """A Lark string literal (JSON escapes are valid Lark escapes)."""
     return json.dumps(text, ensure_ascii=False)

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NoReturn
 
 from tokenspout.tool_parsers.base import ParsedCall, ToolParse, ToolParser, assemble
-from tokenspout.tool_parsers.grammar import HEADER, literal
+from tokenspout.tool_parsers.grammar import HEADER, args_rule, literal
 from tokenspout.tool_parsers.json_scan import Malformed, skip_ws
 
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
@@ -169,13 +169,11 @@ class PythonicToolParser(ToolParser):
             fn = tool["function"]
             params = fn.get("parameters") or {}
             props: dict[str, Any] = params.get("properties") or {}
-            required_names = [n for n in params.get("required", []) if n in props]
-            optional = [n for n in props if n not in required_names]
             kw = {}
             for a, arg in enumerate(props):
                 kw[arg] = f"kw_{t}_{a}"
                 lines.append(f"{kw[arg]}: {literal(arg + '=')} {_value_rule(props[arg])}")
-            lines.append(f"args_{t}: {args_rule([kw[n] for n in required_names], [kw[n] for n in optional])}")
+            lines.append(f"args_{t}: {args_rule(params, kw)}")
             lines.append(f"call_{t}: {literal(fn['name'] + '(')} args_{t} \")\"")
             alternatives.append(f"call_{t}")
         lines.append(f"call: {' | '.join(alternatives)}")
@@ -189,20 +187,6 @@ class PythonicToolParser(ToolParser):
         if not required:
             lines.append("FREE: /([ \\t\\r\\n]*[^\\[ \\t\\r\\n](?s:.*))?/")  # an answer: anything not opening a list
         return "\n".join(lines) + "\n"
-
-
-def args_rule(required: list[str], optional: list[str], sep: str = '", "') -> str:
-    """Arguments by rule name, `sep` (a grammar term, or "" for none) between them: the required ones in order,
-    then each optional one at most once, in order (shared with qwen3_coder's parameters)."""
-    glue = f" {sep} " if sep else " "
-    if required:
-        return " ".join([glue.join(required)] + [f"({sep} {o})?" if sep else f"{o}?" for o in optional])
-    if not optional:
-        return '""'
-    # none required: whichever optional argument comes first, then the later ones, each at most once
-    firsts = [" ".join([o] + [f"({sep} {later})?" if sep else f"{later}?" for later in optional[i + 1:]])
-              for i, o in enumerate(optional)]
-    return "(" + " | ".join(firsts) + ")?"
 
 
 def _value_rule(schema: Any) -> str:

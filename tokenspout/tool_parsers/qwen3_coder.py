@@ -24,9 +24,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tokenspout.tool_parsers.base import ParsedCall, ToolParse, ToolParser, assemble, held_back
-from tokenspout.tool_parsers.grammar import HEADER, WS, free_text_until, literal
+from tokenspout.tool_parsers.grammar import HEADER, WS, args_rule, free_text_until, literal
 from tokenspout.tool_parsers.json_scan import Malformed, skip_ws
-from tokenspout.tool_parsers.pythonic import args_rule
 
 START, END = "<tool_call>", "</tool_call>"
 FUNCTION_END, PARAM_END = "</function>", "</parameter>"
@@ -166,14 +165,12 @@ class Qwen3CoderToolParser(ToolParser):
             fn = tool["function"]
             params = fn.get("parameters") or {}
             props: dict[str, Any] = params.get("properties") or {}
-            required_names = [n for n in params.get("required", []) if n in props]
-            optional = [n for n in props if n not in required_names]
             kw = {}
             for a, arg in enumerate(props):
                 kw[arg] = f"p_{t}_{a}"
                 value = self._value_rule(f"v_{t}_{a}", props[arg], lines)
                 lines.append(f"{kw[arg]}: {literal('<parameter=' + arg + '>' + chr(10))} {value} {literal(chr(10))}")
-            lines.append(f"args_{t}: {args_rule([kw[n] for n in required_names], [kw[n] for n in optional], '')}")
+            lines.append(f"args_{t}: {args_rule(params, kw, '')}")
             opening = literal("<function=" + fn["name"] + ">\n")
             lines.append(f"body_{t}: {opening} args_{t} {literal(FUNCTION_END + chr(10) + END)}")
             bodies.append(f"body_{t}")
