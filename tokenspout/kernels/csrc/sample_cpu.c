@@ -77,24 +77,30 @@ static void sift_down(float *h, int64_t n, int64_t i) {
 }
 
 /* The k-th largest of y = x / t over the row (with multiplicity; -inf if fewer than k values are finite). */
+/* Offers eight values to the min-heap of the k largest (heap[0] its smallest): most vectors have none above
+ * heap[0], so one compare skips them; the others go in one by one. */
+static inline __attribute__((always_inline)) void heap_push8(float *heap, int64_t k, __m256 v) {
+    int m = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(heap[0]), _CMP_GT_OQ));
+    if (!m) return;
+    float vals[8];
+    _mm256_storeu_ps(vals, v);
+    while (m) {
+        int b = __builtin_ctz(m);
+        m &= m - 1;
+        if (vals[b] > heap[0]) {
+            heap[0] = vals[b];
+            sift_down(heap, k, 0);
+        }
+    }
+}
+
 static float kth_largest(const float *x, int64_t V, float t, int64_t k, float *heap) {
     for (int64_t i = 0; i < k; i++) heap[i] = -INFINITY;
     const __m256 tv = _mm256_set1_ps(t);
     int64_t i = 0;
     for (; i + 8 <= V; i += 8) {
         __m256 v = load_scaled(x + i, tv, t);
-        int m = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(heap[0]), _CMP_GT_OQ));
-        if (!m) continue;
-        float vals[8];
-        _mm256_storeu_ps(vals, v);
-        while (m) {
-            int b = __builtin_ctz(m);
-            m &= m - 1;
-            if (vals[b] > heap[0]) {
-                heap[0] = vals[b];
-                sift_down(heap, k, 0);
-            }
-        }
+        heap_push8(heap, k, v);
     }
     for (; i < V; i++) {
         float v = x[i] / t;
@@ -536,18 +542,7 @@ static float kth_and_stats(const float *x, int64_t V, int64_t k, float *heap, do
             cnt = _mm256_add_ps(cnt, _mm256_and_ps(ok, one));
             sum = _mm256_add_ps(sum, f);
             sq = _mm256_fmadd_ps(f, f, sq);
-            int m = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(heap[0]), _CMP_GT_OQ));
-            if (!m) continue;
-            float vals[8];
-            _mm256_storeu_ps(vals, v);
-            while (m) {
-                int b = __builtin_ctz(m);
-                m &= m - 1;
-                if (vals[b] > heap[0]) {
-                    heap[0] = vals[b];
-                    sift_down(heap, k, 0);
-                }
-            }
+            heap_push8(heap, k, v);
         }
         st[1] += hsum8(cnt);
         st[2] += hsum8(sum);
