@@ -67,3 +67,17 @@ def background_server(engine: Any, **app_options: Any) -> Iterator[Any]:
         yield srv
     finally:
         srv.stop()
+
+
+def sse_events(text: str) -> list[dict]:
+    """The events of a named-event SSE body (`event: TYPE` then `data: {...,"type": TYPE}` per block: the Responses
+    and Anthropic streams), each checked to carry the type its event line names."""
+    import json
+
+    out = []
+    for block in text.strip().split("\n\n"):
+        kind, data = block.split("\n", 1)
+        event = json.loads(data.removeprefix("data: "))
+        assert kind == f"event: {event['type']}"
+        out.append(event)
+    return out

@@ -4,10 +4,9 @@ Anthropic's error shape before the first event."""
 
 from __future__ import annotations
 
-import json
-
 from fastapi.testclient import TestClient
 
+from tests.helpers import sse_events
 from tests.unit.fake_engine import FakeEngine
 from tokenspout.entrypoints.anthropic.protocol import MessagesRequest
 from tokenspout.entrypoints.anthropic.serving_messages import chat_body
@@ -46,16 +45,6 @@ def test_blocks_become_chat_messages():
     assert body["tools"] == [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
 
 
-def _events(text: str) -> list[dict]:
-    out = []
-    for block in text.strip().split("\n\n"):
-        kind, data = block.split("\n", 1)
-        event = json.loads(data.removeprefix("data: "))
-        assert kind == f"event: {event['type']}"
-        out.append(event)
-    return out
-
-
 def test_thinking_blocks_plain_and_streamed():
     client = TestClient(build_app(FakeEngine(), reasoning_parser="deepseek_r1"))
     body = {"model": "fake-model", "max_tokens": 6, "temperature": 0, "thinking": {"type": "enabled",
@@ -65,7 +54,7 @@ def test_thinking_blocks_plain_and_streamed():
     assert [b["type"] for b in m["content"]] == ["thinking"] and m["content"][0]["thinking"]
     assert m["stop_reason"] == "max_tokens" and m["usage"]["output_tokens"] == 6
 
-    events = _events(client.post("/v1/messages", json={**body, "stream": True}).text)
+    events = sse_events(client.post("/v1/messages", json={**body, "stream": True}).text)
     kinds = [e["type"] for e in events]
     assert kinds[:3] == ["message_start", "ping", "content_block_start"]
     assert kinds[-4:] == ["content_block_delta", "content_block_stop", "message_delta", "message_stop"]

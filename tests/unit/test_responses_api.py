@@ -7,6 +7,7 @@ import json
 
 from fastapi.testclient import TestClient
 
+from tests.helpers import sse_events
 from tests.unit.fake_engine import FakeEngine
 from tokenspout.entrypoints.openai.api_server import build_app
 from tokenspout.entrypoints.openai.protocol.responses import ResponsesRequest
@@ -49,16 +50,6 @@ def test_input_items_become_chat_messages():
     ]
 
 
-def _events(text: str) -> list[dict]:
-    out = []
-    for block in text.strip().split("\n\n"):
-        kind, data = block.split("\n", 1)
-        event = json.loads(data.removeprefix("data: "))
-        assert kind == f"event: {event['type']}"
-        out.append(event)
-    return out
-
-
 def test_reasoning_items_plain_and_streamed():
     client = TestClient(build_app(FakeEngine(), reasoning_parser="deepseek_r1"))
     body = {"input": "think", "max_output_tokens": 6, "temperature": 0}
@@ -68,7 +59,7 @@ def test_reasoning_items_plain_and_streamed():
     assert reasoning["type"] == "reasoning_text" and reasoning["text"]
     assert r["status"] == "incomplete" and r["incomplete_details"] == {"reason": "max_output_tokens"}
 
-    events = _events(client.post("/v1/responses", json={**body, "stream": True}).text)
+    events = sse_events(client.post("/v1/responses", json={**body, "stream": True}).text)
     kinds = [e["type"] for e in events]
     assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
     assert events[2]["item"]["type"] == "reasoning"
