@@ -16,7 +16,6 @@ engine is restarted alone while the others serve.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -220,8 +219,9 @@ class AsyncLLM:
         try:
             if self._handler is not None:
                 self._handler.cancel()
-                with contextlib.suppress(BaseException):
-                    await self._handler
+                # Waits for it to end without taking on its outcome; a cancellation of this task (the server
+                # shutting down) still propagates, so no new engine is started after it.
+                await asyncio.wait([self._handler])
             self.output_processor.propagate_error(reason)  # no-op for requests the handler failed already
             self.client.shutdown()  # dead (or killed as hung): returns at once
             for attempt in range(_START_ATTEMPTS):
