@@ -41,7 +41,11 @@ def test_speculative_flags_reach_the_engine():
 
 
 def test_kv_cache_dtype_flag():
-    assert kwargs()["kv_cache_dtype"] == "auto"
+    # the server's auto: a float16 cache for a float32 model (llama.cpp's default), the model's dtype for bf16
+    assert kwargs()["kv_cache_dtype"] == "float16"
+    assert kwargs("--dtype", "float32")["kv_cache_dtype"] == "float16"
+    assert kwargs("--dtype", "bfloat16")["kv_cache_dtype"] == "auto"
+    assert kwargs("--kv-cache-dtype", "model")["kv_cache_dtype"] == "auto"
     assert kwargs("--kv-cache-dtype", "float16")["kv_cache_dtype"] == "float16"
     with pytest.raises(SystemExit):
         kwargs("--kv-cache-dtype", "int8")

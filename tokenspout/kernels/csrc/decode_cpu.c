@@ -452,6 +452,12 @@ typedef struct {
     float *mn;  /* [G][4] (Q4) */
 } ts_wtile;
 
+/* Bytes of codes per block of four weight rows (Q8: a byte per weight; Q4: pairs of groups, 32 bytes per row each). */
+static inline int64_t block_bytes(int64_t wt, int64_t K) {
+    const int64_t G = K / 32;
+    return wt == WT_Q8 ? G * 4 * 32 : (G + 1) / 2 * 4 * 32;
+}
+
 static void widen_block(const ts_weight *W, const int wt, int64_t b, int64_t K, ts_wtile *t) {
     const int64_t G = K / 32, KP = G * 32;
     const uint16_t *sc = W->scale + b * G * 4, *mn = wt == WT_Q4 ? W->min + b * G * 4 : NULL;
@@ -593,10 +599,14 @@ TILE_FN(tile_q8x1, WT_Q8, 1)
 /* f[(4i + r) * mp + m] = row r of block i . batch row m, for the nb (1..TB) widened blocks t[i] and every batch
  * row m < mp (a multiple of TW).  Groups outer, batch rows inner: a tile's activations (16 pairs of TW or 2 TW rows)
  * are read from L2 once and from L1 by the other blocks. */
-static void blocks_tile(const ts_wtile *t, int nb, const int wt, int64_t K, const ts_qact *a, float *f) {
-    const int64_t G = K / 32, KP = G * 32, mp = a->mp;
+static void blocks_tile(const ts_wtile *t, int nb, const int wt, int64_t K, const ts_qact *a, float *f,
+                        const char *pf, int64_t pf_bytes) {
+    const int64_t G = K / 32, KP = G * 32, mp = a->mp, pf_step = (pf_bytes / G + 63) / 64 * 64;
     memset(f, 0, sizeof(float) * (size_t)(4 * nb * mp));
     for (int64_t g = 0; g < G; g++) {
+        /* the next pass's codes into L2 while this one computes: widen_block then reads them from cache instead of
+         * waiting on memory (its loads were the step's only reads of the weights from DRAM) */
+        for (int64_t o = g * pf_step; pf && o < (g + 1) * pf_step && o < pf_bytes; o += 64) _mm_prefetch(pf + o, _MM_HINT_T1);
         int64_t m0 = 0;
         for (; m0 + 2 * TW <= mp; m0 += 2 * TW)
             for (int i = 0; i < nb; i++) (wt == WT_Q4 ? tile_q4x2 : tile_q8x2)(t + i, KP, g, a, m0, f + 4 * i * mp);
@@ -868,7 +878,8 @@ static void linear_body(const float *x, int64_t ldx, int64_t M, const ts_weight 
         for (int64_t b = 0; b < nblk; b += TB) { /* TB blocks (4 * TB weight rows) per pass over the activations */
             const int nb = nblk - b < TB ? (int)(nblk - b) : TB;
             for (int i = 0; i < nb; i++) widen_block(W, (int)W->wt, b + i, K, t + i);
-            blocks_tile(t, nb, (int)W->wt, K, a, f);
+            const int64_t blk = block_bytes(W->wt, K), next = b + TB < nblk ? (nblk - b - TB < TB ? nblk - b - TB : TB) : 0;
+            blocks_tile(t, nb, (int)W->wt, K, a, f, next ? (const char *)W->w + (b + TB) * blk : NULL, next * blk);
             const int64_t n = N - 4 * b < 4 * nb ? N - 4 * b : 4 * nb; /* the last block's padding rows are not stored */
             store_pass(f, a->mp, M, n, y + 4 * b, ldy, bias ? bias + 4 * b : NULL, accumulate);
         }
@@ -976,12 +987,21 @@ static inline void store_kv(void *dst, const float *src, int64_t n, int64_t half
         _mm_storeu_si128((__m128i *)((uint16_t *)dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
 }
 
+/* Positions ahead whose cache rows the first pass over them prefetches: the rows of a sequence's positions lie in
+ * its blocks wherever the allocator put them, so the hardware prefetchers do not follow them, and every row was a
+ * wait on memory (perf: most of the attention's samples on the first load of a row). */
+#define ATTN_PF 16
+
 /* out[0..8*NV) = sum_p w[p] * V[p][0..8*NV): NV accumulators live in registers (NV a literal at each call). */
 static inline __attribute__((always_inline)) void weighted_rows(const char *const *rows, const float *w, int64_t L,
-                                                                int64_t d0, int NV, float inv, float *out, const int HALF) {
+                                                                int64_t d0, int NV, float inv, float *out, const int HALF,
+                                                                int prefetch) {
     __m256 acc[8];
+    const int64_t bytes = 8 * NV * (HALF ? 2 : 4), off = d0 * (HALF ? 2 : 4);
     for (int j = 0; j < NV; j++) acc[j] = _mm256_setzero_ps();
     for (int64_t p = 0; p < L; p++) {
+        if (prefetch && p + ATTN_PF < L) /* see attn_impl */
+            for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(rows[p + ATTN_PF] + off + o, _MM_HINT_T0);
         const __m256 pw = _mm256_set1_ps(w[p]);
         for (int j = 0; j < NV; j++) acc[j] = _mm256_fmadd_ps(pw, ldkv(rows[p], d0 + 8 * j, HALF), acc[j]);
     }
@@ -1022,6 +1042,9 @@ static inline __attribute__((always_inline)) void attn_impl(const float *q, int6
             __m256 vmax = _mm256_set1_ps(-INFINITY);
             for (int64_t p0 = 0; p0 < L8; p0 += 8) {
                 __m256 a[8];
+                if (g == 0) /* the first head reads the rows from memory; the others find them in L1 */
+                    for (int64_t p = p0 + ATTN_PF; p < p0 + ATTN_PF + 8 && p < L; p++)
+                        for (int64_t o = 0; o < D * esz; o += 64) _mm_prefetch(krow[p] + o, _MM_HINT_T0);
                 for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
                 for (int64_t d = 0; d < D; d += 8) {
                     const __m256 qv = _mm256_loadu_ps(qg + d);
@@ -1046,9 +1069,9 @@ static inline __attribute__((always_inline)) void attn_impl(const float *q, int6
             const float inv = 1.0f / hsum8(vsum);
             float *o = out + t * ldo + (h * G + g) * D;
             int64_t d0 = 0;
-            for (; d0 + 64 <= D; d0 += 64) weighted_rows(vrow, sc, L, d0, 8, inv, o, HALF);
-            for (; d0 + 32 <= D; d0 += 32) weighted_rows(vrow, sc, L, d0, 4, inv, o, HALF);
-            for (; d0 < D; d0 += 8) weighted_rows(vrow, sc, L, d0, 1, inv, o, HALF);
+            for (; d0 + 64 <= D; d0 += 64) weighted_rows(vrow, sc, L, d0, 8, inv, o, HALF, g == 0);
+            for (; d0 + 32 <= D; d0 += 32) weighted_rows(vrow, sc, L, d0, 4, inv, o, HALF, g == 0);
+            for (; d0 < D; d0 += 8) weighted_rows(vrow, sc, L, d0, 1, inv, o, HALF, g == 0);
         }
         free(krow);
         free(sc);
