@@ -139,21 +139,25 @@ def test_rmsnorm_matches_reference(lib):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("d, lens", [(16, [1, 7, 13]), (64, [8, 16, 9]), (104, [15, 2, 16])])
-def test_paged_decode_attention_matches_sdpa(lib, d: int, lens: list[int], dtype: torch.dtype):
+@pytest.mark.parametrize("group", [1, 3, 7])
+@pytest.mark.parametrize("d, lens", [(16, [1, 7, 13]), (64, [8, 16, 9]), (104, [15, 2, 16]), (24, [45, 33, 1]),
+                                     (128, [48, 40, 17])])
+def test_paged_decode_attention_matches_sdpa(lib, d: int, lens: list[int], dtype: torch.dtype, group: int):
     """GQA over a shuffled block table, ragged lengths (multiples of 8 and not), a partial last block, head dims
-    that take each width of the kernel's value accumulators (64, 32, 8): reads the cache in place, float32 or
-    float16 (--kv-cache-dtype float16: against SDPA over the same float16 values widened)."""
+    that take each width of the kernel's value accumulators (AVX2: 64, 32, 8; AVX-512: 64, 16, 8), query heads per
+    KV head 1, 3 and 7 (AVX-512's value pass takes them four at a time), sequences longer than the prefetch
+    distance: reads the cache in place, float32 or float16 (--kv-cache-dtype float16: against SDPA over the same
+    float16 values widened)."""
     g = torch.Generator().manual_seed(0)
-    bs, hkv, group, nblocks = 4, 2, 3, 12
+    bs, hkv, nb = 4, 2, 12
+    nblocks = 3 * nb
     h = hkv * group
     kv = torch.randn(2, nblocks * bs, hkv, d, generator=g).to(dtype)
     lens = torch.tensor(lens, dtype=torch.int64)
-    perm = torch.randperm(nblocks, generator=g)
-    table = torch.stack([perm[0:4], perm[4:8], perm[8:12]]).contiguous()
+    table = torch.randperm(nblocks, generator=g).view(3, nb).contiguous()
     q = torch.randn(3, h, d, generator=g)
     out = torch.empty_like(q)
-    lib.ts_attn_decode(q.data_ptr(), h * d, kv.data_ptr(), nblocks * bs, table.data_ptr(), 4, lens.data_ptr(), bs,
+    lib.ts_attn_decode(q.data_ptr(), h * d, kv.data_ptr(), nblocks * bs, table.data_ptr(), nb, lens.data_ptr(), bs,
                        3, h, hkv, d, ctypes.c_float(d**-0.5), out.data_ptr(), h * d, int(dtype == torch.float16))
     kv = kv.float()
     for t in range(3):

@@ -1008,6 +1008,59 @@ static inline __attribute__((always_inline)) void weighted_rows(const char *cons
     for (int j = 0; j < NV; j++) _mm256_storeu_ps(out + d0 + 8 * j, _mm256_mul_ps(acc[j], _mm256_set1_ps(inv)));
 }
 
+#if TS_AVX512
+/* The V pass for GB query heads that share a KV head (GQA), AVX-512: out_g[d0..d0+16*NV) = inv[g] * sum_p
+ * w[g * ldw + p] * V[p][d0..], each V row read and widened once for all GB heads (weighted_rows, once per head,
+ * read and widened it G times).  GB * NV accumulators + NV rows in zmm registers (GB, NV literals at each call). */
+static inline __attribute__((always_inline)) void weighted_rows_heads(const char *const *rows, const float *w,
+                                                                      int64_t ldw, int64_t L, int64_t d0, const int NV,
+                                                                      const int GB, const float *inv, float *out,
+                                                                      int64_t D, const int HALF) {
+    __m512 acc[16];
+    const int64_t off = d0 * (HALF ? 2 : 4), bytes = 16 * NV * (HALF ? 2 : 4);
+    for (int i = 0; i < GB * NV; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < L; p++) {
+        if (p + ATTN_PF < L)
+            for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(rows[p + ATTN_PF] + off + o, _MM_HINT_T0);
+        __m512 v[4];
+        for (int j = 0; j < NV; j++)
+            v[j] = HALF ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rows[p] + off) + j))
+                        : _mm512_loadu_ps((const float *)(rows[p] + off) + 16 * j);
+        for (int g = 0; g < GB; g++) {
+            const __m512 pw = _mm512_set1_ps(w[g * ldw + p]);
+            for (int j = 0; j < NV; j++) acc[g * NV + j] = _mm512_fmadd_ps(pw, v[j], acc[g * NV + j]);
+        }
+    }
+    for (int g = 0; g < GB; g++)
+        for (int j = 0; j < NV; j++)
+            _mm512_storeu_ps(out + g * D + d0 + 16 * j, _mm512_mul_ps(acc[g * NV + j], _mm512_set1_ps(inv[g])));
+}
+
+/* Every query head of one KV head: heads in groups of up to four, 64 dims (or 16) per pass. */
+static inline __attribute__((always_inline)) void v_pass_heads(const char *const *rows, const float *w, int64_t ldw,
+                                                               int64_t L, int64_t G, const float *inv, float *out,
+                                                               int64_t D, const int HALF) {
+    for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        const int64_t gb = G - g0 < 4 ? G - g0 : 4;
+        const float *wg = w + g0 * ldw, *ig = inv + g0;
+        float *og = out + g0 * D;
+        int64_t d0 = 0;
+#define VPASS(NV)                                                                         \
+    switch (gb) {                                                                         \
+    case 1: weighted_rows_heads(rows, wg, ldw, L, d0, NV, 1, ig, og, D, HALF); break;     \
+    case 2: weighted_rows_heads(rows, wg, ldw, L, d0, NV, 2, ig, og, D, HALF); break;     \
+    case 3: weighted_rows_heads(rows, wg, ldw, L, d0, NV, 3, ig, og, D, HALF); break;     \
+    default: weighted_rows_heads(rows, wg, ldw, L, d0, NV, 4, ig, og, D, HALF); break;    \
+    }
+        for (; d0 + 64 <= D; d0 += 64) VPASS(4)
+        for (; d0 + 16 <= D; d0 += 16) VPASS(1)
+#undef VPASS
+        for (; d0 < D; d0 += 8) /* a last 8 dims (D = 16k + 8) */
+            for (int64_t g = 0; g < gb; g++) weighted_rows(rows, wg + g * ldw, L, d0, 1, ig[g], og + g * D, HALF, 0);
+    }
+}
+#endif
+
 /* Decode attention over the paged cache, in place (no gather): token t's query heads (row stride ldq) attend to
  * positions 0..seq_lens[t]-1 of its blocks.  Query head h uses KV head h / G (GQA).  Parallel over (t, kv head).
  * Per (t, kv head): the K and V row addresses of every position first (one walk of the block table, no division
@@ -1026,7 +1079,8 @@ static inline __attribute__((always_inline)) void attn_impl(const float *q, int6
         const int64_t t = th / Hkv, h = th % Hkv, L = seq_lens[t], L8 = (L + 7) / 8 * 8;
         const int64_t *bt = block_ids + t * nb;
         /* scores padded to a multiple of 8 (the padding scores -inf: weight 0); K/V row addresses per position */
-        float *sc = (float *)malloc(sizeof(float) * (size_t)L8);
+        /* per query head: its scores (then weights) and its softmax's 1 / sum */
+        float *sc = (float *)malloc(sizeof(float) * (size_t)(G * L8 + G)), *inv = sc + G * L8;
         const char **krow = (const char **)malloc(sizeof(char *) * (size_t)(2 * L8));
         const char **vrow = krow + L8;
         for (int64_t p = 0, i = 0; p < L; i++)
@@ -1039,12 +1093,17 @@ static inline __attribute__((always_inline)) void attn_impl(const float *q, int6
         const __m256 vscale = _mm256_set1_ps(scale);
         for (int64_t g = 0; g < G; g++) {
             const float *qg = q + t * ldq + (h * G + g) * D;
+            float *sg = sc + g * L8;
             __m256 vmax = _mm256_set1_ps(-INFINITY);
             for (int64_t p0 = 0; p0 < L8; p0 += 8) {
                 __m256 a[8];
-                if (g == 0) /* the first head reads the rows from memory; the others find them in L1 */
-                    for (int64_t p = p0 + ATTN_PF; p < p0 + ATTN_PF + 8 && p < L; p++)
-                        for (int64_t o = 0; o < D * esz; o += 64) _mm_prefetch(krow[p] + o, _MM_HINT_T0);
+                if (g == 0) /* the first head reads the K rows from memory (the others find them in L1); the V rows
+                             * are asked for here too, a whole score pass before the V pass needs them */
+                    for (int64_t p = p0; p < p0 + 8 && p < L; p++)
+                        for (int64_t o = 0; o < D * esz; o += 64) {
+                            if (p + ATTN_PF < L) _mm_prefetch(krow[p + ATTN_PF] + o, _MM_HINT_T0);
+                            _mm_prefetch(vrow[p] + o, _MM_HINT_T1);
+                        }
                 for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
                 for (int64_t d = 0; d < D; d += 8) {
                     const __m256 qv = _mm256_loadu_ps(qg + d);
@@ -1057,22 +1116,30 @@ static inline __attribute__((always_inline)) void attn_impl(const float *q, int6
                                          _mm256_cmp_ps(lane, _mm256_set1_ps((float)(L - p0)), _CMP_GE_OQ));
                 }
                 vmax = _mm256_max_ps(vmax, s);
-                _mm256_storeu_ps(sc + p0, s);
+                _mm256_storeu_ps(sg + p0, s);
             }
             const __m256 mx = _mm256_set1_ps(hmax8(vmax));
             __m256 vsum = _mm256_setzero_ps();
             for (int64_t p0 = 0; p0 < L8; p0 += 8) {
-                const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(sc + p0), mx));
+                const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(sg + p0), mx));
                 vsum = _mm256_add_ps(vsum, e);
-                _mm256_storeu_ps(sc + p0, e);
+                _mm256_storeu_ps(sg + p0, e);
             }
-            const float inv = 1.0f / hsum8(vsum);
-            float *o = out + t * ldo + (h * G + g) * D;
-            int64_t d0 = 0;
-            for (; d0 + 64 <= D; d0 += 64) weighted_rows(vrow, sc, L, d0, 8, inv, o, HALF, g == 0);
-            for (; d0 + 32 <= D; d0 += 32) weighted_rows(vrow, sc, L, d0, 4, inv, o, HALF, g == 0);
-            for (; d0 < D; d0 += 8) weighted_rows(vrow, sc, L, d0, 1, inv, o, HALF, g == 0);
+            inv[g] = 1.0f / hsum8(vsum);
         }
+        float *o = out + t * ldo + h * G * D;
+#if TS_AVX512
+        v_pass_heads(vrow, sc, L8, L, G, inv, o, D, HALF);
+#else
+        for (int64_t g = 0; g < G; g++) {
+            int64_t d0 = 0;
+            const float *w = sc + g * L8;
+            float *og = o + g * D;
+            for (; d0 + 64 <= D; d0 += 64) weighted_rows(vrow, w, L, d0, 8, inv[g], og, HALF, g == 0);
+            for (; d0 + 32 <= D; d0 += 32) weighted_rows(vrow, w, L, d0, 4, inv[g], og, HALF, g == 0);
+            for (; d0 < D; d0 += 8) weighted_rows(vrow, w, L, d0, 1, inv[g], og, HALF, g == 0);
+        }
+#endif
         free(krow);
         free(sc);
     }
