@@ -187,11 +187,12 @@ typedef struct {
 } ts_qact;
 
 /* Batch rows from which the quantized linears take the tiled path (blocks_tile).  bench.linear: AVX2's row path
- * loses from 16 rows; AVX-512's (four vpdpwssd per group and batch row) still wins by 3-8% up to 24 rows (the tile pads
- * 24 to 32) and loses from 28. */
+ * loses from 16 rows.  AVX-512: the whole decode step of the default model (in-process, int4, float16 cache, A/B in
+ * one run on the EPYC, since the tiled path prefetches its next pass): the tiled path 1.32x the row path's time at
+ * 8 rows, 1.02x at 12, 0.82x at 16, 0.90x at 24 (it pads to a multiple of 16 rows). */
 #ifndef TILE_MIN
 #if TS_AVX512
-#define TILE_MIN 28
+#define TILE_MIN 14
 #else
 #define TILE_MIN 16
 #endif
