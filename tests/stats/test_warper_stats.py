@@ -3,8 +3,9 @@ float64 target, chi-square at alpha = 0.001, and a deliberately different target
 
 Targets: transformers' TypicalLogitsWarper / EpsilonLogitsWarper / EtaLogitsWarper chained after its Temperature /
 MinP / TopK / TopP warpers (our order); top_n_sigma and dynatemp from llama.cpp's algorithms written out in
-tests/unit/test_sampler_warpers.py; XTC as the mixture (1 - q) * P + q * P_xtc of llama.cpp's rule, since the coin
-comes up with probability q per step -- and its drop rate (how often the top token disappears) checked on its own.
+tests/unit/test_sampler_warpers.py (dynatemp's entropy over the top-k candidates on a row with top-k); XTC as the
+mixture (1 - q) * P + q * P_xtc of llama.cpp's rule, since the coin comes up with probability q per step -- and its
+drop rate (how often the top token disappears) checked on its own.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ def target(p: SamplingParams) -> np.ndarray:
     if p.top_n_sigma > 0:
         x = torch.tensor(ref_top_n_sigma(x.tolist(), p.top_n_sigma), dtype=torch.float64)
     t = p.temperature
-    if p.dynatemp_range > 0:
-        t = ref_dynatemp(x.tolist(), p.temperature, p.dynatemp_range, p.dynatemp_exponent)
+    if p.dynatemp_range > 0:  # the entropy of the top-k candidates on a row with top-k (ties at the k-th value stay)
+        kth = sorted(x.tolist(), reverse=True)[p.top_k - 1] if 0 < p.top_k <= x.numel() else -float("inf")
+        t = ref_dynatemp([v if v >= kth else -float("inf") for v in x.tolist()], p.temperature, p.dynatemp_range,
+                         p.dynatemp_exponent)
     # hf_scores applies temperature, min_p, top-k, top-p, typical, epsilon, eta (the logits are float64 throughout)
     plain = SamplingParams(temperature=t, min_p=p.min_p, top_k=p.top_k, top_p=p.top_p, typical_p=p.typical_p,
                            epsilon_cutoff=p.epsilon_cutoff, eta_cutoff=p.eta_cutoff)

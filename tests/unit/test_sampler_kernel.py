@@ -205,3 +205,47 @@ def test_warped_kernel_whole_rows() -> None:
     assert total == 128 and mismatches <= 1
     assert build_metadata([SamplingParams(typical_p=0.5), SamplingParams(top_k=5, typical_p=0.5)],
                           V).warp_kernel_rows == [1]
+
+
+def mirostat_rows(g: torch.Generator, rows: int, trial: int) -> torch.Tensor:
+    """Row shapes that steer the mirostat kernel down each of its paths: LLM-like (Zipf over a random order: small
+    candidate sets), a rising ramp (the running max grows chunk after chunk: z rescaled, candidates compacted),
+    nearly flat (v2's candidates overflow: the dense path), a masked vocabulary, a single finite logit."""
+    u = torch.rand(rows, V, generator=g)
+    s = 1.2 + torch.rand(rows, 1, generator=g)
+    x = -s * torch.log(u * V + 1)
+    kind = trial % 5
+    if kind == 1:
+        x = torch.linspace(-25.0, 0.0, V).expand(rows, V) + 0.5 * torch.rand(rows, V, generator=g)
+    elif kind == 2:
+        x = 0.05 * torch.randn(rows, V, generator=g)
+    elif kind == 3:
+        x[:, 700:] = NEG_INF
+    elif kind == 4:
+        x[::2, 1:] = NEG_INF
+    return x.contiguous()
+
+
+def test_mirostat_kernel_draws_what_the_torch_path_draws() -> None:
+    """Mirostat rows on the kernel (v2 in one pass with a running max, v1 on its top-100 candidates, the dense path
+    when those do not hold the kept set) against the torch path: the same token and the same new mu, row for row."""
+    g = torch.Generator().manual_seed(29)
+    mismatches = total = 0
+    for trial in range(15):
+        rows = 16
+        x = mirostat_rows(g, rows, trial)
+        params = [SamplingParams(mirostat=1 + (i + trial) % 2, mirostat_tau=0.5 + 9.5 * float(torch.rand(1, generator=g)),
+                                 mirostat_eta=0.1, temperature=0.3 + 1.2 * float(torch.rand(1, generator=g)),
+                                 seed=100 * trial + i) for i in range(rows)]
+        metas = [build_metadata(params, V), build_metadata(params, V)]
+        assert metas[0].mirostat is not None and metas[0].mirostat.kernel_rows == list(range(rows))
+        kernel = Sampler()(x.clone(), metas[0]).sampled_token_ids
+        ref = Sampler(cpu_kernel=False)(x.clone(), metas[1]).sampled_token_ids
+        mismatches += int((kernel != ref).sum())
+        total += rows
+        mu_kernel = [st.mu for st in metas[0].mirostat.states]
+        mu_ref = [st.mu for st in metas[1].mirostat.states]
+        same = (kernel == ref).tolist()
+        assert [a for a, ok in zip(mu_kernel, same) if ok] == pytest.approx([b for b, ok in zip(mu_ref, same) if ok],
+                                                                           abs=1e-3)
+    assert total == 240 and mismatches <= 1

@@ -215,6 +215,24 @@ def test_dynatemp_reference(rng_: float, exponent: float, temperature: float) ->
         assert_same_distribution(ours(x.unsqueeze(0), [p])[0], want)
 
 
+@pytest.mark.parametrize("top_k", [1, 7, 40])
+def test_dynatemp_entropy_over_the_top_k_candidates(top_k: int) -> None:
+    """With top-k, the entropy is that of the row's top-k candidates (llama.cpp takes it over what its truncation
+    left): the temperature from the reference on the top-k logits, then top-k and top-p at that temperature."""
+    rng = random.Random(top_k)
+    apart = 0.0
+    for _ in range(5):
+        x = random_logits(rng) * rng.uniform(0.3, 1.5)
+        kth = sorted(x.double().tolist(), reverse=True)[top_k - 1]
+        cands = [v if v >= kth else -math.inf for v in x.double().tolist()]
+        t = 0.9 if top_k == 1 else ref_dynatemp(cands, 0.9, 0.6, 1.3)  # one candidate: the row's own temperature
+        p = SamplingParams(temperature=0.9, dynatemp_range=0.6, dynatemp_exponent=1.3, top_k=top_k, top_p=0.95)
+        want = hf_scores(x, SamplingParams(temperature=t, top_k=top_k, top_p=0.95))
+        assert_same_distribution(ours(x.unsqueeze(0), [p])[0], want)
+        apart = max(apart, abs(ref_dynatemp(x.double().tolist(), 0.9, 0.6, 1.3) - t))
+    assert top_k == 1 or apart > 0.01  # (the whole row's entropy would give other temperatures)
+
+
 # --- gating, routing, invariance ------------------------------------------------------------------------------------
 
 def test_no_warper_rows_no_warp_batch() -> None:

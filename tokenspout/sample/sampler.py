@@ -126,7 +126,7 @@ def truncate_and_warp(x: torch.Tensor, meta: SamplingMetadata, tiers: TierConfig
         return truncate(x, meta, tiers, only)
     tmeta = meta
     if wb is not None:
-        temperature = warpers.pre_truncation(x, meta.temperature, wb)
+        temperature = warpers.pre_truncation(x, meta.temperature, meta.top_k, wb)
         if temperature is not meta.temperature:
             tmeta = dataclasses.replace(meta, temperature=temperature)
     kept = truncate(x, tmeta, tiers, only)

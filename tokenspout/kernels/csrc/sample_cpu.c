@@ -243,6 +243,133 @@ static int64_t draw_dense(const float *x, float t, const float *w, int64_t V, ui
     return out;
 }
 
+/* w of 8 logits x[j..j+8) (fewer at the row's end: padded with -inf): exp(x / t - m) where x / t - m >= thr and
+ * that weight >= min_p (0 = off), else 0. */
+static inline __m256 kept_weights8(const float *x, int64_t j, int64_t V, float t, __m256 tv, __m256 mb, __m256 thv,
+                                   float min_p) {
+    __m256 v;
+    if (j + 8 <= V) {
+        v = load_scaled(x + j, tv, t);
+    } else {
+        float tail[8];
+        for (int b = 0; b < 8; b++) tail[b] = j + b < V ? x[j + b] / t : -INFINITY;
+        v = _mm256_loadu_ps(tail);
+    }
+    __m256 d = _mm256_sub_ps(v, mb);
+    __m256 e = _mm256_and_ps(exp_neg(d), _mm256_cmp_ps(d, thv, _CMP_GE_OQ));
+    if (min_p > 0.0f) e = _mm256_and_ps(e, _mm256_cmp_ps(e, _mm256_set1_ps(min_p), _CMP_GE_OQ));
+    return e;
+}
+
+/* draw_dense over the weights of kept_weights8 (m: the row's max of x / t), without a weight buffer: one pass sums
+ * each block's kept weight and draws the block as it goes; the chosen block's weights are computed again for the
+ * token draw.  *zk (if not NULL): the kept weights' sum, for the drawn token's log probability among them. */
+static int64_t draw_dense_pass(const float *x, int64_t V, float t, float m, float thr, float min_p, uint64_t key,
+                               int64_t bs, double *zk) {
+    const __m256 tv = _mm256_set1_ps(t), mb = _mm256_set1_ps(m), thv = _mm256_set1_ps(thr);
+    int64_t nb = (V + bs - 1) / bs, chosen = -1, out = 0;
+    double best = -INFINITY, z = 0.0;
+    for (int64_t b = 0; b < nb; b++) {
+        __m256 acc = _mm256_setzero_ps();
+        int64_t hi = (b + 1) * bs < V ? (b + 1) * bs : V;
+        for (int64_t j = b * bs; j < hi; j += 8) acc = _mm256_add_ps(acc, kept_weights8(x, j, hi, t, tv, mb, thv, min_p));
+        float mass = hsum8(acc);
+        if (!(mass > 0.0f)) continue;
+        z += mass;
+        double s = (double)logf(mass) + gumbel(key, b, SALT_BLOCK);
+        if (s > best) {
+            best = s;
+            chosen = b;
+        }
+    }
+    if (zk) *zk = z;
+    if (chosen < 0) return 0;
+    best = -INFINITY;
+    int64_t hi = (chosen + 1) * bs < V ? (chosen + 1) * bs : V;
+    for (int64_t j = chosen * bs; j < hi; j += 8) {
+        float w[8];
+        _mm256_storeu_ps(w, kept_weights8(x, j, hi, t, tv, mb, thv, min_p));
+        for (int q = 0; q < 8 && j + q < hi; q++) {
+            if (!(w[q] > 0.0f)) continue;
+            double sc = (double)(x[j + q] / t) + gumbel(key, j + q, SALT_TOKEN);
+            if (sc > best) {
+                best = sc;
+                out = j + q;
+            }
+        }
+    }
+    return out;
+}
+
+/* A temperature-only row (no min_p, no cut) in one read: block by block, y = x / t is scaled into an L1 buffer with
+ * its max, the running max m grows with it, and the block's weight sum is taken against the running max of its
+ * time (log mass_b + m_b - m is its log weight against the final max: nothing is summed twice or rescaled).  The
+ * block draw needs the final max, so the blocks' log masses are kept (V / bs of them) and drawn after the pass. */
+static int64_t draw_dense_one_pass(const float *x, int64_t V, float t, uint64_t key, int64_t bs) {
+    const __m256 tv = _mm256_set1_ps(t), ninf = _mm256_set1_ps(-INFINITY);
+    int64_t nb = (V + bs - 1) / bs;
+    double *lm = malloc((size_t)nb * sizeof(double));
+    float *buf = malloc((size_t)(bs + 8) * sizeof(float));
+    float m = -INFINITY;
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t lo = b * bs, len = (b + 1) * bs < V ? bs : V - lo;
+        __m256 mv = ninf;
+        int64_t j = 0;
+        for (; j + 8 <= len; j += 8) {
+            __m256 v = load_scaled(x + lo + j, tv, t);
+            _mm256_storeu_ps(buf + j, v);
+            mv = _mm256_max_ps(mv, v);
+        }
+        float bm = hmax8(mv);
+        for (; j < ((len + 7) & ~(int64_t)7); j++) {
+            buf[j] = j < len ? x[lo + j] / t : -INFINITY;
+            bm = buf[j] > bm ? buf[j] : bm;
+        }
+        m = bm > m ? bm : m;
+        lm[b] = -INFINITY;
+        if (m == -INFINITY) continue;
+        const __m256 mb = _mm256_set1_ps(m);
+        __m256 acc = _mm256_setzero_ps();
+        for (j = 0; j < len; j += 8) acc = _mm256_add_ps(acc, exp_neg(_mm256_sub_ps(_mm256_loadu_ps(buf + j), mb)));
+        float mass = hsum8(acc);
+        if (mass > 0.0f) lm[b] = (double)logf(mass) + (double)m; /* log of the block's weight against exp(-0) */
+    }
+    free(buf);
+    int64_t chosen = -1, out = 0;
+    double best = -INFINITY;
+    for (int64_t b = 0; b < nb; b++) {
+        if (lm[b] == -INFINITY) continue;
+        double sc = lm[b] - (double)m + gumbel(key, b, SALT_BLOCK);
+        if (sc > best) {
+            best = sc;
+            chosen = b;
+        }
+    }
+    free(lm);
+    if (chosen < 0) return 0;
+    best = -INFINITY;
+    for (int64_t j = chosen * bs; j < V && j < (chosen + 1) * bs; j++) {
+        float y = x[j] / t;
+        if (!(y - m >= -87.33654f)) continue; /* weight 0 in the dense path (exp_neg's range; -inf too) */
+        double sc = (double)y + gumbel(key, j, SALT_TOKEN);
+        if (sc > best) {
+            best = sc;
+            out = j;
+        }
+    }
+    return out;
+}
+
+/* The row's max of x / t: the max of x divided once (division by t > 0 is monotone), one read with no division. */
+static float row_max_scaled(const float *x, int64_t V, float t) {
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 8 <= V; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(x + i));
+    float m = hmax8(mv);
+    for (; i < V; i++) m = x[i] > m ? x[i] : m;
+    return m == -INFINITY ? m : (t == 1.0f ? m : m / t);
+}
+
 /* top-p on a whole row without sorting it (nucleus.py's method): bucket the weights by the top bits of their float
  * pattern (monotone in w >= 0), walk the buckets from the top to the one where the mass reaches the target, keep
  * every token above it, drop every token below it, and order only the boundary bucket's tokens exactly.  Zeroes
@@ -310,6 +437,11 @@ static int64_t heavy(const float *x, float t, const float *w, int64_t V8, float 
  * top-p) or, for top-p, the candidates w >= theta for the largest theta whose mass above reaches top_p * Z: any
  * token below theta has all of them ahead of it, so top-p drops it (topk_topp.py's rule (d)). */
 static int64_t sample_dense(const float *x, int64_t V, float t, float top_p, float min_p, uint64_t key, int64_t bs) {
+    if (top_p >= 1.0f && !(min_p > 0.0f)) return draw_dense_one_pass(x, V, t, key, bs);
+    if (top_p >= 1.0f) { /* min_p (against the row's max): no weight buffer, one pass after the max */
+        float mx = row_max_scaled(x, V, t);
+        return mx == -INFINITY ? 0 : draw_dense_pass(x, V, t, mx, -INFINITY, min_p, key, bs, NULL);
+    }
     const __m256 tv = _mm256_set1_ps(t);
     __m256 mv = _mm256_set1_ps(-INFINITY);
     int64_t i = 0;
@@ -562,15 +694,33 @@ static float kth_and_stats(const float *x, int64_t V, int64_t k, float *heap, do
     return heap[0];
 }
 
+/* T_min + (T_max - T_min) * (h / log n) ^ exponent, at least GREEDY_EPS (warpers.dynatemp). */
+static float dyn_temp_from(double h, double n, float t, const float *wk) {
+    double norm = h / log(n);
+    norm = norm < 0.0 ? 0.0 : norm > 1.0 ? 1.0 : norm;
+    double tlo = fmax(0.0, (double)t - wk[W_DYN_R]), thi = (double)t + wk[W_DYN_R];
+    return (float)fmax(tlo + (thi - tlo) * pow(norm, wk[W_DYN_E]), 1e-5);
+}
+
 /* dynatemp's temperature from the entropy of softmax(x) over the finite x >= lo (m: the row's max). */
 static float dyn_temp(const float *x, int64_t V, float lo, float m, float t, const float *wk) {
     double s[5];
     row_sums(x, V, lo, 0.0f, m, 1 | 4, s);
     if (!(s[0] > 1.0)) return t;
-    double h = log(s[3]) - s[4] / s[3], norm = h / log(s[0]);
-    norm = norm < 0.0 ? 0.0 : norm > 1.0 ? 1.0 : norm;
-    double tlo = fmax(0.0, (double)t - wk[W_DYN_R]), thi = (double)t + wk[W_DYN_R];
-    return (float)fmax(tlo + (thi - tlo) * pow(norm, wk[W_DYN_E]), 1e-5);
+    return dyn_temp_from(log(s[3]) - s[4] / s[3], s[0], t, wk);
+}
+
+/* dyn_temp over the n candidates c (raw logits, unordered; m: their max): a top-k row's entropy is taken over its
+ * top-k candidates (warpers.dynatemp), k values instead of a pass over the vocabulary. */
+static float dyn_temp_candidates(int64_t n, const cand *c, float m, float t, const float *wk) {
+    if (n < 2) return t;
+    double z = 0.0, s = 0.0;
+    for (int64_t j = 0; j < n; j++) {
+        double d = (double)c[j].y - m, e = exp(d);
+        z += e;
+        s += e * d;
+    }
+    return dyn_temp_from(log(z) - s / z, (double)n, t, wk);
 }
 
 static int64_t sample_top_k_warped(const float *x, int64_t V, float t, int64_t k, float top_p, float min_p,
@@ -584,7 +734,6 @@ static int64_t sample_top_k_warped(const float *x, int64_t V, float t, int64_t k
         double mean = st[2] / st[1], var = fmax(st[3] / st[1] - mean * mean, 0.0);
         bound = (float)(st[0] - wk[W_SIGMA] * sqrt(var));
     }
-    float tw = wk[W_DYN_R] > 0.0f && st[1] > 0.0 ? dyn_temp(x, V, bound, (float)st[0], t, wk) : t;
     /* The candidates on the raw logits (x >= the k-th value and >= the sigma bound), then scaled by 1 / tw. */
     float lim = bound > kth ? bound : kth;
     cand *c = malloc(CAND_CAP * sizeof(cand));
@@ -594,6 +743,7 @@ static int64_t sample_top_k_warped(const float *x, int64_t V, float t, int64_t k
         c = malloc((size_t)n * sizeof(cand));
         collect(x, V, 1.0f, lim, c, n);
     }
+    float tw = wk[W_DYN_R] > 0.0f ? dyn_temp_candidates(n, c, (float)st[0], t, wk) : t;
     int64_t out = 0;
     if (n > 0) {
         for (int64_t j = 0; j < n; j++) c[j].y = tw == 1.0f ? c[j].y : c[j].y / tw;
@@ -716,8 +866,27 @@ void ts_sample_rows_warped(const float *x, int64_t ldx, int64_t V, const int64_t
  * v2 keeps the tokens with -log2 p <= mu (and the top one); v1 estimates s from the 100 most likely tokens and keeps
  * the top max(int(k), 1), k = ((s - 1) 2^mu / (1 - V^(1 - s)))^(1/s) (ties at the k-th value stay).  Then the dense
  * draw; *lp is the drawn token's log probability among the kept ones (the mu update is done by the caller). */
-static int64_t sample_mirostat(const float *x, int64_t V, float t, int mode, float mu, uint64_t key, int64_t bs,
-                               double *lp) {
+/* Mirostat 1's k from the n sorted candidates c (the mm most likely and ties): s estimated from log(p_q / p_q+1)
+ * of the first mm, k = ((s - 1) 2^mu / (1 - V^(1 - s)))^(1/s), floored into [1, V]. */
+static int64_t mirostat1_k(const cand *c, int64_t n, int64_t mm, int64_t V, float mu) {
+    double num = 0.0, den = 0.0;
+    for (int64_t q = 0; q + 1 < mm && q + 1 < n; q++) {
+        double ti = log((double)(q + 2) / (double)(q + 1));
+        double bi = (double)c[q].y - (double)c[q + 1].y; /* log(p_q / p_q+1) */
+        if (!isfinite(bi)) bi = 0.0;
+        num += ti * bi;
+        den += ti * ti;
+    }
+    double sh = num / den, eps = sh - 1.0;
+    double k = pow(eps * pow(2.0, (double)mu) / (1.0 - pow((double)V, -eps)), 1.0 / sh);
+    if (isnan(k)) k = 1.0;
+    if (!(k < (double)V)) k = (double)V;
+    if (k < 1.0) k = 1.0;
+    return (int64_t)floor(k);
+}
+
+static int64_t sample_mirostat_dense(const float *x, int64_t V, float t, int mode, float mu, uint64_t key, int64_t bs,
+                                     double *lp) {
     const __m256 tv = _mm256_set1_ps(t);
     __m256 mv = _mm256_set1_ps(-INFINITY);
     int64_t i = 0;
@@ -763,20 +932,7 @@ static int64_t sample_mirostat(const float *x, int64_t V, float t, int mode, flo
             collect(x, V, t, kth, c, n);
         }
         qsort(c, (size_t)n, sizeof(cand), cand_order);
-        double num = 0.0, den = 0.0;
-        for (int64_t q = 0; q + 1 < mm && q + 1 < n; q++) {
-            double ti = log((double)(q + 2) / (double)(q + 1));
-            double bi = (double)c[q].y - (double)c[q + 1].y; /* log(p_q / p_q+1) */
-            if (!isfinite(bi)) bi = 0.0;
-            num += ti * bi;
-            den += ti * ti;
-        }
-        double sh = num / den, eps = sh - 1.0;
-        double k = pow(eps * pow(2.0, (double)mu) / (1.0 - pow((double)V, -eps)), 1.0 / sh);
-        if (isnan(k)) k = 1.0;
-        if (!(k < (double)V)) k = (double)V;
-        if (k < 1.0) k = 1.0;
-        int64_t ki = (int64_t)floor(k);
+        int64_t ki = mirostat1_k(c, n, mm, V, mu);
         float kv;
         if (ki <= n) {
             kv = c[ki - 1].y;
@@ -813,6 +969,264 @@ static int64_t sample_mirostat(const float *x, int64_t V, float t, int mode, flo
     *lp = (double)(x[out] / t - m) - log(zk);
     free(w);
     return out;
+}
+
+/* The draw among the kept candidates c[0..n) (y - m >= thr; m the row's max, every candidate finite) and *lp, the
+ * drawn token's log probability among them: the same two-level draw as draw_dense over the kept row. */
+static int64_t draw_kept(const cand *c, int64_t n, float m, float thr, int64_t V, uint64_t key, int64_t bs,
+                         double *lp) {
+    cand *k = malloc((size_t)(n ? n : 1) * sizeof(cand));
+    float *w = malloc((size_t)(n ? n : 1) * sizeof(float));
+    int64_t nk = 0, top = 0;
+    double zk = 0.0;
+    for (int64_t j = 0; j < n; j++) {
+        if (!(c[j].y - m >= thr)) continue; /* the dense path's test, on the same float values */
+        k[nk] = c[j];
+        w[nk] = expf(c[j].y - m);
+        zk += w[nk];
+        if (c[j].y > k[top].y) top = nk;
+        nk++;
+    }
+    if (!nk) {
+        free(w);
+        free(k);
+        return 0;
+    }
+    cand first = k[0]; /* draw_sorted wants the row's max first (its reference and its fallback block) */
+    k[0] = k[top];
+    k[top] = first;
+    float w0 = w[0];
+    w[0] = w[top];
+    w[top] = w0;
+    int64_t out = draw_sorted(k, nk, w, V, key, bs);
+    for (int64_t j = 0; j < nk; j++)
+        if (k[j].id == out) *lp = (double)(k[j].y - m) - log(zk);
+    free(w);
+    free(k);
+    return out;
+}
+
+/* Mirostat 2 in one pass over the row, chunk by chunk (a chunk is scaled once into an L1 buffer): the running max m,
+ * z = sum exp(y - m) rescaled when m grows, and the tokens with y - m >= min(-mu ln 2, 0) as candidates -- a
+ * superset of the kept ones, since z >= 1 puts the cut log z - mu ln 2 above it and m only grows.  When they overflow
+ * (a flat row, or a mu grown large) a second pass draws densely with the cut. */
+#define MIRO_CHUNK 1024
+static int64_t sample_mirostat2(const float *x, int64_t V, float t, float mu, uint64_t key, int64_t bs, double *lp) {
+    const float low = fminf(-mu * 0.69314718f, 0.0f);
+    const __m256 tv = _mm256_set1_ps(t);
+    float buf[MIRO_CHUNK];
+    cand *c = malloc(CAND_CAP * sizeof(cand));
+    int64_t n = 0;
+    int overflow = 0;
+    float m = -INFINITY;
+    double z = 0.0;
+    for (int64_t i = 0; i < V; i += MIRO_CHUNK) {
+        int64_t len = V - i < MIRO_CHUNK ? V - i : MIRO_CHUNK, len8 = (len + 7) & ~(int64_t)7;
+        __m256 mv = _mm256_set1_ps(-INFINITY);
+        int64_t j = 0;
+        for (; j + 8 <= len; j += 8) {
+            __m256 v = load_scaled(x + i + j, tv, t);
+            _mm256_storeu_ps(buf + j, v);
+            mv = _mm256_max_ps(mv, v);
+        }
+        for (; j < len8; j++) buf[j] = j < len ? x[i + j] / t : -INFINITY;
+        float cm = hmax8(mv);
+        for (j = len & ~(int64_t)7; j < len; j++) cm = buf[j] > cm ? buf[j] : cm;
+        if (cm > m) {
+            z = m == -INFINITY ? 0.0 : z * exp((double)m - cm);
+            m = cm;
+        }
+        if (m == -INFINITY) continue;
+        const __m256 mb = _mm256_set1_ps(m), lv = _mm256_set1_ps(low);
+        __m256 acc = _mm256_setzero_ps();
+        for (j = 0; j < len8; j += 8) {
+            __m256 d = _mm256_sub_ps(_mm256_loadu_ps(buf + j), mb);
+            acc = _mm256_add_ps(acc, exp_neg(d));
+            int hit = overflow ? 0 : _mm256_movemask_ps(_mm256_cmp_ps(d, lv, _CMP_GE_OQ));
+            while (hit) {
+                int b = __builtin_ctz(hit);
+                hit &= hit - 1;
+                if (n == CAND_CAP) { /* the earlier candidates against today's max: many drop out once it grew */
+                    int64_t q = 0;
+                    for (int64_t r = 0; r < n; r++)
+                        if (c[r].y - m >= low) c[q++] = c[r];
+                    n = q;
+                }
+                if (n == CAND_CAP) { /* still full: the dense pass after this one, once the cut is known */
+                    overflow = 1;
+                    break;
+                }
+                c[n++] = (cand){buf[j + b], (int32_t)(i + j + b)};
+            }
+        }
+        z += hsum8(acc);
+    }
+    *lp = 0.0;
+    int64_t out = 0;
+    if (m > -INFINITY) {
+        float thr = (float)(log(z) - (double)mu * 0.69314718055994530942);
+        thr = thr > 0.0f ? 0.0f : thr;
+        if (overflow) {
+            double zk;
+            out = draw_dense_pass(x, V, t, m, thr, 0.0f, key, bs, &zk);
+            *lp = (double)(x[out] / t - m) - log(zk);
+        } else {
+            out = draw_kept(c, n, m, thr, V, key, bs, lp);
+        }
+    }
+    free(c);
+    return out;
+}
+
+static int float_desc(const void *a, const void *b) {
+    float p = *(const float *)a, q = *(const float *)b;
+    return (p < q) - (p > q);
+}
+
+/* The k-th largest (0-based) of a[0..n), a reordered around it (Hoare's selection, expected O(n); qsort's compare
+ * calls cost ~0.5 ms for a few thousand values, more than the row's pass). */
+static float select_desc(float *a, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1;
+    while (lo < hi) {
+        float p = a[lo + (hi - lo) / 2];
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (a[i] > p) i++;
+            while (a[j] < p) j--;
+            if (i <= j) {
+                float tmp = a[i];
+                a[i++] = a[j];
+                a[j--] = tmp;
+            }
+        }
+        if (k <= j) hi = j;
+        else if (k >= i) lo = i;
+        else return a[k];
+    }
+    return a[k];
+}
+
+/* Mirostat 1 for a k wider than the top-100 heap, in one pass over the row: the k-th largest y is bracketed by two
+ * pivots from a strided sample of the row (ranks k V / S +- 4 sigma), and one pass sums the weights of the tokens above
+ * the upper pivot per block (kept whatever the k-th value is), counts them, and collects the tokens between the pivots;
+ * the k-th value is then found among those, their kept weights join their blocks, and the block and the token are
+ * drawn as draw_dense would.  m: the row's max of y.  Returns -1 when the bracket misses (the caller's dense path). */
+#define BAND_SAMPLE 4096
+static int64_t mirostat1_wide(const float *x, int64_t V, float t, float m, int64_t k, uint64_t key, int64_t bs,
+                              double *lp) {
+    int64_t S = V < BAND_SAMPLE ? V : BAND_SAMPLE;
+    float *smp = malloc((size_t)S * sizeof(float));
+    for (int64_t q = 0; q < S; q++) smp[q] = x[q * V / S] / t;
+    double r = (double)k * (double)S / (double)V, d = 4.0 * sqrt(r + 1.0) + 8.0;
+    int64_t ih = (int64_t)(r - d), il = (int64_t)(r + d);
+    float lo = il >= S - 1 ? -INFINITY : select_desc(smp, S, il); /* smp[0..il) are now the larger ones */
+    float hi = ih <= 0 ? INFINITY : select_desc(smp, il < S ? il : S, ih);
+    free(smp); /* (lo = -inf: the k-th may be the row's last, e.g. k = V; the band then holds the row's tail) */
+    int64_t nb = (V + bs - 1) / bs, cap = (int64_t)(3.0 * (2.0 * d + 2.0) * (double)V / (double)S) + 1024;
+    float *mass = malloc((size_t)nb * sizeof(float));
+    cand *band = malloc((size_t)cap * sizeof(cand));
+    int64_t nband = 0, above = 0;
+    const __m256 tv = _mm256_set1_ps(t), mb = _mm256_set1_ps(m), hv = _mm256_set1_ps(hi), lv = _mm256_set1_ps(lo);
+    for (int64_t b = 0; b < nb; b++) {
+        __m256 acc = _mm256_setzero_ps();
+        int64_t end = (b + 1) * bs < V ? (b + 1) * bs : V;
+        for (int64_t j = b * bs; j < end; j += 8) {
+            __m256 v;
+            if (j + 8 <= end) {
+                v = load_scaled(x + j, tv, t);
+            } else {
+                float tail[8];
+                for (int q = 0; q < 8; q++) tail[q] = j + q < end ? x[j + q] / t : -INFINITY;
+                v = _mm256_loadu_ps(tail);
+            }
+            __m256 gt = _mm256_cmp_ps(v, hv, _CMP_GT_OQ);
+            int up = _mm256_movemask_ps(gt);
+            if (up) {
+                acc = _mm256_add_ps(acc, _mm256_and_ps(gt, exp_neg(_mm256_sub_ps(v, mb))));
+                above += __builtin_popcount(up);
+            }
+            int in = _mm256_movemask_ps(_mm256_cmp_ps(v, lv, _CMP_GE_OQ)) & ~up;
+            if (!in) continue;
+            float vals[8];
+            _mm256_storeu_ps(vals, v);
+            while (in) {
+                int q = __builtin_ctz(in);
+                in &= in - 1;
+                if (nband < cap) band[nband] = (cand){vals[q], (int32_t)(j + q)};
+                nband++;
+            }
+        }
+        mass[b] = hsum8(acc);
+    }
+    int64_t out = -1;
+    if (above < k && k <= above + nband && nband <= cap) {
+        float *ys = malloc((size_t)nband * sizeof(float));
+        for (int64_t q = 0; q < nband; q++) ys[q] = band[q].y;
+        float kv = select_desc(ys, nband, k - above - 1);
+        free(ys);
+        for (int64_t q = 0; q < nband; q++)
+            if (band[q].y >= kv && band[q].y - m >= -87.33654f) mass[band[q].id / bs] += expf(band[q].y - m);
+        double zk = 0.0, best = -INFINITY;
+        int64_t chosen = -1;
+        for (int64_t b = 0; b < nb; b++) {
+            if (!(mass[b] > 0.0f)) continue;
+            zk += mass[b];
+            double sc = (double)logf(mass[b]) + gumbel(key, b, SALT_BLOCK);
+            if (sc > best) {
+                best = sc;
+                chosen = b;
+            }
+        }
+        best = -INFINITY;
+        out = 0;
+        for (int64_t j = chosen * bs; chosen >= 0 && j < V && j < (chosen + 1) * bs; j++) {
+            float y = x[j] / t;
+            if (!(y >= kv) || !(y - m >= -87.33654f)) continue;
+            double sc = (double)y + gumbel(key, j, SALT_TOKEN);
+            if (sc > best) {
+                best = sc;
+                out = j;
+            }
+        }
+        *lp = (double)(x[out] / t - m) - log(zk);
+    }
+    free(band);
+    free(mass);
+    return out;
+}
+
+/* Mirostat 1 without a normaliser over the vocabulary (the draw and the mu update only need the kept tokens): s from
+ * the 100 largest y (the heap of a first pass over the raw logits, sorted and scaled), k from s and mu; k <= 100: the
+ * k-th of them, the kept tokens collected and drawn (what a top-k row costs); a wider k: mirostat1_wide.  Returns -1
+ * when neither holds (ties wider than the candidate buffer, a bracket that missed): the caller's dense path. */
+static int64_t sample_mirostat1(const float *x, int64_t V, float t, float mu, uint64_t key, int64_t bs, double *lp) {
+    int64_t mm = V < 100 ? V : 100;
+    float heap[100];
+    kth_largest(x, V, 1.0f, mm, heap); /* on x, no division: x / t keeps the order */
+    qsort(heap, (size_t)mm, sizeof(float), float_desc);
+    *lp = 0.0;
+    if (heap[0] == -INFINITY) return 0;
+    cand top[100];
+    int64_t finite = 0;
+    for (int64_t q = 0; q < mm; q++) {
+        heap[q] = t == 1.0f ? heap[q] : heap[q] / t;
+        top[q] = (cand){heap[q], 0};
+        finite += heap[q] > -INFINITY;
+    }
+    int64_t ki = mirostat1_k(top, finite, mm, V, mu);
+    if (ki > mm) return mirostat1_wide(x, V, t, heap[0], ki, key, bs, lp);
+    float kv = heap[ki - 1];
+    cand *c = malloc(CAND_CAP * sizeof(cand));
+    int64_t n = collect(x, V, t, kv, c, CAND_CAP), out = -1;
+    if (n <= CAND_CAP && n > 0) out = draw_kept(c, n, heap[0], kv - heap[0], V, key, bs, lp);
+    free(c);
+    return out;
+}
+
+static int64_t sample_mirostat(const float *x, int64_t V, float t, int mode, float mu, uint64_t key, int64_t bs,
+                               double *lp) {
+    int64_t out = mode == 2 ? sample_mirostat2(x, V, t, mu, key, bs, lp) : sample_mirostat1(x, V, t, mu, key, bs, lp);
+    return out >= 0 ? out : sample_mirostat_dense(x, V, t, mode, mu, key, bs, lp);
 }
 
 void ts_sample_rows_mirostat(const float *x, int64_t ldx, int64_t V, const int64_t *rows, int64_t n,

@@ -46,6 +46,10 @@ class NgramBans:
 
 
 class DryState:
+    """DRY's state for one request: the context (the last `last_n` tokens, or all) and m per position in growable
+    buffers (a token appends in O(window) vectorised work, no reallocation), and the positions of breaker heads so that
+    the step's breaker scan looks only at those (np.isin over the window cost ~60 us a row)."""
+
     def __init__(self, multiplier: float, base: float, allowed_length: int, last_n: int,
                  breakers: list[list[int]], tokens: list[int]) -> None:
         self.multiplier, self.base, self.allowed = multiplier, base, allowed_length
@@ -56,19 +60,24 @@ class DryState:
             if seq:
                 self.breakers.setdefault(seq[0], []).append(list(seq[1:]))
         self.single = {h for h, tails in self.breakers.items() if any(not t for t in tails)}
-        self._heads = np.asarray(list(self.breakers), dtype=np.int64)
         self.max_exp = int(FLOAT_MAX_LOG / math.log(base)) if base > 1.000001 else 0
-        self.ctx = np.zeros(0, dtype=np.int64)
-        self.m = np.zeros(0, dtype=np.int64)  # m[j]: the repeat ending at j (m[-1], the end itself, is unused)
+        self._ctx = np.zeros(0, dtype=np.int64)  # buffers; the live part is [:self._n]
+        self._m = np.zeros(0, dtype=np.int64)  # m[j]: the repeat ending at j (m at the end itself is unused)
+        self._n = 0
+        self._heads: list[int] = []  # positions of breaker heads in the live part, ascending
         self._init(tokens)
+
+    @property
+    def ctx(self) -> np.ndarray:
+        return self._ctx[:self._n]
 
     def _init(self, tokens: list[int]) -> None:
         """m for a whole history at once: the Z-function of the reversed sequence (z[k] = m[L - 1 - k]).  With a
         window only its tokens are kept: a repeat is capped at the window's start anyway, and the window only moves
         forward."""
-        c = np.asarray(tokens[-self.last_n:] if self.last_n > 0 else tokens, dtype=np.int64)
+        c = tokens[-self.last_n:] if self.last_n > 0 else tokens
         n = len(c)
-        s = c[::-1].tolist()
+        s = c[::-1]
         z = [0] * n
         lt = rt = 0
         for k in range(1, n):
@@ -78,35 +87,57 @@ class DryState:
                 z[k] += 1
             if k + z[k] > rt:
                 lt, rt = k, k + z[k]
-        self.ctx = c
-        self.m = np.asarray(z[::-1], dtype=np.int64) if n else np.zeros(0, dtype=np.int64)
+        cap = max(2 * n, 64)
+        self._ctx = np.zeros(cap, dtype=np.int64)
+        self._m = np.zeros(cap, dtype=np.int64)
+        self._ctx[:n] = c
+        self._m[:n] = z[::-1]
+        self._n = n
+        self._heads = [j for j, t in enumerate(c) if t in self.breakers]
 
     def extend(self, tokens: list[int]) -> None:
         for t in tokens:
-            c, m = self.ctx, self.m
-            new = np.empty(len(c) + 1, dtype=np.int64)
-            if len(c):
-                new[0] = int(c[0] == t)
-                new[1:len(c)] = np.where(c[1:] == t, m[:-1] + 1, 0)
-            new[-1] = 0
-            self.m = new
-            self.ctx = np.append(c, t)
-            if 0 < self.last_n < len(self.ctx):
-                self.ctx, self.m = self.ctx[-self.last_n:], self.m[-self.last_n:]
+            n = self._n
+            if n == len(self._ctx):
+                self._grow()
+                n = self._n
+            c, m = self._ctx, self._m
+            if n:  # m'(j) = m(j - 1) + 1 where c[j] == t, else 0 (right to left: m[j - 1] is still the old value)
+                m[1:n] = np.where(c[1:n] == t, m[:n - 1] + 1, 0)
+                m[0] = int(c[0] == t)
+            m[n] = 0
+            c[n] = t
+            if t in self.breakers:
+                self._heads.append(n)
+            self._n = n + 1
+
+    def _grow(self) -> None:
+        """Room for more tokens: a windowed state drops everything before its window (a repeat is capped at the
+        window's start anyway, see _init), an unwindowed one doubles its buffers."""
+        n = self._n
+        keep = n if self.last_n <= 0 else min(n, self.last_n)
+        drop = n - keep
+        cap = max(2 * keep, 64)
+        ctx, m = np.zeros(cap, dtype=np.int64), np.zeros(cap, dtype=np.int64)
+        ctx[:keep], m[:keep] = self._ctx[drop:n], self._m[drop:n]
+        if drop:
+            m[:keep] = np.minimum(m[:keep], np.arange(1, keep + 1))  # as if the context started at the window
+        self._ctx, self._m, self._n = ctx, m, keep
+        self._heads = [j - drop for j in self._heads if j >= drop]
 
     def _rep_limit(self, w: int) -> int:
         """The distance back (within the last w tokens) to the newest complete breaker, as llama.cpp's step 1."""
-        c = self.ctx
-        end = len(c) - 1
-        win = c[len(c) - w:]
-        heads = np.flatnonzero(np.isin(win, self._heads))  # only breaker heads need a look, newest first
-        for pos in heads[::-1].tolist():
-            i = w - 1 - pos
-            tails = self.breakers[int(win[pos])]
+        c = self._ctx
+        end = self._n - 1
+        first = self._n - w
+        for pos in reversed(self._heads):  # only breaker heads need a look, newest first
+            if pos < first:
+                break
+            i = end - pos
             longest = -1
-            for tail in tails:
+            for tail in self.breakers[int(c[pos])]:
                 k = len(tail)
-                if longest < k <= i and all(tail[o] == c[end - i + o + 1] for o in range(k)):
+                if longest < k <= i and all(tail[o] == c[pos + o + 1] for o in range(k)):
                     longest = k
             if longest >= 0:
                 return i - longest
@@ -114,7 +145,7 @@ class DryState:
 
     def penalties(self) -> tuple[list[int], list[float]]:
         """(token ids, penalties to subtract from their logits) for the next token."""
-        total = len(self.ctx)
+        total = self._n
         w = total if self.last_n < 0 else min(total, self.last_n)
         if w <= self.allowed:
             return [], []
@@ -122,13 +153,16 @@ class DryState:
         if limit < self.allowed:
             return [], []
         start = total - w
-        j = np.arange(start, total - 1)
-        rep = np.minimum(np.minimum(self.m[start:total - 1], j - start + 1), limit)
+        # rep(j) = min(m[j], j - start + 1, limit) >= allowed: only positions with m[j] >= allowed can qualify
+        cand = np.flatnonzero(self._m[start:total - 1] >= self.allowed)
+        if not cand.size:
+            return [], []
+        rep = np.minimum(np.minimum(self._m[start + cand], cand + 1), limit)
         hit = rep >= self.allowed
         if not hit.any():
             return [], []
         best: dict[int, int] = {}
-        for tok, r in zip(self.ctx[j[hit] + 1].tolist(), rep[hit].tolist()):
+        for tok, r in zip(self._ctx[start + cand[hit] + 1].tolist(), rep[hit].tolist()):
             if r > best.get(tok, -1):
                 best[tok] = r
         ids, vals = [], []

@@ -9,9 +9,12 @@ Each one works on the renormalised survivors of the steps before it, as transfor
   deviation over the row's finite logits.  Scaling by 1/T scales max and std alike, so the kept set does not depend
   on the temperature: it runs on the logits before temperature, like llama.cpp (which applies temperature last).
 - dynatemp (llama.cpp's llama_sampler_temp_ext): T_dyn = T_min + (T_max - T_min) * (H / log N) ** exponent, with
-  T_min = max(0, T - range), T_max = T + range, H the entropy of softmax(logits) over the N finite logits.  It
-  replaces the row's temperature at the temperature's place (llama.cpp runs it last in its chain, after its own
-  truncation; here the truncation warpers come after it, as vLLM's order has min_p / top-k / top-p after T).
+  T_min = max(0, T - range), T_max = T + range, H the entropy of softmax(logits) over the N tokens still in the
+  running: the finite logits after top_n_sigma and, on a row with top-k, its top-k candidates (ties at the k-th
+  value included).  llama.cpp runs it last in its chain, on the candidates its top-k / top-p / min-p left (all
+  taken at temperature 1); here min_p / top-p come after the temperature (vLLM's order), so they cannot be in front
+  of it, but top-k does not depend on the temperature and is: its entropy then costs k values, not a vocabulary
+  pass.  It replaces the row's temperature at the temperature's place.
 - typical_p, epsilon_cutoff, eta_cutoff: transformers' TypicalLogitsWarper / EpsilonLogitsWarper / EtaLogitsWarper
   (min_tokens_to_keep = 1), in generate()'s order (typical, epsilon, eta, after top-k / top-p / min_p).
 - XTC (llama.cpp's llama_sampler_xtc): with probability xtc_probability per step, if at least two tokens have
@@ -104,8 +107,23 @@ def top_n_sigma(x: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
     return x.masked_fill(x < bound, NEG_INF)
 
 
-def dynatemp(x: torch.Tensor, temperature: torch.Tensor, rng: torch.Tensor, exponent: torch.Tensor) -> torch.Tensor:
-    """The entropy-scaled temperature [R] of rows x [R, V] (logits before any temperature)."""
+def top_k_candidates(x: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """x [R, V] with every logit below the row's k-th largest set to -inf (ties at the k-th value stay, as top-k
+    keeps them); rows with top_k 0 (off) unchanged."""
+    k = top_k.clamp(min=0, max=x.shape[1])
+    if not bool((k > 0).any()):
+        return x
+    kmax = int(k.max())
+    kth = x.topk(kmax, -1).values.gather(1, (k.clamp(min=1) - 1).unsqueeze(-1))
+    return torch.where((k > 0).unsqueeze(-1) & (x < kth), NEG_INF, x)
+
+
+def dynatemp(x: torch.Tensor, temperature: torch.Tensor, rng: torch.Tensor, exponent: torch.Tensor,
+             top_k: torch.Tensor | None = None) -> torch.Tensor:
+    """The entropy-scaled temperature [R] of rows x [R, V] (logits before any temperature), the entropy over each
+    row's top-k candidates where top_k [R] > 0."""
+    if top_k is not None:
+        x = top_k_candidates(x, top_k)
     n = torch.isfinite(x).sum(-1)
     h_max = n.clamp(min=2).to(torch.float32).log()
     norm = (_entropy(x) / h_max).clamp(0.0, 1.0)
@@ -194,9 +212,9 @@ def xtc_coin(seed_keys: torch.Tensor, positions: torch.Tensor, probability: torc
     return u < probability.double()
 
 
-def pre_truncation(x: torch.Tensor, temperature: torch.Tensor, wb: WarpBatch) -> torch.Tensor:
+def pre_truncation(x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, wb: WarpBatch) -> torch.Tensor:
     """top_n_sigma on the warped rows of x [B, V] (in place), and the batch's temperature [B] with the dynatemp
-    rows' replaced (a new tensor when any; the caller's otherwise)."""
+    rows' replaced (a new tensor when any; the caller's otherwise); top_k [B] the batch's (0 = off)."""
     # (Advanced indexing, not index_select: the latter is very slow on whole [R, V] CPU rows.)
     rows = torch.tensor(wb.rows, dtype=torch.int64, device=x.device)
     if wb.any_sigma:
@@ -206,7 +224,7 @@ def pre_truncation(x: torch.Tensor, temperature: torch.Tensor, wb: WarpBatch) ->
     if wb.any_dynatemp:
         on = (wb.dynatemp_range > 0).nonzero().squeeze(-1)
         r = rows[on]
-        t = dynatemp(x[r], temperature[r], wb.dynatemp_range[on], wb.dynatemp_exponent[on])
+        t = dynatemp(x[r], temperature[r], wb.dynatemp_range[on], wb.dynatemp_exponent[on], top_k[r])
         temperature = temperature.index_copy(0, r, t)
     return temperature
 
