@@ -243,52 +243,41 @@ static int64_t draw_dense(const float *x, float t, const float *w, int64_t V, ui
     return out;
 }
 
-/* w of 8 logits x[j..j+8) (fewer at the row's end: padded with -inf): exp(x / t - m) where x / t - m >= thr and
- * that weight >= min_p (0 = off), else 0. */
-static inline __m256 kept_weights8(const float *x, int64_t j, int64_t V, float t, __m256 tv, __m256 mb, __m256 thv,
-                                   float min_p) {
+#define LOG2E 1.44269504088896341f
+#define UNDER2 -126.0f /* exp2_neg's zero: a weight below 2^-126 of the max's */
+
+/* The bits (log2 units) of x's weight below the row's max x_max: (x - x_max) * c, c = log2(e) / t. */
+static inline __m256 bits8(const float *x, int64_t j, int64_t V, __m256 xm, __m256 c) {
     __m256 v;
     if (j + 8 <= V) {
-        v = load_scaled(x + j, tv, t);
+        v = _mm256_loadu_ps(x + j);
     } else {
         float tail[8];
-        for (int b = 0; b < 8; b++) tail[b] = j + b < V ? x[j + b] / t : -INFINITY;
+        for (int b = 0; b < 8; b++) tail[b] = j + b < V ? x[j + b] : -INFINITY;
         v = _mm256_loadu_ps(tail);
     }
-    __m256 d = _mm256_sub_ps(v, mb);
-    __m256 e = _mm256_and_ps(exp_neg(d), _mm256_cmp_ps(d, thv, _CMP_GE_OQ));
+    return _mm256_mul_ps(_mm256_sub_ps(v, xm), c);
+}
+
+/* The weights exp(y - m) of x[j..j+8) (y = x / t, m its row max) where kept: y - m >= thr (bits >= thr2, its
+ * value in bits) and weight >= min_p (0 = off); 0 elsewhere and past V. */
+static inline __m256 kept_weights8(const float *x, int64_t j, int64_t V, __m256 xm, __m256 c, __m256 thr2,
+                                   float min_p) {
+    __m256 d2 = bits8(x, j, V, xm, c);
+    __m256 e = _mm256_and_ps(exp2_neg(d2), _mm256_cmp_ps(d2, thr2, _CMP_GE_OQ));
     if (min_p > 0.0f) e = _mm256_and_ps(e, _mm256_cmp_ps(e, _mm256_set1_ps(min_p), _CMP_GE_OQ));
     return e;
 }
 
-/* draw_dense over the weights of kept_weights8 (m: the row's max of x / t), without a weight buffer: one pass sums
- * each block's kept weight and draws the block as it goes; the chosen block's weights are computed again for the
- * token draw.  *zk (if not NULL): the kept weights' sum, for the drawn token's log probability among them. */
-static int64_t draw_dense_pass(const float *x, int64_t V, float t, float m, float thr, float min_p, uint64_t key,
-                               int64_t bs, double *zk) {
-    const __m256 tv = _mm256_set1_ps(t), mb = _mm256_set1_ps(m), thv = _mm256_set1_ps(thr);
-    int64_t nb = (V + bs - 1) / bs, chosen = -1, out = 0;
-    double best = -INFINITY, z = 0.0;
-    for (int64_t b = 0; b < nb; b++) {
-        __m256 acc = _mm256_setzero_ps();
-        int64_t hi = (b + 1) * bs < V ? (b + 1) * bs : V;
-        for (int64_t j = b * bs; j < hi; j += 8) acc = _mm256_add_ps(acc, kept_weights8(x, j, hi, t, tv, mb, thv, min_p));
-        float mass = hsum8(acc);
-        if (!(mass > 0.0f)) continue;
-        z += mass;
-        double s = (double)logf(mass) + gumbel(key, b, SALT_BLOCK);
-        if (s > best) {
-            best = s;
-            chosen = b;
-        }
-    }
-    if (zk) *zk = z;
-    if (chosen < 0) return 0;
-    best = -INFINITY;
-    int64_t hi = (chosen + 1) * bs < V ? (chosen + 1) * bs : V;
+/* The token of block `chosen` (kept: weight > 0 in kept_weights8) by argmax(y + G(t)), draw_dense's second level. */
+static int64_t draw_in_block(const float *x, int64_t V, float t, float xm, float thr, float min_p, uint64_t key,
+                             int64_t bs, int64_t chosen) {
+    const __m256 xv = _mm256_set1_ps(xm), c = _mm256_set1_ps(LOG2E / t), thv = _mm256_set1_ps(thr * LOG2E);
+    double best = -INFINITY;
+    int64_t out = chosen * bs, hi = (chosen + 1) * bs < V ? (chosen + 1) * bs : V;
     for (int64_t j = chosen * bs; j < hi; j += 8) {
         float w[8];
-        _mm256_storeu_ps(w, kept_weights8(x, j, hi, t, tv, mb, thv, min_p));
+        _mm256_storeu_ps(w, kept_weights8(x, j, hi, xv, c, thv, min_p));
         for (int q = 0; q < 8 && j + q < hi; q++) {
             if (!(w[q] > 0.0f)) continue;
             double sc = (double)(x[j + q] / t) + gumbel(key, j + q, SALT_TOKEN);
@@ -301,73 +290,84 @@ static int64_t draw_dense_pass(const float *x, int64_t V, float t, float m, floa
     return out;
 }
 
-/* A temperature-only row (no min_p, no cut) in one read: block by block, y = x / t is scaled into an L1 buffer with
- * its max, the running max m grows with it, and the block's weight sum is taken against the running max of its
- * time (log mass_b + m_b - m is its log weight against the final max: nothing is summed twice or rescaled).  The
- * block draw needs the final max, so the blocks' log masses are kept (V / bs of them) and drawn after the pass. */
-static int64_t draw_dense_one_pass(const float *x, int64_t V, float t, uint64_t key, int64_t bs) {
-    const __m256 tv = _mm256_set1_ps(t), ninf = _mm256_set1_ps(-INFINITY);
-    int64_t nb = (V + bs - 1) / bs;
-    double *lm = malloc((size_t)nb * sizeof(double));
-    float *buf = malloc((size_t)(bs + 8) * sizeof(float));
-    float m = -INFINITY;
+/* draw_dense over the kept weights (kept_weights8; xm the row's max of x), without a weight buffer: one pass sums
+ * each block's kept weight and draws the block as it goes, then the chosen block's token.  *zk (if not NULL): the
+ * kept weights' sum, for the drawn token's log probability among them. */
+static int64_t draw_dense_pass(const float *x, int64_t V, float t, float xm, float thr, float min_p, uint64_t key,
+                               int64_t bs, double *zk) {
+    const __m256 xv = _mm256_set1_ps(xm), c = _mm256_set1_ps(LOG2E / t), thv = _mm256_set1_ps(thr * LOG2E);
+    int64_t nb = (V + bs - 1) / bs, chosen = -1;
+    double best = -INFINITY, z = 0.0;
     for (int64_t b = 0; b < nb; b++) {
-        int64_t lo = b * bs, len = (b + 1) * bs < V ? bs : V - lo;
-        __m256 mv = ninf;
-        int64_t j = 0;
-        for (; j + 8 <= len; j += 8) {
-            __m256 v = load_scaled(x + lo + j, tv, t);
-            _mm256_storeu_ps(buf + j, v);
-            mv = _mm256_max_ps(mv, v);
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        int64_t hi = (b + 1) * bs < V ? (b + 1) * bs : V, j = b * bs;
+        for (; j + 16 <= hi; j += 16) {
+            acc0 = _mm256_add_ps(acc0, kept_weights8(x, j, hi, xv, c, thv, min_p));
+            acc1 = _mm256_add_ps(acc1, kept_weights8(x, j + 8, hi, xv, c, thv, min_p));
         }
-        float bm = hmax8(mv);
-        for (; j < ((len + 7) & ~(int64_t)7); j++) {
-            buf[j] = j < len ? x[lo + j] / t : -INFINITY;
-            bm = buf[j] > bm ? buf[j] : bm;
-        }
-        m = bm > m ? bm : m;
-        lm[b] = -INFINITY;
-        if (m == -INFINITY) continue;
-        const __m256 mb = _mm256_set1_ps(m);
-        __m256 acc = _mm256_setzero_ps();
-        for (j = 0; j < len; j += 8) acc = _mm256_add_ps(acc, exp_neg(_mm256_sub_ps(_mm256_loadu_ps(buf + j), mb)));
-        float mass = hsum8(acc);
-        if (mass > 0.0f) lm[b] = (double)logf(mass) + (double)m; /* log of the block's weight against exp(-0) */
-    }
-    free(buf);
-    int64_t chosen = -1, out = 0;
-    double best = -INFINITY;
-    for (int64_t b = 0; b < nb; b++) {
-        if (lm[b] == -INFINITY) continue;
-        double sc = lm[b] - (double)m + gumbel(key, b, SALT_BLOCK);
+        for (; j < hi; j += 8) acc0 = _mm256_add_ps(acc0, kept_weights8(x, j, hi, xv, c, thv, min_p));
+        float mass = hsum8(_mm256_add_ps(acc0, acc1));
+        if (!(mass > 0.0f)) continue;
+        z += mass;
+        double sc = (double)logf(mass) + gumbel(key, b, SALT_BLOCK);
         if (sc > best) {
             best = sc;
             chosen = b;
         }
     }
-    free(lm);
-    if (chosen < 0) return 0;
-    best = -INFINITY;
-    for (int64_t j = chosen * bs; j < V && j < (chosen + 1) * bs; j++) {
-        float y = x[j] / t;
-        if (!(y - m >= -87.33654f)) continue; /* weight 0 in the dense path (exp_neg's range; -inf too) */
-        double sc = (double)y + gumbel(key, j, SALT_TOKEN);
-        if (sc > best) {
-            best = sc;
-            out = j;
-        }
-    }
-    return out;
+    if (zk) *zk = z;
+    return chosen < 0 ? 0 : draw_in_block(x, V, t, xm, thr, min_p, key, bs, chosen);
 }
 
-/* The row's max of x / t: the max of x divided once (division by t > 0 is monotone), one read with no division. */
-static float row_max_scaled(const float *x, int64_t V, float t) {
+/* The largest of x[lo..hi) (-inf past V). */
+static inline float max_range(const float *x, int64_t lo, int64_t hi) {
     __m256 mv = _mm256_set1_ps(-INFINITY);
-    int64_t i = 0;
-    for (; i + 8 <= V; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(x + i));
+    int64_t j = lo;
+    for (; j + 8 <= hi; j += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(x + j));
     float m = hmax8(mv);
-    for (; i < V; i++) m = x[i] > m ? x[i] : m;
-    return m == -INFINITY ? m : (t == 1.0f ? m : m / t);
+    for (; j < hi; j++) m = x[j] > m ? x[j] : m;
+    return m;
+}
+
+/* A temperature-only row (no min_p, no cut) in one read: block by block (a block stays in L1 between its max and
+ * its weights), the running max of x grows, and the block's weight sum is taken against the running max of its
+ * time, x_b: its log weight against the final max x_max is log mass_b + (x_b - x_max) / t.  The block draw needs the
+ * final max, so it runs on the kept (mass, x_b) pairs after the pass. */
+static int64_t draw_dense_one_pass(const float *x, int64_t V, float t, uint64_t key, int64_t bs) {
+    const __m256 c = _mm256_set1_ps(LOG2E / t);
+    int64_t nb = (V + bs - 1) / bs;
+    float *mass = malloc((size_t)nb * sizeof(float)), *at = malloc((size_t)nb * sizeof(float));
+    float xm = -INFINITY;
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t lo = b * bs, hi = (b + 1) * bs < V ? (b + 1) * bs : V;
+        float bm = max_range(x, lo, hi);
+        xm = bm > xm ? bm : xm;
+        mass[b] = 0.0f;
+        at[b] = xm;
+        if (xm == -INFINITY) continue;
+        const __m256 xv = _mm256_set1_ps(xm);
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+        int64_t j = lo;
+        for (; j + 16 <= hi; j += 16) {
+            acc0 = _mm256_add_ps(acc0, exp2_neg(bits8(x, j, hi, xv, c)));
+            acc1 = _mm256_add_ps(acc1, exp2_neg(bits8(x, j + 8, hi, xv, c)));
+        }
+        for (; j < hi; j += 8) acc0 = _mm256_add_ps(acc0, exp2_neg(bits8(x, j, hi, xv, c)));
+        mass[b] = hsum8(_mm256_add_ps(acc0, acc1));
+    }
+    int64_t chosen = -1;
+    double best = -INFINITY;
+    for (int64_t b = 0; b < nb; b++) {
+        if (!(mass[b] > 0.0f)) continue;
+        double sc = (double)logf(mass[b]) + ((double)at[b] - xm) / t + gumbel(key, b, SALT_BLOCK);
+        if (sc > best) {
+            best = sc;
+            chosen = b;
+        }
+    }
+    free(mass);
+    free(at);
+    return chosen < 0 ? 0 : draw_in_block(x, V, t, xm, -INFINITY, 0.0f, key, bs, chosen);
 }
 
 /* top-p on a whole row without sorting it (nucleus.py's method): bucket the weights by the top bits of their float
@@ -439,8 +439,8 @@ static int64_t heavy(const float *x, float t, const float *w, int64_t V8, float 
 static int64_t sample_dense(const float *x, int64_t V, float t, float top_p, float min_p, uint64_t key, int64_t bs) {
     if (top_p >= 1.0f && !(min_p > 0.0f)) return draw_dense_one_pass(x, V, t, key, bs);
     if (top_p >= 1.0f) { /* min_p (against the row's max): no weight buffer, one pass after the max */
-        float mx = row_max_scaled(x, V, t);
-        return mx == -INFINITY ? 0 : draw_dense_pass(x, V, t, mx, -INFINITY, min_p, key, bs, NULL);
+        float xm = max_range(x, 0, V);
+        return xm == -INFINITY ? 0 : draw_dense_pass(x, V, t, xm, -INFINITY, min_p, key, bs, NULL);
     }
     const __m256 tv = _mm256_set1_ps(t);
     __m256 mv = _mm256_set1_ps(-INFINITY);
@@ -1006,75 +1006,119 @@ static int64_t draw_kept(const cand *c, int64_t n, float m, float thr, int64_t V
     return out;
 }
 
-/* Mirostat 2 in one pass over the row, chunk by chunk (a chunk is scaled once into an L1 buffer): the running max m,
- * z = sum exp(y - m) rescaled when m grows, and the tokens with y - m >= min(-mu ln 2, 0) as candidates -- a
+/* A per-thread scratch row (kept between calls: a fresh 0.5 MB malloc would be a fresh mmap, its page faults
+ * costing more than the row's arithmetic). */
+static float *scratch_row(int64_t n) {
+    static __thread float *buf = NULL;
+    static __thread int64_t cap = 0;
+    if (n > cap) {
+        free(buf);
+        buf = malloc((size_t)n * sizeof(float));
+        cap = n;
+    }
+    return buf;
+}
+
+/* Mirostat 2 in one pass over the row, block by block (a block stays in L1 between its max and its weights): the
+ * running max of x, each block's weights against the running max of its time (kept in a scratch row; at[b] that max),
+ * z = sum exp(y - m) rescaled when the max grows, and the tokens with y - m >= min(-mu ln 2, 0) as candidates -- a
  * superset of the kept ones, since z >= 1 puts the cut log z - mu ln 2 above it and m only grows.  When they overflow
- * (a flat row, or a mu grown large) a second pass draws densely with the cut. */
-#define MIRO_CHUNK 1024
+ * (a flat row, or a mu grown large) the kept weights are summed per block from the scratch row (w >= 2^(cut - the
+ * block's offset)) and the draw is draw_dense's, without computing a weight twice. */
 static int64_t sample_mirostat2(const float *x, int64_t V, float t, float mu, uint64_t key, int64_t bs, double *lp) {
-    const float low = fminf(-mu * 0.69314718f, 0.0f);
-    const __m256 tv = _mm256_set1_ps(t);
-    float buf[MIRO_CHUNK];
+    const float low = fminf(-mu * 0.69314718f, 0.0f), cs = LOG2E / t; /* low: nats below the max, as y - m */
+    const __m256 cv = _mm256_set1_ps(cs), lv = _mm256_set1_ps(low * LOG2E);
+    int64_t nb = (V + bs - 1) / bs, n = 0;
+    float *w = scratch_row(nb * bs), *at = malloc((size_t)nb * sizeof(float));
     cand *c = malloc(CAND_CAP * sizeof(cand));
-    int64_t n = 0;
     int overflow = 0;
-    float m = -INFINITY;
+    float xm = -INFINITY; /* the running max of x (y's is xm / t) */
     double z = 0.0;
-    for (int64_t i = 0; i < V; i += MIRO_CHUNK) {
-        int64_t len = V - i < MIRO_CHUNK ? V - i : MIRO_CHUNK, len8 = (len + 7) & ~(int64_t)7;
-        __m256 mv = _mm256_set1_ps(-INFINITY);
-        int64_t j = 0;
-        for (; j + 8 <= len; j += 8) {
-            __m256 v = load_scaled(x + i + j, tv, t);
-            _mm256_storeu_ps(buf + j, v);
-            mv = _mm256_max_ps(mv, v);
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t lo = b * bs, hi = (b + 1) * bs < V ? (b + 1) * bs : V;
+        float cm = max_range(x, lo, hi);
+        if (cm > xm) {
+            z = xm == -INFINITY ? 0.0 : z * exp(((double)xm - cm) / t);
+            xm = cm;
         }
-        for (; j < len8; j++) buf[j] = j < len ? x[i + j] / t : -INFINITY;
-        float cm = hmax8(mv);
-        for (j = len & ~(int64_t)7; j < len; j++) cm = buf[j] > cm ? buf[j] : cm;
-        if (cm > m) {
-            z = m == -INFINITY ? 0.0 : z * exp((double)m - cm);
-            m = cm;
+        at[b] = xm;
+        if (xm == -INFINITY) {
+            memset(w + lo, 0, (size_t)(hi - lo) * sizeof(float));
+            continue;
         }
-        if (m == -INFINITY) continue;
-        const __m256 mb = _mm256_set1_ps(m), lv = _mm256_set1_ps(low);
+        const __m256 xv = _mm256_set1_ps(xm);
+        const float m = xm / t;
         __m256 acc = _mm256_setzero_ps();
-        for (j = 0; j < len8; j += 8) {
-            __m256 d = _mm256_sub_ps(_mm256_loadu_ps(buf + j), mb);
-            acc = _mm256_add_ps(acc, exp_neg(d));
-            int hit = overflow ? 0 : _mm256_movemask_ps(_mm256_cmp_ps(d, lv, _CMP_GE_OQ));
+        for (int64_t j = lo; j < hi; j += 8) {
+            __m256 d2 = bits8(x, j, hi, xv, cv), e = exp2_neg(d2);
+            _mm256_storeu_ps(w + j, e);
+            acc = _mm256_add_ps(acc, e);
+            int hit = overflow ? 0 : _mm256_movemask_ps(_mm256_cmp_ps(d2, lv, _CMP_GE_OQ));
             while (hit) {
-                int b = __builtin_ctz(hit);
+                int q = __builtin_ctz(hit);
                 hit &= hit - 1;
                 if (n == CAND_CAP) { /* the earlier candidates against today's max: many drop out once it grew */
-                    int64_t q = 0;
+                    int64_t r2 = 0;
                     for (int64_t r = 0; r < n; r++)
-                        if (c[r].y - m >= low) c[q++] = c[r];
-                    n = q;
+                        if (c[r].y - m >= low) c[r2++] = c[r];
+                    n = r2;
                 }
-                if (n == CAND_CAP) { /* still full: the dense pass after this one, once the cut is known */
+                if (n == CAND_CAP) {
                     overflow = 1;
                     break;
                 }
-                c[n++] = (cand){buf[j + b], (int32_t)(i + j + b)};
+                c[n++] = (cand){x[j + q] / t, (int32_t)(j + q)};
             }
         }
         z += hsum8(acc);
     }
     *lp = 0.0;
     int64_t out = 0;
-    if (m > -INFINITY) {
+    if (xm > -INFINITY) {
+        const float m = xm / t;
         float thr = (float)(log(z) - (double)mu * 0.69314718055994530942);
         thr = thr > 0.0f ? 0.0f : thr;
-        if (overflow) {
-            double zk;
-            out = draw_dense_pass(x, V, t, m, thr, 0.0f, key, bs, &zk);
-            *lp = (double)(x[out] / t - m) - log(zk);
-        } else {
+        if (!overflow) {
             out = draw_kept(c, n, m, thr, V, key, bs, lp);
+        } else { /* kept: d2 >= thr2 against the final max, i.e. w >= 2^(thr2 - off_b), off_b = (at_b - xm) c */
+            double zk = 0.0, best = -INFINITY;
+            int64_t chosen = -1;
+            float wthr_chosen = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                int64_t lo = b * bs, hi = (b + 1) * bs < V ? (b + 1) * bs : V;
+                if (at[b] == -INFINITY) continue;
+                float off = (at[b] - xm) * cs, wthr = exp2f(thr * LOG2E - off);
+                const __m256 tv2 = _mm256_set1_ps(wthr);
+                __m256 acc = _mm256_setzero_ps();
+                for (int64_t j = lo; j + 8 <= hi; j += 8) {
+                    __m256 e = _mm256_loadu_ps(w + j);
+                    acc = _mm256_add_ps(acc, _mm256_and_ps(e, _mm256_cmp_ps(e, tv2, _CMP_GE_OQ)));
+                }
+                float mass = hsum8(acc);
+                for (int64_t j = lo + ((hi - lo) & ~(int64_t)7); j < hi; j++) mass += w[j] >= wthr ? w[j] : 0.0f;
+                if (!(mass > 0.0f)) continue;
+                zk += (double)mass * exp2((double)off);
+                double sc = (double)logf(mass) + (double)off * 0.69314718055994530942 + gumbel(key, b, SALT_BLOCK);
+                if (sc > best) {
+                    best = sc;
+                    chosen = b;
+                    wthr_chosen = wthr;
+                }
+            }
+            best = -INFINITY;
+            for (int64_t j = chosen * bs; chosen >= 0 && j < V && j < (chosen + 1) * bs; j++) {
+                if (!(w[j] > 0.0f && w[j] >= wthr_chosen)) continue;
+                double sc = (double)(x[j] / t) + gumbel(key, j, SALT_TOKEN);
+                if (sc > best) {
+                    best = sc;
+                    out = j;
+                }
+            }
+            *lp = (double)(x[out] / t - m) - log(zk);
         }
     }
     free(c);
+    free(at);
     return out;
 }
 
@@ -1112,11 +1156,12 @@ static float select_desc(float *a, int64_t n, int64_t k) {
  * the k-th value is then found among those, their kept weights join their blocks, and the block and the token are
  * drawn as draw_dense would.  m: the row's max of y.  Returns -1 when the bracket misses (the caller's dense path). */
 #define BAND_SAMPLE 4096
-static int64_t mirostat1_wide(const float *x, int64_t V, float t, float m, int64_t k, uint64_t key, int64_t bs,
+static int64_t mirostat1_wide(const float *x, int64_t V, float t, float xm, int64_t k, uint64_t key, int64_t bs,
                               double *lp) {
-    int64_t S = V < BAND_SAMPLE ? V : BAND_SAMPLE;
+    /* On x itself (x / t keeps the order): a strided sample (the vocabulary's order has no meaning) and the pivots. */
+    int64_t S = V < BAND_SAMPLE ? V : BAND_SAMPLE, step = V / S;
     float *smp = malloc((size_t)S * sizeof(float));
-    for (int64_t q = 0; q < S; q++) smp[q] = x[q * V / S] / t;
+    for (int64_t q = 0; q < S; q++) smp[q] = x[q * step];
     double r = (double)k * (double)S / (double)V, d = 4.0 * sqrt(r + 1.0) + 8.0;
     int64_t ih = (int64_t)(r - d), il = (int64_t)(r + d);
     float lo = il >= S - 1 ? -INFINITY : select_desc(smp, S, il); /* smp[0..il) are now the larger ones */
@@ -1126,23 +1171,24 @@ static int64_t mirostat1_wide(const float *x, int64_t V, float t, float m, int64
     float *mass = malloc((size_t)nb * sizeof(float));
     cand *band = malloc((size_t)cap * sizeof(cand));
     int64_t nband = 0, above = 0;
-    const __m256 tv = _mm256_set1_ps(t), mb = _mm256_set1_ps(m), hv = _mm256_set1_ps(hi), lv = _mm256_set1_ps(lo);
+    const float cs = LOG2E / t;
+    const __m256 xv = _mm256_set1_ps(xm), cv = _mm256_set1_ps(cs), hv = _mm256_set1_ps(hi), lv = _mm256_set1_ps(lo);
     for (int64_t b = 0; b < nb; b++) {
         __m256 acc = _mm256_setzero_ps();
         int64_t end = (b + 1) * bs < V ? (b + 1) * bs : V;
         for (int64_t j = b * bs; j < end; j += 8) {
             __m256 v;
             if (j + 8 <= end) {
-                v = load_scaled(x + j, tv, t);
+                v = _mm256_loadu_ps(x + j);
             } else {
                 float tail[8];
-                for (int q = 0; q < 8; q++) tail[q] = j + q < end ? x[j + q] / t : -INFINITY;
+                for (int q = 0; q < 8; q++) tail[q] = j + q < end ? x[j + q] : -INFINITY;
                 v = _mm256_loadu_ps(tail);
             }
             __m256 gt = _mm256_cmp_ps(v, hv, _CMP_GT_OQ);
             int up = _mm256_movemask_ps(gt);
             if (up) {
-                acc = _mm256_add_ps(acc, _mm256_and_ps(gt, exp_neg(_mm256_sub_ps(v, mb))));
+                acc = _mm256_add_ps(acc, _mm256_and_ps(gt, exp2_neg(_mm256_mul_ps(_mm256_sub_ps(v, xv), cv))));
                 above += __builtin_popcount(up);
             }
             int in = _mm256_movemask_ps(_mm256_cmp_ps(v, lv, _CMP_GE_OQ)) & ~up;
@@ -1161,11 +1207,13 @@ static int64_t mirostat1_wide(const float *x, int64_t V, float t, float m, int64
     int64_t out = -1;
     if (above < k && k <= above + nband && nband <= cap) {
         float *ys = malloc((size_t)nband * sizeof(float));
-        for (int64_t q = 0; q < nband; q++) ys[q] = band[q].y;
-        float kv = select_desc(ys, nband, k - above - 1);
+        for (int64_t q = 0; q < nband; q++) ys[q] = band[q].y / t;
+        const float kv = select_desc(ys, nband, k - above - 1), m = xm / t; /* the k-th largest y */
         free(ys);
-        for (int64_t q = 0; q < nband; q++)
-            if (band[q].y >= kv && band[q].y - m >= -87.33654f) mass[band[q].id / bs] += expf(band[q].y - m);
+        for (int64_t q = 0; q < nband; q++) {
+            float d2 = (band[q].y - xm) * cs;
+            if (band[q].y / t >= kv && d2 >= UNDER2) mass[band[q].id / bs] += exp2f(d2);
+        }
         double zk = 0.0, best = -INFINITY;
         int64_t chosen = -1;
         for (int64_t b = 0; b < nb; b++) {
@@ -1181,7 +1229,7 @@ static int64_t mirostat1_wide(const float *x, int64_t V, float t, float m, int64
         out = 0;
         for (int64_t j = chosen * bs; chosen >= 0 && j < V && j < (chosen + 1) * bs; j++) {
             float y = x[j] / t;
-            if (!(y >= kv) || !(y - m >= -87.33654f)) continue;
+            if (!(y >= kv) || !((x[j] - xm) * cs >= UNDER2)) continue;
             double sc = (double)y + gumbel(key, j, SALT_TOKEN);
             if (sc > best) {
                 best = sc;
@@ -1206,6 +1254,7 @@ static int64_t sample_mirostat1(const float *x, int64_t V, float t, float mu, ui
     qsort(heap, (size_t)mm, sizeof(float), float_desc);
     *lp = 0.0;
     if (heap[0] == -INFINITY) return 0;
+    const float xmax = heap[0];
     cand top[100];
     int64_t finite = 0;
     for (int64_t q = 0; q < mm; q++) {
@@ -1214,7 +1263,13 @@ static int64_t sample_mirostat1(const float *x, int64_t V, float t, float mu, ui
         finite += heap[q] > -INFINITY;
     }
     int64_t ki = mirostat1_k(top, finite, mm, V, mu);
-    if (ki > mm) return mirostat1_wide(x, V, t, heap[0], ki, key, bs, lp);
+    if (ki >= V) { /* every token kept: a dense draw over the row, no k-th value to find */
+        double zk;
+        int64_t out = draw_dense_pass(x, V, t, xmax, -INFINITY, 0.0f, key, bs, &zk);
+        *lp = (double)(x[out] / t - xmax / t) - log(zk);
+        return out;
+    }
+    if (ki > mm) return mirostat1_wide(x, V, t, xmax, ki, key, bs, lp);
     float kv = heap[ki - 1];
     cand *c = malloc(CAND_CAP * sizeof(cand));
     int64_t n = collect(x, V, t, kv, c, CAND_CAP), out = -1;
