@@ -5,9 +5,9 @@
 Per shape (bench/shapes.py: SmolLM2-360M, SmolLM2-1.7B, Llama-3.1-8B's layer shape; the default tokenizer's
 vocabulary; bf16 safetensors):
 * the GGUF files are made with llama.cpp's own tools from the source `../shared/peers/llamacpp.sh install` unpacked
-  and built: `convert_hf_to_gguf.py --outtype bf16` then `llama-quantize` (Q4_1 and Q8_0; build the llama-quantize
-  target of that build folder first);
-* servers per quantization family (Q4_1 / int4, Q8_0 / int8), each on cold caches (the quantized-weights cache is
+  and built: `convert_hf_to_gguf.py --outtype bf16` then `llama-quantize` (Q4_1, Q8_0 and Q4_K_M; build the
+  llama-quantize target of that build folder first);
+* servers per quantization family (Q4_1 / int4, Q8_0 / int8, Q4_K_M / the Q4_K_M file), each on cold caches (the quantized-weights cache is
   deleted per shape, so the first start is measured): `llamacpp-q4_1` / `llamacpp-q8_0` (llama-server, 16 slots x
   512 tokens, f16 KV cache), `tokenspout-int4` / `tokenspout-int8` (the bf16 folder, --quantization) and
   `tokenspout-gguf-q4_1` / `tokenspout-gguf-q8_0` (the file, read directly), tokenspout with --kv-cache-dtype float16
@@ -44,7 +44,10 @@ def kv_gib(shape: str) -> float:
     return per_token * SLOTS * SLOT_TOKENS / 2**30
 
 
-def gguf_files(folder: Path, peers: Path, out: Path) -> dict[str, Path]:
+FAMILIES = {"q4_1": "int4", "q8_0": "int8", "q4_k_m": None}  # llama.cpp's type -> tokenspout's folder quantization
+
+
+def gguf_files(folder: Path, peers: Path, out: Path, kinds: list[str]) -> dict[str, Path]:
     env = dict(os.environ, PEERS=str(peers))
     src = next((Path(env["PEERS"]) / "llama-src").glob("*/llama.cpp"))
     build = Path(env["PEERS"]) / "llama-build" / "bin"
@@ -54,7 +57,7 @@ def gguf_files(folder: Path, peers: Path, out: Path) -> dict[str, Path]:
         subprocess.run([sys.executable, str(src / "convert_hf_to_gguf.py"), str(folder), "--outtype", "bf16",
                         "--outfile", str(bf16)], check=True, env=dict(env, PYTHONPATH=str(src / "gguf-py")))
     files = {}
-    for kind in ("q4_1", "q8_0"):
+    for kind in kinds:
         files[kind] = out / f"{folder.name}-{kind}.gguf"
         if not files[kind].is_file():
             subprocess.run([str(build / "llama-quantize"), str(bf16), str(files[kind]), kind.upper(), "2"], check=True)
@@ -103,7 +106,10 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--servers", nargs="*", default=None,
                     help="only these (llamacpp-q4_1 tokenspout-int4 tokenspout-gguf-q4_1 llamacpp-q8_0 "
-                         "tokenspout-int8 tokenspout-gguf-q8_0; default: all)")
+                         "tokenspout-int8 tokenspout-gguf-q8_0 llamacpp-q4_k_m tokenspout-gguf-q4_k_m; default: all)")
+    ap.add_argument("--out", default="sizes.json", help="results file name under bench/results/")
+    ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES),
+                    help="llama.cpp types to make and serve, each with its tokenspout counterparts (default: all)")
     ap.add_argument("--peers-dir", type=Path, default=ROOT.parent / "shared" / "peers")
     args = ap.parse_args()
     from tokenspout.models.default_model import cache_dir
@@ -115,18 +121,20 @@ def main() -> None:
         import torch
 
         folder = make(shape, cache_dir() / "shapes" / f"{shape}-bfloat16", torch.bfloat16)
-        files = gguf_files(folder, peers_dir, cache_dir() / "shapes" / "gguf")
+        files = gguf_files(folder, peers_dir, cache_dir() / "shapes" / "gguf", args.families)
         kv = f"{kv_gib(shape):.4f}"
         shutil.rmtree(cache_dir() / "quantized", ignore_errors=True)  # cold: the first start is measured
         runs = {}
-        for kind, ours in (("q4_1", "int4"), ("q8_0", "int8")):
+        for kind in args.families:
+            ours = FAMILIES[kind]
             runs[f"llamacpp-{kind}"] = (
                 [str(peers_dir / "llama-build" / "bin" / "llama-server"), "-m", str(files[kind]), "--alias", "bench",
                  "--host", "127.0.0.1", "--port", "8301", "-t", "2", "-tb", "2", "-np", str(SLOTS), "-c",
                  str(SLOTS * SLOT_TOKENS), "--no-kv-unified", "-cb"], 8301, ["--extra-body", '{"repeat_penalty": 1.0}'])
-            runs[f"tokenspout-{ours}"] = ([ts, "serve", str(folder), "--port", "8302", "--quantization", ours,
-                                          "--kv-cache-memory", kv, "--kv-cache-dtype", "float16",
-                                          "--served-model-name", "bench"], 8302, [])
+            if ours is not None:  # (Q4_K_M has no folder counterpart: its family is the file served directly)
+                runs[f"tokenspout-{ours}"] = ([ts, "serve", str(folder), "--port", "8302", "--quantization", ours,
+                                              "--kv-cache-memory", kv, "--kv-cache-dtype", "float16",
+                                              "--served-model-name", "bench"], 8302, [])
             runs[f"tokenspout-gguf-{kind}"] = ([ts, "serve", str(files[kind]), "--port", "8303", "--kv-cache-memory",
                                                kv, "--kv-cache-dtype", "float16", "--served-model-name", "bench"],
                                               8303, [])
@@ -136,7 +144,7 @@ def main() -> None:
                 continue
             print(f"== {shape}: {name}", flush=True)
             report["shapes"][shape][name] = measure(name, cmd, port, args, extra)
-            write_json("sizes.json", report)
+            write_json(args.out, report)
     print(table(report))
     print("wrote", write_json("sizes.json", report))
 
