@@ -146,7 +146,7 @@ def main() -> None:
             report["shapes"][shape][name] = measure(name, cmd, port, args, extra)
             write_json(args.out, report)
     print(table(report))
-    print("wrote", write_json("sizes.json", report))
+    print("wrote", write_json(args.out, report))
 
 
 if __name__ == "__main__":
