@@ -13,8 +13,9 @@ vocabulary; bf16 safetensors):
   `tokenspout-gguf-q4_1` / `tokenspout-gguf-q8_0` (the file, read directly), tokenspout with --kv-cache-dtype float16
   and the KV budget of llama.cpp's 16 x 512 tokens, so every server holds the same KV-cache bytes; `--servers`
   picks some;
-* each measured with bench/serve.py (closed loop, streamed, ignore_eos): tok/s, TTFT and ITL p50 at each
-  concurrency; start-up to a healthy /health and the peak RSS of the server's process tree (start_server.sh).
+* each measured with bench/serve.py (closed loop, streamed, ignore_eos), once the machine is quiet again after the
+  start (settle(): tokenspout's engine builds its grammar support in a thread right after /health answers): tok/s,
+  TTFT and ITL p50 at each concurrency; start-up to a healthy /health and the peak RSS of the server's process tree (start_server.sh).
 Writes bench/results/sizes.json and prints a markdown table.
 """
 
@@ -27,6 +28,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from bench import serve
@@ -64,6 +66,28 @@ def gguf_files(folder: Path, peers: Path, out: Path, kinds: list[str]) -> dict[s
     return files
 
 
+def _busy_jiffies() -> tuple[int, int]:
+    """(busy, total) CPU jiffies of the whole machine since boot (/proc/stat)."""
+    vals = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = vals[3] + vals[4]  # idle + iowait
+    return sum(vals) - idle, sum(vals)
+
+
+def settle(quiet: float = 0.1, seconds: int = 3, limit_s: float = 120.0) -> float:
+    """Waits until the machine's CPUs are at most `quiet` busy for `seconds` consecutive seconds (at most limit_s):
+    a server that still works after /health answers (tokenspout's engine builds its grammar support in a thread
+    right after READY; a first start may still write caches) must not be measured while it does.  Returns the wait."""
+    start = time.monotonic()
+    calm = 0
+    busy0, tot0 = _busy_jiffies()
+    while calm < seconds and time.monotonic() - start < limit_s:
+        time.sleep(1.0)
+        busy1, tot1 = _busy_jiffies()
+        calm = calm + 1 if (busy1 - busy0) <= quiet * max(tot1 - tot0, 1) else 0
+        busy0, tot0 = busy1, tot1
+    return time.monotonic() - start
+
+
 def measure(name: str, cmd: list[str], port: int, args: argparse.Namespace, extra: list[str]) -> dict:
     peers = args.peers_dir
     env = dict(os.environ, PEERS=os.environ.get("PEERS", "/tmp/peers"))
@@ -73,6 +97,7 @@ def measure(name: str, cmd: list[str], port: int, args: argparse.Namespace, extr
         raise RuntimeError(f"{name} did not start: {res.stdout[-2000:]}{res.stderr[-2000:]}")
     logs = Path(env["PEERS"]) / "logs"
     startup = json.loads((logs / f"{name}.startup.json").read_text())["startup_s"]
+    settle()
     try:
         sargs = serve.parse_args(["--base-url", f"http://127.0.0.1:{port}/v1", "--model", "bench",
                                   "--concurrency", *map(str, args.concurrency), "--mode", "greedy",
