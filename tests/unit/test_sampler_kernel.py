@@ -249,3 +249,20 @@ def test_mirostat_kernel_draws_what_the_torch_path_draws() -> None:
         assert [a for a, ok in zip(mu_kernel, same) if ok] == pytest.approx([b for b, ok in zip(mu_ref, same) if ok],
                                                                            abs=1e-3)
     assert total == 240 and mismatches <= 1
+
+
+def test_mirostat_1_ties_wider_than_the_candidates() -> None:
+    """Mirostat 1 whose k-th value is shared by ~6,000 tokens (more than the kernel's candidate buffer): the kernel's
+    last resort (the k-th value by a heap, then the dense draw with that cut) draws what the torch path draws, and
+    the mu updates agree."""
+    v = 20000
+    x = torch.full((16, v), -30.0)
+    x[:, :40] = torch.linspace(0, -4, 40)
+    x[:, 40:6000] = -4.5
+    params = [SamplingParams(mirostat=1, mirostat_tau=6.0, seed=i) for i in range(16)]
+    metas = [build_metadata(params, v), build_metadata(params, v)]
+    kernel = Sampler()(x.clone(), metas[0]).sampled_token_ids
+    ref = Sampler(cpu_kernel=False)(x.clone(), metas[1]).sampled_token_ids
+    assert torch.equal(kernel, ref)
+    assert int((kernel >= 40).sum()) >= 8  # the draws do land among the ties
+    assert [s.mu for s in metas[0].mirostat.states] == pytest.approx([s.mu for s in metas[1].mirostat.states], abs=1e-4)

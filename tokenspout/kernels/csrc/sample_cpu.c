@@ -885,92 +885,6 @@ static int64_t mirostat1_k(const cand *c, int64_t n, int64_t mm, int64_t V, floa
     return (int64_t)floor(k);
 }
 
-static int64_t sample_mirostat_dense(const float *x, int64_t V, float t, int mode, float mu, uint64_t key, int64_t bs,
-                                     double *lp) {
-    const __m256 tv = _mm256_set1_ps(t);
-    __m256 mv = _mm256_set1_ps(-INFINITY);
-    int64_t i = 0;
-    for (; i + 8 <= V; i += 8) mv = _mm256_max_ps(mv, load_scaled(x + i, tv, t));
-    float m = hmax8(mv);
-    for (; i < V; i++) m = x[i] / t > m ? x[i] / t : m;
-    *lp = 0.0;
-    if (m == -INFINITY) return 0;
-    int64_t V8 = (V + 7) & ~(int64_t)7;
-    float *w = malloc((size_t)V8 * sizeof(float));
-    const __m256 mb = _mm256_set1_ps(m);
-    double z = 0.0;
-    for (i = 0; i < V8; i += 1024) { /* w = exp(y - m), z = sum w (float lanes folded into double per 1024) */
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t j = i; j < i + 1024 && j < V8; j += 8) {
-            __m256 v;
-            if (j + 8 <= V) {
-                v = load_scaled(x + j, tv, t);
-            } else {
-                float tail[8];
-                for (int b = 0; b < 8; b++) tail[b] = j + b < V ? x[j + b] / t : -INFINITY;
-                v = _mm256_loadu_ps(tail);
-            }
-            __m256 e = exp_neg(_mm256_sub_ps(v, mb));
-            _mm256_storeu_ps(w + j, e);
-            acc = _mm256_add_ps(acc, e);
-        }
-        z += hsum8(acc);
-    }
-    float thr; /* keep y - m >= thr (the top token has y - m = 0 and always stays) */
-    if (mode == 2) {
-        thr = (float)(log(z) - (double)mu * 0.69314718055994530942);
-        thr = thr > 0.0f ? 0.0f : thr;
-    } else {
-        int64_t mm = V < 100 ? V : 100;
-        float *heap = malloc((size_t)mm * sizeof(float));
-        float kth = kth_largest(x, V, t, mm, heap);
-        cand *c = malloc(CAND_CAP * sizeof(cand));
-        int64_t n = collect(x, V, t, kth, c, CAND_CAP);
-        if (n > CAND_CAP) {
-            free(c);
-            c = malloc((size_t)n * sizeof(cand));
-            collect(x, V, t, kth, c, n);
-        }
-        qsort(c, (size_t)n, sizeof(cand), cand_order);
-        int64_t ki = mirostat1_k(c, n, mm, V, mu);
-        float kv;
-        if (ki <= n) {
-            kv = c[ki - 1].y;
-        } else {
-            float *h2 = malloc((size_t)ki * sizeof(float));
-            kv = kth_largest(x, V, t, ki, h2);
-            free(h2);
-        }
-        free(c);
-        free(heap);
-        thr = kv - m;
-    }
-    /* Zero the dropped weights (vectorised: y - m >= thr, the same test torch makes on log p) and sum the kept. */
-    const __m256 thv = _mm256_set1_ps(thr);
-    double zk = 0.0;
-    for (i = 0; i < V8; i += 1024) {
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t j = i; j < i + 1024 && j < V8; j += 8) {
-            __m256 v;
-            if (j + 8 <= V) {
-                v = load_scaled(x + j, tv, t);
-            } else {
-                float tail[8];
-                for (int b = 0; b < 8; b++) tail[b] = j + b < V ? x[j + b] / t : -INFINITY;
-                v = _mm256_loadu_ps(tail);
-            }
-            __m256 e = _mm256_and_ps(_mm256_loadu_ps(w + j), _mm256_cmp_ps(_mm256_sub_ps(v, mb), thv, _CMP_GE_OQ));
-            _mm256_storeu_ps(w + j, e);
-            acc = _mm256_add_ps(acc, e);
-        }
-        zk += hsum8(acc);
-    }
-    int64_t out = draw_dense(x, t, w, V, key, bs);
-    *lp = (double)(x[out] / t - m) - log(zk);
-    free(w);
-    return out;
-}
-
 /* The draw among the kept candidates c[0..n) (y - m >= thr; m the row's max, every candidate finite) and *lp, the
  * drawn token's log probability among them: the same two-level draw as draw_dense over the kept row. */
 static int64_t draw_kept(const cand *c, int64_t n, float m, float thr, int64_t V, uint64_t key, int64_t bs,
@@ -1154,7 +1068,7 @@ static float select_desc(float *a, int64_t n, int64_t k) {
  * pivots from a strided sample of the row (ranks k V / S +- 4 sigma), and one pass sums the weights of the tokens above
  * the upper pivot per block (kept whatever the k-th value is), counts them, and collects the tokens between the pivots;
  * the k-th value is then found among those, their kept weights join their blocks, and the block and the token are
- * drawn as draw_dense would.  m: the row's max of y.  Returns -1 when the bracket misses (the caller's dense path). */
+ * drawn as draw_dense would.  m: the row's max of y.  Returns -1 when the bracket misses (then mirostat1_dense). */
 #define BAND_SAMPLE 4096
 static int64_t mirostat1_wide(const float *x, int64_t V, float t, float xm, int64_t k, uint64_t key, int64_t bs,
                               double *lp) {
@@ -1243,10 +1157,23 @@ static int64_t mirostat1_wide(const float *x, int64_t V, float t, float xm, int6
     return out;
 }
 
+/* Mirostat 1's last resort (ties at the k-th value wider than the candidate buffer, a bracket that missed): the k-th
+ * value from a heap of k over the row, then draw_dense_pass with that cut.  xm: the row's max of x. */
+static int64_t mirostat1_dense(const float *x, int64_t V, float t, float xm, int64_t k, uint64_t key, int64_t bs,
+                               double *lp) {
+    float *heap = malloc((size_t)k * sizeof(float));
+    const float kv = kth_largest(x, V, t, k, heap), m = xm / t;
+    free(heap);
+    double zk;
+    int64_t out = draw_dense_pass(x, V, t, xm, kv - m, 0.0f, key, bs, &zk);
+    *lp = (double)(x[out] / t - m) - log(zk);
+    return out;
+}
+
 /* Mirostat 1 without a normaliser over the vocabulary (the draw and the mu update only need the kept tokens): s from
  * the 100 largest y (the heap of a first pass over the raw logits, sorted and scaled), k from s and mu; k <= 100: the
- * k-th of them, the kept tokens collected and drawn (what a top-k row costs); a wider k: mirostat1_wide.  Returns -1
- * when neither holds (ties wider than the candidate buffer, a bracket that missed): the caller's dense path. */
+ * k-th of them, the kept tokens collected and drawn (what a top-k row costs); a wider k: mirostat1_wide; when
+ * neither holds (ties wider than the candidate buffer, a bracket that missed), mirostat1_dense. */
 static int64_t sample_mirostat1(const float *x, int64_t V, float t, float mu, uint64_t key, int64_t bs, double *lp) {
     int64_t mm = V < 100 ? V : 100;
     float heap[100];
@@ -1269,19 +1196,22 @@ static int64_t sample_mirostat1(const float *x, int64_t V, float t, float mu, ui
         *lp = (double)(x[out] / t - xmax / t) - log(zk);
         return out;
     }
-    if (ki > mm) return mirostat1_wide(x, V, t, xmax, ki, key, bs, lp);
-    float kv = heap[ki - 1];
-    cand *c = malloc(CAND_CAP * sizeof(cand));
-    int64_t n = collect(x, V, t, kv, c, CAND_CAP), out = -1;
-    if (n <= CAND_CAP && n > 0) out = draw_kept(c, n, heap[0], kv - heap[0], V, key, bs, lp);
-    free(c);
-    return out;
+    int64_t out = -1;
+    if (ki > mm) {
+        out = mirostat1_wide(x, V, t, xmax, ki, key, bs, lp);
+    } else {
+        float kv = heap[ki - 1];
+        cand *c = malloc(CAND_CAP * sizeof(cand));
+        int64_t n = collect(x, V, t, kv, c, CAND_CAP);
+        if (n <= CAND_CAP && n > 0) out = draw_kept(c, n, heap[0], kv - heap[0], V, key, bs, lp);
+        free(c);
+    }
+    return out >= 0 ? out : mirostat1_dense(x, V, t, xmax, ki, key, bs, lp);
 }
 
 static int64_t sample_mirostat(const float *x, int64_t V, float t, int mode, float mu, uint64_t key, int64_t bs,
                                double *lp) {
-    int64_t out = mode == 2 ? sample_mirostat2(x, V, t, mu, key, bs, lp) : sample_mirostat1(x, V, t, mu, key, bs, lp);
-    return out >= 0 ? out : sample_mirostat_dense(x, V, t, mode, mu, key, bs, lp);
+    return mode == 2 ? sample_mirostat2(x, V, t, mu, key, bs, lp) : sample_mirostat1(x, V, t, mu, key, bs, lp);
 }
 
 void ts_sample_rows_mirostat(const float *x, int64_t ldx, int64_t V, const int64_t *rows, int64_t n,
