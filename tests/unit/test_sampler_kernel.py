@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tokenspout.platform import cpu_flags
+from tokenspout.sample.ops.topk_topp import TierConfig
 from tokenspout.sample.sampler import Sampler
 from tokenspout.sampling_params import SamplingParams
 from tokenspout.worker.sampling_state import build_metadata
@@ -249,6 +250,46 @@ def test_mirostat_kernel_draws_what_the_torch_path_draws() -> None:
         assert [a for a, ok in zip(mu_kernel, same) if ok] == pytest.approx([b for b, ok in zip(mu_ref, same) if ok],
                                                                            abs=1e-3)
     assert total == 240 and mismatches <= 1
+
+
+def mirostat1_k(x: torch.Tensor, temperature: float, mu: float) -> torch.Tensor:
+    """Mirostat 1's k per row (ops/mirostat.py's formula, float64): which path of the kernel each row takes."""
+    top = (x.double() / temperature).topk(100, dim=-1).values
+    ti = torch.log(torch.arange(2, 101, dtype=torch.float64) / torch.arange(1, 100, dtype=torch.float64))
+    s = ((top[:, :-1] - top[:, 1:]) * ti).sum(-1) / (ti * ti).sum()
+    n = x.shape[1]
+    k = (((s - 1) * 2.0 ** mu / (1 - n ** (1 - s))) ** (1 / s)).nan_to_num(1.0)
+    return k.clamp(1, n).floor().long()
+
+
+@pytest.mark.parametrize("block_size", [256, 100])
+def test_mirostat_1_every_width_of_k(block_size: int) -> None:
+    """Mirostat 1 on LLM-like rows with mu from 4 to 60, so that k runs from a few tokens (the heap's own
+    candidates) through hundreds and thousands (the sampled bracket: sparse and dense second reads) to the whole
+    vocabulary; a block size that is not a whole number of the kernel's 32-token groups takes its last resort.  The
+    kernel draws what the torch path draws and moves mu the same way, row for row."""
+    g = torch.Generator().manual_seed(31)
+    rows, n = 24, 128_256  # a Llama-3 vocabulary: enough sampled groups for the sparse second read
+    u = torch.rand(rows, n, generator=g)
+    x = (-(1.0 + 1.5 * torch.rand(rows, 1, generator=g)) * torch.log(u * n + 1)).contiguous()
+    taus = [2.0 + 0.5 * i for i in range(rows - 3)] + [20.0, 25.0, 30.0]  # mu starts at 2 tau
+    k = torch.stack([mirostat1_k(x[i:i + 1], 0.8, 2 * taus[i])[0] for i in range(rows)])
+    assert int((k <= 100).sum()) >= 3 and int(((k > 100) & (k < 450)).sum()) >= 2
+    assert int(((k >= 2000) & (k < n)).sum()) >= 3 and int((k == n).sum()) >= 3
+    params = [SamplingParams(mirostat=1, mirostat_tau=taus[i], temperature=0.8, seed=7 * i) for i in range(rows)]
+    tiers = dataclasses.replace(TierConfig(), block_size=block_size)
+    for step in range(3):  # mu moves between steps: each row's k with it
+        metas = [build_metadata(params, n), build_metadata(params, n)]
+        for m in metas:
+            for st, tau in zip(m.mirostat.states, taus):
+                st.mu = 2 * tau - step
+            m.mirostat.mu.copy_(torch.tensor([st.mu for st in m.mirostat.states]))
+        kernel = Sampler(tiers)(x.clone(), metas[0]).sampled_token_ids
+        ref = Sampler(tiers, cpu_kernel=False)(x.clone(), metas[1]).sampled_token_ids
+        assert int((kernel != ref).sum()) <= 1
+        same = (kernel == ref).tolist()
+        mu_kernel = [st.mu for st, ok in zip(metas[0].mirostat.states, same) if ok]
+        assert mu_kernel == pytest.approx([st.mu for st, ok in zip(metas[1].mirostat.states, same) if ok], abs=1e-3)
 
 
 def test_mirostat_1_ties_wider_than_the_candidates() -> None:

@@ -163,9 +163,10 @@ static int64_t draw_sorted(const cand *c, int64_t n, const float *w, int64_t V, 
     double best = -INFINITY;
     int64_t chosen = c[0].id / bs;
     for (int64_t j = 0; j < n; j++) {
-        if (!(w[j] > 0.0f)) continue;
         int64_t b = c[j].id / bs;
+        if (!(w[j] > 0.0f) || !(mass[b] > 0.0f)) continue;
         double s = (double)logf(mass[b]) + gumbel(key, b, SALT_BLOCK);
+        mass[b] = 0.0f; /* scored: the block's other candidates skip it (a gumbel per block, not per candidate) */
         if (s > best) {
             best = s;
             chosen = b;
@@ -1036,123 +1037,273 @@ static int64_t sample_mirostat2(const float *x, int64_t V, float t, float mu, ui
     return out;
 }
 
-static int float_desc(const void *a, const void *b) {
-    float p = *(const float *)a, q = *(const float *)b;
-    return (p < q) - (p > q);
+/* Left-packing 8 lanes by a mask (AVX2 has no compress): PACK[m] holds the lane indices of m's set bits, in order,
+ * one per byte. */
+static uint64_t PACK[256];
+__attribute__((constructor)) static void pack_init(void) {
+    for (int m = 0; m < 256; m++) {
+        uint64_t v = 0;
+        int n = 0;
+        for (int q = 0; q < 8; q++)
+            if (m >> q & 1) v |= (uint64_t)q << (8 * n++);
+        PACK[m] = v;
+    }
 }
 
-/* The k-th largest (0-based) of a[0..n), a reordered around it (Hoare's selection, expected O(n); qsort's compare
- * calls cost ~0.5 ms for a few thousand values, more than the row's pass). */
+/* Stores the lanes of v selected by m (movemask bits) at dst, contiguous; writes 8 lanes (dst needs 8 of slack). */
+static inline int pack_store(float *dst, __m256 v, int m) {
+    __m256i idx = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)PACK[m]));
+    _mm256_storeu_ps(dst, _mm256_permutevar8x32_ps(v, idx));
+    return __builtin_popcount(m);
+}
+
+static inline int pack_store_i(int32_t *dst, __m256i v, int m) {
+    __m256i idx = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((int64_t)PACK[m]));
+    _mm256_storeu_si256((__m256i *)dst, _mm256_permutevar8x32_epi32(v, idx));
+    return __builtin_popcount(m);
+}
+
+/* The k-th largest (0-based) of a[0..n) (finite values or -inf; a is clobbered, and needs 8 floats of slack), by
+ * quickselect with branch-free three-way partitions (compare, left-pack, store: a Hoare partition's branches miss
+ * on about every other element, which made selecting among a few thousand values cost as much as the row's pass). */
 static float select_desc(float *a, int64_t n, int64_t k) {
-    int64_t lo = 0, hi = n - 1;
-    while (lo < hi) {
-        float p = a[lo + (hi - lo) / 2];
-        int64_t i = lo, j = hi;
-        while (i <= j) {
-            while (a[i] > p) i++;
-            while (a[j] < p) j--;
-            if (i <= j) {
-                float tmp = a[i];
-                a[i++] = a[j];
-                a[j--] = tmp;
+    float *bufs = malloc((size_t)(2 * (n + 8)) * sizeof(float));
+    float *src = a, *spare[2] = {bufs, bufs + n + 8};
+    while (n > 16) {
+        float p0 = src[0], p1 = src[n / 2], p2 = src[n - 1]; /* median of three */
+        float lo2 = p0 < p1 ? p0 : p1, hi2 = p0 < p1 ? p1 : p0, p = hi2 < p2 ? hi2 : (lo2 > p2 ? lo2 : p2);
+        const __m256 pv = _mm256_set1_ps(p);
+        float *gt = spare[0], *lt = spare[1];
+        int64_t ng = 0, nl = 0, j = 0;
+        for (; j + 8 <= n; j += 8) {
+            __m256 v = _mm256_loadu_ps(src + j);
+            ng += pack_store(gt + ng, v, _mm256_movemask_ps(_mm256_cmp_ps(v, pv, _CMP_GT_OQ)));
+            nl += pack_store(lt + nl, v, _mm256_movemask_ps(_mm256_cmp_ps(v, pv, _CMP_LT_OQ)));
+        }
+        for (; j < n; j++) {
+            if (src[j] > p) gt[ng++] = src[j];
+            else if (src[j] < p) lt[nl++] = src[j];
+        }
+        float *old = src;
+        if (k < ng) {
+            n = ng;
+            src = gt;
+            spare[0] = old;
+        } else if (k < n - nl) {
+            free(bufs);
+            return p;
+        } else {
+            k -= n - nl;
+            n = nl;
+            src = lt;
+            spare[1] = old;
+        }
+    }
+    for (int64_t i = 0; i <= k; i++) { /* a few left: selection by exchange */
+        int64_t b = i;
+        for (int64_t j = i + 1; j < n; j++) b = src[j] > src[b] ? j : b;
+        float tmp = src[i];
+        src[i] = src[b];
+        src[b] = tmp;
+    }
+    float out = src[k];
+    free(bufs);
+    return out;
+}
+
+/* -log U for one (row key, id, salt), U as in gumbel (G = -log of it): argmax(log m + G) = argmin(E / m) for m > 0,
+ * one log instead of two (and no log of m); the same decision up to rounding. */
+static inline double expo(uint64_t key, int64_t id, uint64_t salt) {
+    uint64_t z = mix64((uint64_t)id * MIX_ID + key + salt);
+    return -log(((double)(z >> 11) + 0.5) * 0x1p-53);
+}
+
+static void sift_down_cand(cand *h, int64_t n, int64_t i) {
+    cand v = h[i];
+    for (;;) {
+        int64_t c = 2 * i + 1;
+        if (c >= n) break;
+        if (c + 1 < n && h[c + 1].y < h[c].y) c++;
+        if (h[c].y >= v.y) break;
+        h[i] = h[c];
+        i = c;
+    }
+    h[i] = v;
+}
+
+static inline void offer_ids(cand *heap, int64_t k, const float *x, int64_t j, __m256 v) {
+    int m = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(heap[0].y), _CMP_GT_OQ));
+    while (m) {
+        int q = __builtin_ctz(m);
+        m &= m - 1;
+        if (x[j + q] > heap[0].y) {
+            heap[0] = (cand){x[j + q], (int32_t)(j + q)};
+            sift_down_cand(heap, k, 0);
+        }
+    }
+}
+
+/* Mirostat 1's read of the row: the k largest x with their ids (heap, k <= 100; a token enters only above the
+ * heap's smallest, so among ties at the boundary the earlier stay), and for each group of GROUP tokens its max
+ * (gmax) and its first x (smp: a strided sample of the row, what mirostat1_wide brackets the k-th value with, taken
+ * while the row streams by rather than gathered afterwards from memory that has left the cache).  Returns the
+ * number of groups. */
+#define GROUP 32
+static int64_t top_ids(const float *x, int64_t V, int64_t k, cand *heap, float *smp, float *gmax) {
+    for (int64_t i = 0; i < k; i++) heap[i] = (cand){-INFINITY, -1};
+    int64_t j = 0, g = 0;
+    for (; j + GROUP <= V; j += GROUP, g++) {
+        const __m256 v0 = _mm256_loadu_ps(x + j), v1 = _mm256_loadu_ps(x + j + 8);
+        const __m256 v2 = _mm256_loadu_ps(x + j + 16), v3 = _mm256_loadu_ps(x + j + 24);
+        const __m256 mx = _mm256_max_ps(_mm256_max_ps(v0, v1), _mm256_max_ps(v2, v3));
+        smp[g] = x[j];
+        gmax[g] = hmax8(mx);
+        if (!(gmax[g] > heap[0].y)) continue;
+        offer_ids(heap, k, x, j, v0);
+        offer_ids(heap, k, x, j + 8, v1);
+        offer_ids(heap, k, x, j + 16, v2);
+        offer_ids(heap, k, x, j + 24, v3);
+    }
+    if (j < V) {
+        smp[g] = x[j];
+        gmax[g] = -INFINITY;
+        for (; j < V; j++) {
+            gmax[g] = x[j] > gmax[g] ? x[j] : gmax[g];
+            if (x[j] > heap[0].y) {
+                heap[0] = (cand){x[j], (int32_t)j};
+                sift_down_cand(heap, k, 0);
             }
         }
-        if (k <= j) hi = j;
-        else if (k >= i) lo = i;
-        else return a[k];
+        g++;
     }
-    return a[k];
+    return g;
 }
 
-/* Mirostat 1 for a k wider than the top-100 heap, in one pass over the row: the k-th largest y is bracketed by two
- * pivots from a strided sample of the row (ranks k V / S +- 4 sigma), and one pass sums the weights of the tokens above
- * the upper pivot per block (kept whatever the k-th value is), counts them, and collects the tokens between the pivots;
- * the k-th value is then found among those, their kept weights join their blocks, and the block and the token are
- * drawn as draw_dense would.  m: the row's max of y.  Returns -1 when the bracket misses (then mirostat1_dense). */
-#define BAND_SAMPLE 4096
-static int64_t mirostat1_wide(const float *x, int64_t V, float t, float xm, int64_t k, uint64_t key, int64_t bs,
-                              double *lp) {
-    /* On x itself (x / t keeps the order): a strided sample (the vocabulary's order has no meaning) and the pivots. */
-    int64_t S = V < BAND_SAMPLE ? V : BAND_SAMPLE, step = V / S;
-    float *smp = malloc((size_t)S * sizeof(float));
-    for (int64_t q = 0; q < S; q++) smp[q] = x[q * step];
-    double r = (double)k * (double)S / (double)V, d = 4.0 * sqrt(r + 1.0) + 8.0;
+/* The two-level draw over weights kept by a cut at the k-th largest y (kv): mass[b] holds each block's kept weight
+ * (against xm, the row's max of x); a block by argmin(E_b / mass_b), then a token of it by argmin(E_t / w_t) over its
+ * kept tokens (draw_dense's argmaxes of log mass + G and y + G).  *lp: the token's log probability among the kept. */
+static int64_t draw_cut(const float *x, int64_t V, float t, float xm, float kv, const float *mass, int64_t nb,
+                        uint64_t key, int64_t bs, double *lp) {
+    double zk = 0.0, best = INFINITY;
+    int64_t chosen = -1, out = 0;
+    for (int64_t b = 0; b < nb; b++) {
+        if (!(mass[b] > 0.0f)) continue;
+        zk += mass[b];
+        double sc = expo(key, b, SALT_BLOCK) / (double)mass[b];
+        if (sc < best) {
+            best = sc;
+            chosen = b;
+        }
+    }
+    if (chosen < 0) return -1;
+    int64_t lo = chosen * bs, hi = (chosen + 1) * bs < V ? (chosen + 1) * bs : V;
+    const float cs = LOG2E / t;
+    const __m256 xv = _mm256_set1_ps(xm), cv = _mm256_set1_ps(cs), kvv = _mm256_set1_ps(kv), tv = _mm256_set1_ps(t);
+    best = INFINITY;
+    for (int64_t j = lo; j < hi; j += 8) {
+        float w[8], tail[8];
+        const float *src = x + j;
+        if (j + 8 > hi) {
+            for (int q = 0; q < 8; q++) tail[q] = j + q < hi ? x[j + q] : -INFINITY;
+            src = tail;
+        }
+        __m256 v = _mm256_loadu_ps(src), keep = _mm256_cmp_ps(load_scaled(src, tv, t), kvv, _CMP_GE_OQ);
+        _mm256_storeu_ps(w, _mm256_and_ps(keep, exp2_neg(_mm256_mul_ps(_mm256_sub_ps(v, xv), cv))));
+        for (int q = 0; q < 8; q++) {
+            if (!(w[q] > 0.0f)) continue;
+            double sc = expo(key, j + q, SALT_TOKEN) / (double)w[q];
+            if (sc < best) {
+                best = sc;
+                out = j + q;
+            }
+        }
+    }
+    *lp = (double)(x[out] / t - xm / t) - log(zk);
+    return out;
+}
+
+/* Mirostat 1 for a k wider than the top-100 heap: the k-th largest y is bracketed by two pivots from smp[0..ng), the
+ * groups' sample (ranks k ng / V +- 4 sigma; smp is clobbered), and a second read of the row sums the weights of the
+ * tokens above the upper pivot per block (kept whatever the k-th value is; exp only on groups whose max is above
+ * it), counts them, and packs the tokens between the pivots (groups whose max is below the lower one are skipped);
+ * the k-th value is then selected among those, their kept weights join their blocks, and draw_cut draws.  xm: the
+ * row's max of x.  Returns -1 when the bracket misses (then mirostat1_dense). */
+static int64_t mirostat1_wide(const float *x, int64_t V, float t, float xm, int64_t k, float *smp, const float *gmax,
+                              int64_t ng, uint64_t key, int64_t bs, double *lp) {
+    /* On x itself (x / t keeps the order, and the k-th largest y is the k-th largest x over t). */
+    double r = (double)k * (double)ng / (double)V, d = 4.0 * sqrt(r + 1.0) + 8.0;
     int64_t ih = (int64_t)(r - d), il = (int64_t)(r + d);
-    float lo = il >= S - 1 ? -INFINITY : select_desc(smp, S, il); /* smp[0..il) are now the larger ones */
-    float hi = ih <= 0 ? INFINITY : select_desc(smp, il < S ? il : S, ih);
-    free(smp); /* (lo = -inf: the k-th may be the row's last, e.g. k = V; the band then holds the row's tail) */
-    int64_t nb = (V + bs - 1) / bs, cap = (int64_t)(3.0 * (2.0 * d + 2.0) * (double)V / (double)S) + 1024;
-    float *mass = malloc((size_t)nb * sizeof(float));
-    cand *band = malloc((size_t)cap * sizeof(cand));
-    int64_t nband = 0, above = 0;
+    float *copy = malloc((size_t)(ng + 8) * sizeof(float));
+    memcpy(copy, smp, (size_t)ng * sizeof(float));
+    float lo = il >= ng - 1 ? -INFINITY : select_desc(smp, ng, il); /* -inf: the k-th may be the row's last (k = V) */
+    float hi = ih <= 0 ? INFINITY : select_desc(copy, ng, ih);
+    free(copy);
+    int64_t nb = (V + bs - 1) / bs, cap = (int64_t)(3.0 * (2.0 * d + 2.0) * (double)V / (double)ng) + 1024;
+    float *mass = calloc((size_t)nb, sizeof(float)), *bx = malloc((size_t)(cap + 8) * sizeof(float));
+    float *up = malloc((size_t)(bs + GROUP + 8) * sizeof(float)); /* the current block's tokens above hi, packed */
+    int32_t *bid = malloc((size_t)(cap + 8) * sizeof(int32_t));
+    int64_t nband = 0, above = 0, nup = 0, cur = 0, sparse = il < ng / 100; /* (few groups reach lo) */
     const float cs = LOG2E / t;
     const __m256 xv = _mm256_set1_ps(xm), cv = _mm256_set1_ps(cs), hv = _mm256_set1_ps(hi), lv = _mm256_set1_ps(lo);
-    for (int64_t b = 0; b < nb; b++) {
-        __m256 acc = _mm256_setzero_ps();
-        int64_t end = (b + 1) * bs < V ? (b + 1) * bs : V;
-        for (int64_t j = b * bs; j < end; j += 8) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t g = 0; g <= ng; g++) {
+        int64_t j = g * GROUP, b = g < ng ? j / bs : -1; /* (groups lie within blocks: bs % GROUP == 0) */
+        if (b != cur && nup) { /* the block's kept weights above hi, 8 packed lanes at a time */
+            for (int64_t q = nup; q < ((nup + 7) & ~(int64_t)7); q++) up[q] = -INFINITY;
+            __m256 acc = _mm256_setzero_ps();
+            for (int64_t q = 0; q < nup; q += 8)
+                acc = _mm256_add_ps(acc, exp2_neg(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(up + q), xv), cv)));
+            mass[cur] = hsum8(acc);
+            above += nup;
+            nup = 0;
+        }
+        if (g == ng) break;
+        cur = b;
+        if (sparse) { /* skip the groups with nothing at or above lo, keeping the prefetcher's stream going */
+            _mm_prefetch((const char *)(x + j + 16 * GROUP), _MM_HINT_T0);
+            _mm_prefetch((const char *)(x + j + 16 * GROUP + 16), _MM_HINT_T0);
+            if (gmax[g] < lo) continue;
+        }
+        for (int64_t q = j; q < j + GROUP && q < V; q += 8) {
             __m256 v;
-            if (j + 8 <= end) {
-                v = _mm256_loadu_ps(x + j);
+            int valid = 0xff;
+            if (q + 8 <= V) {
+                v = _mm256_loadu_ps(x + q);
             } else {
                 float tail[8];
-                for (int q = 0; q < 8; q++) tail[q] = j + q < end ? x[j + q] : -INFINITY;
+                for (int l = 0; l < 8; l++) tail[l] = q + l < V ? x[q + l] : -INFINITY;
                 v = _mm256_loadu_ps(tail);
+                valid = (1 << (V - q)) - 1;
             }
-            __m256 gt = _mm256_cmp_ps(v, hv, _CMP_GT_OQ);
-            int up = _mm256_movemask_ps(gt);
-            if (up) {
-                acc = _mm256_add_ps(acc, _mm256_and_ps(gt, exp2_neg(_mm256_mul_ps(_mm256_sub_ps(v, xv), cv))));
-                above += __builtin_popcount(up);
-            }
-            int in = _mm256_movemask_ps(_mm256_cmp_ps(v, lv, _CMP_GE_OQ)) & ~up;
-            if (!in) continue;
-            float vals[8];
-            _mm256_storeu_ps(vals, v);
-            while (in) {
-                int q = __builtin_ctz(in);
-                in &= in - 1;
-                if (nband < cap) band[nband] = (cand){vals[q], (int32_t)(j + q)};
-                nband++;
-            }
+            int u = _mm256_movemask_ps(_mm256_cmp_ps(v, hv, _CMP_GT_OQ)) & valid;
+            int in = _mm256_movemask_ps(_mm256_cmp_ps(v, lv, _CMP_GE_OQ)) & ~u & valid;
+            nup += pack_store(up + nup, v, u);
+            if (sparse && !in) continue;
+            int64_t at = nband < cap ? nband : cap; /* past cap: counted, not kept (the bracket has missed) */
+            pack_store(bx + at, v, in);
+            pack_store_i(bid + at, _mm256_add_epi32(_mm256_set1_epi32((int32_t)q), lanes), in);
+            nband += __builtin_popcount(in);
         }
-        mass[b] = hsum8(acc);
     }
+    free(up);
     int64_t out = -1;
     if (above < k && k <= above + nband && nband <= cap) {
-        float *ys = malloc((size_t)nband * sizeof(float));
-        for (int64_t q = 0; q < nband; q++) ys[q] = band[q].y / t;
-        const float kv = select_desc(ys, nband, k - above - 1), m = xm / t; /* the k-th largest y */
-        free(ys);
-        for (int64_t q = 0; q < nband; q++) {
-            float d2 = (band[q].y - xm) * cs;
-            if (band[q].y / t >= kv && d2 >= UNDER2) mass[band[q].id / bs] += exp2f(d2);
+        float *tmp = malloc((size_t)(nband + 8) * sizeof(float));
+        memcpy(tmp, bx, (size_t)nband * sizeof(float));
+        const float kv = select_desc(tmp, nband, k - above - 1) / t; /* the k-th largest y */
+        free(tmp);
+        const __m256 tv = _mm256_set1_ps(t), kvv = _mm256_set1_ps(kv);
+        for (int64_t q = nband; q < ((nband + 7) & ~(int64_t)7); q++) bx[q] = -INFINITY; /* (bx has 8 of slack) */
+        for (int64_t q = 0; q < nband; q += 8) { /* the kept band tokens' weights join their blocks */
+            __m256 v = _mm256_loadu_ps(bx + q), keep = _mm256_cmp_ps(load_scaled(bx + q, tv, t), kvv, _CMP_GE_OQ);
+            float e[8];
+            _mm256_storeu_ps(e, _mm256_and_ps(keep, exp2_neg(_mm256_mul_ps(_mm256_sub_ps(v, xv), cv))));
+            for (int l = 0; l < 8 && q + l < nband; l++) mass[bid[q + l] / bs] += e[l];
         }
-        double zk = 0.0, best = -INFINITY;
-        int64_t chosen = -1;
-        for (int64_t b = 0; b < nb; b++) {
-            if (!(mass[b] > 0.0f)) continue;
-            zk += mass[b];
-            double sc = (double)logf(mass[b]) + gumbel(key, b, SALT_BLOCK);
-            if (sc > best) {
-                best = sc;
-                chosen = b;
-            }
-        }
-        best = -INFINITY;
-        out = 0;
-        for (int64_t j = chosen * bs; chosen >= 0 && j < V && j < (chosen + 1) * bs; j++) {
-            float y = x[j] / t;
-            if (!(y >= kv) || !((x[j] - xm) * cs >= UNDER2)) continue;
-            double sc = (double)y + gumbel(key, j, SALT_TOKEN);
-            if (sc > best) {
-                best = sc;
-                out = j;
-            }
-        }
-        *lp = (double)(x[out] / t - m) - log(zk);
+        out = draw_cut(x, V, t, xm, kv, mass, nb, key, bs, lp);
     }
-    free(band);
+    free(bid);
+    free(bx);
     free(mass);
     return out;
 }
@@ -1170,42 +1321,45 @@ static int64_t mirostat1_dense(const float *x, int64_t V, float t, float xm, int
     return out;
 }
 
-/* Mirostat 1 without a normaliser over the vocabulary (the draw and the mu update only need the kept tokens): s from
- * the 100 largest y (the heap of a first pass over the raw logits, sorted and scaled), k from s and mu; k <= 100: the
- * k-th of them, the kept tokens collected and drawn (what a top-k row costs); a wider k: mirostat1_wide; when
- * neither holds (ties wider than the candidate buffer, a bracket that missed), mirostat1_dense. */
+/* Mirostat 1 without a normaliser over the vocabulary (the draw and the mu update only need the kept tokens): one
+ * read of the row (top_ids) gives s from the 100 largest y and so k (with mu); k <= 100: the kept tokens are the
+ * heap's (unless ties at the k-th value reach past it: then collected), drawn as a top-k row -- one read in all; a
+ * wider k: mirostat1_wide (a second read); every token kept: draw_dense_pass (a second read); when neither holds
+ * (ties wider than the candidate buffer, a bracket that missed), mirostat1_dense. */
 static int64_t sample_mirostat1(const float *x, int64_t V, float t, float mu, uint64_t key, int64_t bs, double *lp) {
     int64_t mm = V < 100 ? V : 100;
-    float heap[100];
-    kth_largest(x, V, 1.0f, mm, heap); /* on x, no division: x / t keeps the order */
-    qsort(heap, (size_t)mm, sizeof(float), float_desc);
-    *lp = 0.0;
-    if (heap[0] == -INFINITY) return 0;
-    const float xmax = heap[0];
     cand top[100];
-    int64_t finite = 0;
-    for (int64_t q = 0; q < mm; q++) {
-        heap[q] = t == 1.0f ? heap[q] : heap[q] / t;
-        top[q] = (cand){heap[q], 0};
-        finite += heap[q] > -INFINITY;
-    }
-    int64_t ki = mirostat1_k(top, finite, mm, V, mu);
-    if (ki >= V) { /* every token kept: a dense draw over the row, no k-th value to find */
-        double zk;
-        int64_t out = draw_dense_pass(x, V, t, xmax, -INFINITY, 0.0f, key, bs, &zk);
-        *lp = (double)(x[out] / t - xmax / t) - log(zk);
-        return out;
-    }
-    int64_t out = -1;
-    if (ki > mm) {
-        out = mirostat1_wide(x, V, t, xmax, ki, key, bs, lp);
+    float *smp = malloc((size_t)(2 * (V / GROUP + 9)) * sizeof(float)), *gmax = smp + V / GROUP + 9;
+    int64_t ng = top_ids(x, V, mm, top, smp, gmax); /* on x: x / t keeps the order */
+    qsort(top, (size_t)mm, sizeof(cand), cand_order);
+    *lp = 0.0;
+    int64_t out = -1, ki = 0;
+    const float xmax = top[0].y;
+    if (xmax == -INFINITY) {
+        out = 0; /* every logit -inf: nothing to draw */
     } else {
-        float kv = heap[ki - 1];
-        cand *c = malloc(CAND_CAP * sizeof(cand));
-        int64_t n = collect(x, V, t, kv, c, CAND_CAP);
-        if (n <= CAND_CAP && n > 0) out = draw_kept(c, n, heap[0], kv - heap[0], V, key, bs, lp);
-        free(c);
+        int64_t finite = 0;
+        for (int64_t q = 0; q < mm; q++) {
+            top[q].y = t == 1.0f ? top[q].y : top[q].y / t;
+            finite += top[q].y > -INFINITY;
+        }
+        ki = mirostat1_k(top, finite, mm, V, mu);
+        if (ki >= V) { /* every token kept: a dense draw over the row, no k-th value to find */
+            double zk;
+            out = draw_dense_pass(x, V, t, xmax, -INFINITY, 0.0f, key, bs, &zk);
+            *lp = (double)(x[out] / t - xmax / t) - log(zk);
+        } else if (ki > mm) { /* (blocks made of whole groups; else the last resort) */
+            if (bs % GROUP == 0) out = mirostat1_wide(x, V, t, xmax, ki, smp, gmax, ng, key, bs, lp);
+        } else if (mm == V || top[mm - 1].y < top[ki - 1].y) { /* every token with y >= the k-th is in the heap */
+            out = draw_kept(top, mm, top[0].y, top[ki - 1].y - top[0].y, V, key, bs, lp);
+        } else {
+            cand *c = malloc(CAND_CAP * sizeof(cand));
+            int64_t n = collect(x, V, t, top[ki - 1].y, c, CAND_CAP);
+            if (n <= CAND_CAP && n > 0) out = draw_kept(c, n, top[0].y, top[ki - 1].y - top[0].y, V, key, bs, lp);
+            free(c);
+        }
     }
+    free(smp);
     return out >= 0 ? out : mirostat1_dense(x, V, t, xmax, ki, key, bs, lp);
 }
 
