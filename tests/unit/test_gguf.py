@@ -16,7 +16,7 @@ from tokenspout.entrypoints.cli import resolve_quantization
 from tokenspout.kernels import cpu
 from tokenspout.models.default_model import gguf_path
 from tokenspout.models.gguf_file import default_quantization, sidecar_folder
-from tokenspout.models.gguf_model import _blocks_of
+from tokenspout.models.gguf_model import GGUFCheckpoint, GGUFEmbedding, _blocks_of
 from tokenspout.models.loader import load_model
 from tokenspout.models.quantize import dequantize, pack_int4, pack_int8
 
@@ -53,6 +53,23 @@ def test_blocks_convert_exactly(kind):
     assert torch.equal(dequantize(packed), ref)
 
 
+def test_rows_on_demand_equal_the_whole_tensor():
+    """GGUFCheckpoint.rows (what re-quantization reads a chunk at a time, no float copy of the tensor) slices the
+    same float32 rows as the whole tensor dequantized, Q/K rows un-permuted alike; the embedding module looks up
+    the same rows."""
+    ck = GGUFCheckpoint(gguf_path())
+    for name in ("layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
+                 "layers.1.mlp.down_proj.weight", "embed_tokens.weight"):
+        whole, lazy = ck.get(name), ck.rows(name)
+        assert tuple(lazy.shape) == tuple(whole.shape)
+        n = whole.shape[0]
+        for a, b in ((0, 7), (5, 64), (n - 9, n), (0, n)):
+            assert torch.equal(lazy[a:b], whole[a:b]), (name, a, b)
+    emb = GGUFEmbedding(gguf_path(), torch.bfloat16)
+    ids = torch.tensor([[0, 17, 17], [49151, 2, 3]])
+    assert torch.equal(emb(ids), ck.get("embed_tokens.weight")[ids].bfloat16())
+
+
 @pytest.fixture(scope="module")
 def gguf_int4():
     return load_model(ModelConfig(model=str(gguf_path()), quantization="int4"))
@@ -63,7 +80,7 @@ def test_default_gguf_served_from_the_file_equals_the_default_model(gguf_int4):
     """The default model's GGUF (Q4_1 layers, Q8_0 tied embedding), read straight from the file: every packed
     weight is bit-identical to the default model's int4 weights (quantized from the float32 folder transformers
     dequantized from the same file, Q/K rows un-permuted there by transformers and here by us), and so are the
-    embedding and the norms."""
+    embedding (its rows read from the file as they are looked up) and the norms."""
     ref = load_model(ModelConfig(model=None, quantization="int4"))
     assert gguf_int4.arch == ref.arch and gguf_int4.name == "SmolLM2-135M-Instruct.Q4_1"
     assert gguf_int4.quantized.keys() == ref.quantized.keys()
@@ -73,9 +90,14 @@ def test_default_gguf_served_from_the_file_equals_the_default_model(gguf_int4):
             a, b = getattr(pa, f), getattr(pb, f)
             assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), (name, f)
     sa, sb = gguf_int4.model.state_dict(), ref.model.state_dict()
-    assert sa.keys() == sb.keys()
+    assert sa.keys() == sb.keys() - {"embed_tokens.weight"}  # the file's rows, not a float table
     for k in sa:
         assert torch.equal(sa[k], sb[k]), k
+    emb = gguf_int4.model.embed_tokens
+    assert isinstance(emb, GGUFEmbedding) and emb.qtype.name == "Q8_0"
+    ids = torch.arange(ref.arch.vocab_size)
+    assert torch.equal(emb(ids), sb["embed_tokens.weight"])
+    assert torch.equal(emb(ids[[5, 3, 5]].reshape(1, 3)), sb["embed_tokens.weight"][[5, 3, 5]].reshape(1, 3, -1))
 
 
 def test_float_path_and_tokenizer_from_the_file(tokenizer):

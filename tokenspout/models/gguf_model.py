@@ -112,6 +112,12 @@ class GGUFCheckpoint:
         self._release(t)
         return torch.from_numpy(np.ascontiguousarray(self._unpermute(name, out)))
 
+    def rows(self, name: str) -> _Rows:
+        """The 2-D tensor as float32 rows dequantized on demand (slices of rows, in HF's layout): what quantize_rows
+        re-quantizes a chunk at a time, so no float copy of a whole tensor is made (an 8B shape's Q6_K LM head would
+        be 0.8 GB of it)."""
+        return _Rows(self, name)
+
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(x) for x in reversed(self._tensor(name).shape))  # GGUF lists dims innermost first
 
@@ -132,7 +138,7 @@ class GGUFCheckpoint:
             if method == "int4" and all(k in _WIDER or _EXACT.get(k) == "int8" for k in kinds):
                 from tokenspout.models.quantize import quantize_int8, quantize_rows
 
-                return quantize_rows([self.get(n) for n in names], quantize_int8)
+                return quantize_rows([self.rows(n) for n in names], quantize_int8)
             return None
         fmt = formats.pop()
         qs, scales, mins = [], [], []
@@ -149,6 +155,49 @@ class GGUFCheckpoint:
         if fmt == "int8":
             return pack_int8(q, d)
         return pack_int4(q, d, torch.cat(mins))
+
+
+class _Rows:
+    """Rows of one GGUF tensor, dequantized as they are sliced ([r0:r1] -> float32 [r1 - r0, K]), Q/K un-permuted."""
+
+    def __init__(self, ck: GGUFCheckpoint, name: str):
+        self.ck, self.t = ck, ck._tensor(name)
+        self.shape = ck.shape(name)
+        self.raw = np.asarray(self.t.data).reshape(self.shape[0], -1)
+        self.order = ck._unpermute(name, np.arange(self.shape[0]))  # HF row i is the file's row order[i]
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        from gguf.quants import dequantize
+
+        r0, r1, _ = rows.indices(self.shape[0])
+        out = np.asarray(dequantize(self.raw[self.order[r0:r1]], self.t.tensor_type), dtype=np.float32)
+        if r1 == self.shape[0]:
+            self.ck._release(self.t)
+        return torch.from_numpy(out.reshape(r1 - r0, self.shape[1]))
+
+
+class GGUFEmbedding(torch.nn.Module):
+    """The token embedding kept as the file holds it (memory-mapped rows of GGUF blocks), each looked-up row
+    dequantized when it is needed: the same float32 values as the whole table dequantized at load, without holding
+    that table (a Llama-8B shape's 49k x 4096 float32 embedding is 0.8 GB; its Q4_K rows are 0.11 GB of the file,
+    paged in only for the tokens used).  Used where the kernels compute the linear layers (quant_load)."""
+
+    def __init__(self, gguf: Path, dtype: torch.dtype):
+        super().__init__()
+        t = GGUFCheckpoint(gguf)._tensor("embed_tokens.weight")
+        self.vocab, self.hidden = int(t.shape[1]), int(t.shape[0])  # GGUF lists dims innermost first
+        self.qtype, self.dtype = t.tensor_type, dtype
+        self.rows = np.asarray(t.data).reshape(self.vocab, -1)  # [vocab, bytes per row], a view of the map
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from gguf.quants import dequantize
+
+        flat = ids.reshape(-1).cpu().numpy()
+        out = np.asarray(dequantize(self.rows[flat], self.qtype), dtype=np.float32).reshape(flat.shape[0], -1)
+        return torch.from_numpy(out).to(self.dtype).reshape(*ids.shape, self.hidden)
+
+    def extra_repr(self) -> str:
+        return f"{self.vocab}, {self.hidden}, {self.qtype.name} rows of the file"
 
 
 def _q4k_blocks(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -147,8 +147,9 @@ class LlamaForCausalLM(nn.Module):
         self.arch = a
         # An explicit (uninitialised) weight skips Embedding's random init: the loader overwrites it anyway, and on
         # the meta device normal_ imports torch._dynamo (~1.5 s of start-up).
-        self.embed_tokens = nn.Embedding(a.vocab_size, a.hidden_size,
-                                         _weight=torch.empty(a.vocab_size, a.hidden_size))
+        # (nn.Module: a GGUF's quantized model looks rows up in the file instead, models/gguf_model.GGUFEmbedding)
+        self.embed_tokens: nn.Module = nn.Embedding(a.vocab_size, a.hidden_size,
+                                                    _weight=torch.empty(a.vocab_size, a.hidden_size))
         self.layers = nn.ModuleList([DecoderLayer(a) for _ in range(a.num_layers)])
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = nn.Linear(a.hidden_size, a.vocab_size, bias=False)

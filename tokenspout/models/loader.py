@@ -19,6 +19,7 @@ import torch
 from tokenspout.config import ModelConfig, read_hf_config
 from tokenspout.models.checkpoint import load_weights, read_state_dict, weight_files
 from tokenspout.models.default_model import resolve_model_path
+from tokenspout.models.gguf_file import gguf_source
 from tokenspout.models.llama import LlamaArch, LlamaForCausalLM, Rotary
 from tokenspout.models.registry import model_class
 
@@ -139,6 +140,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         """The model with the folder's weights, in `dtype`."""
         model = meta_model.to_empty(device="cpu")
         if arch.tie_word_embeddings:  # to_empty untied the embeddings: retie them
+            assert isinstance(model.embed_tokens, torch.nn.Embedding)  # (a float model's)
             model.lm_head.weight = model.embed_tokens.weight
         load_weights(model, read_state_dict(path, arch))
         return finish(model)
@@ -153,6 +155,11 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         from tokenspout.models.quantize import HALF_FORMATS, quantize_model
 
         method, lib = cfg.quantization, cpu.load()
+        src = gguf_source(path)
+        if lib is not None and src is not None:  # the embedding's rows stay in the file, dequantized per lookup
+            from tokenspout.models.gguf_model import GGUFEmbedding
+
+            meta_model.embed_tokens = GGUFEmbedding(src, dtype)
         if method in HALF_FORMATS and lib is None:
             # 16-bit weights only pay through the kernels; without them the float model computes with the same
             # values (a bf16 / fp16 checkpoint's weights are exact in float32)

@@ -3,8 +3,9 @@
 Where the C kernels run (`--quantization int4 | int8`), each linear layer's checkpoint tensors are read (one tensor
 at a time, see checkpoint.CheckpointReader), rounded to the model dtype, quantized 1024 rows at a time and packed;
 the float rows are dropped before the next layer is read.  Only the embedding, the norms and the biases are
-allocated as float tensors.  The peak memory of a first start is then the packed model + the embedding + one
-layer's float tensors, where quantizing a loaded float model first held the whole float model (4 bytes per weight:
+allocated as float tensors (and from a GGUF file not even the embedding: gguf_model.GGUFEmbedding reads its rows
+from the file).  The peak memory of a first start is then the packed model + the embedding + one layer's float
+tensors, where quantizing a loaded float model first held the whole float model (4 bytes per weight:
 ~6.8 GB of a 1.7B model, more than its packed form + KV cache).
 """
 
@@ -42,7 +43,8 @@ def build_quantized(meta: LlamaForCausalLM, path: Path, method: str, dtype: torc
         fmt = linear_format(name, method)
         pw = exact(keys, fmt) if exact is not None else None
         if pw is None:
-            pw = quantize_rows([reader.get(key) for key in keys], QUANTIZERS[fmt], dtype)
+            rows = getattr(reader, "rows", reader.get)  # (a GGUF's: dequantized a chunk at a time)
+            pw = quantize_rows([rows(key) for key in keys], QUANTIZERS[fmt], dtype)
         packed[name] = pw
     replace_linears(meta, packed, lib)
     model = meta.to_empty(device="cpu")
@@ -50,6 +52,8 @@ def build_quantized(meta: LlamaForCausalLM, path: Path, method: str, dtype: torc
     for pname, keys in plan.items():
         if pname.endswith(".weight") and pname.removesuffix(".weight") in shapes:
             continue
+        if pname == "embed_tokens.weight" and not isinstance(model.embed_tokens, torch.nn.Embedding):
+            continue  # the embedding reads its rows itself (a GGUF's, gguf_model.GGUFEmbedding)
         copy_rows(own, pname, [reader.get(key) for key in keys])
     reader.warn_unused(plan)
     return finish(model), packed

@@ -21,7 +21,9 @@ reason.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -130,9 +132,19 @@ def check_quantizable(name: str, in_features: int, method: str = "int4") -> None
                          f"{method} needs")
 
 
-def quantize_rows(parts: list[torch.Tensor], fn, dtype: torch.dtype = torch.float32, chunk: int = 1024) -> PackedWeight:
+class RowSource(Protocol):
+    """What quantize_rows reads: a 2-D shape and float rows by slice (a tensor, or a GGUF tensor's _Rows)."""
+
+    @property
+    def shape(self) -> Sequence[int]: ...
+
+    def __getitem__(self, rows: slice, /) -> torch.Tensor: ...
+
+
+def quantize_rows(parts: Sequence[RowSource], fn, dtype: torch.dtype = torch.float32, chunk: int = 1024) -> PackedWeight:
     """`fn` (quantize_int4 / quantize_int8) over the row-wise concatenation of `parts`, `chunk` rows (a multiple of
-    4: whole blocks) at a time, so the float temporaries are a chunk's, not the matrix's.  Rows are rounded to
+    4: whole blocks) at a time, so the float temporaries are a chunk's, not the matrix's (and where a part makes its
+    rows on demand, a GGUF tensor's, not even the part's).  Rows are rounded to
     `dtype` first, as the model's own weights would be; the result equals `fn` of the whole matrix."""
     assert chunk % 4 == 0
     n, k = sum(p.shape[0] for p in parts), parts[0].shape[1]
