@@ -238,11 +238,11 @@ def knob_rows(batch: int = 64, vocab: int = 128_256, budget_s: float = 3.0) -> l
     """ms per decode step (metadata build + sampler + appending the sampled tokens) of a batch where every row uses
     one knob, against plain random sampling (RANDOM) measured interleaved in the same run on the same logits."""
     gen = torch.Generator().manual_seed(31)
-    logits = llm_like_logits(batch, vocab, gen)
+    first = llm_like_logits(batch, vocab, gen)
     history = torch.randint(0, 500, (batch, 256), generator=gen).tolist()  # a small alphabet: repeats to find
     sampler = Sampler()
 
-    def step_fn(params: list[SamplingParams]) -> Callable[[], object]:
+    def step_fn(params: list[SamplingParams], logits: torch.Tensor) -> Callable[[], object]:
         state = SamplingState(batch, vocab, torch.device("cpu"))
         for i, p in enumerate(params):
             if p.thinking_token_budget is not None:
@@ -263,8 +263,11 @@ def knob_rows(batch: int = 64, vocab: int = 128_256, budget_s: float = 3.0) -> l
     for name, knob in KNOBS.items():
         kw = ({"temperature": 0.8} if "mirostat" in knob else dict(RANDOM)) | knob
         kw = {k: v for k, v in kw.items() if not (k == "top_k" and v == 0) and not (k == "top_p" and v == 1.0)}
-        times = interleaved({"plain": step_fn(base), name: step_fn([SamplingParams(**kw) for _ in range(batch)])},
-                            budget_s=budget_s)
+        # Each knob on fresh logits: the sampler edits them in place where a row is penalised (DRY lowers, no-repeat
+        # bans the tokens it drew), and after hundreds of steps those edits would reshape every later knob's rows.
+        logits = first.clone()
+        times = interleaved({"plain": step_fn(base, logits),
+                             name: step_fn([SamplingParams(**kw) for _ in range(batch)], logits)}, budget_s=budget_s)
         rows.append({"knob": name, "params": kw, "batch": batch, "vocab": vocab, "plain_ms": times["plain"],
                      "knob_ms": times[name], "ratio": times[name] / times["plain"],
                      "ratio_min": times[f"{name}_min"] / times["plain_min"], "loadavg_1min": os.getloadavg()[0]})

@@ -1278,7 +1278,7 @@ static int64_t mirostat1_wide(const float *x, int64_t V, float t, float xm, int6
             int u = _mm256_movemask_ps(_mm256_cmp_ps(v, hv, _CMP_GT_OQ)) & valid;
             int in = _mm256_movemask_ps(_mm256_cmp_ps(v, lv, _CMP_GE_OQ)) & ~u & valid;
             nup += pack_store(up + nup, v, u);
-            if (sparse && !in) continue;
+            if (!in) continue;
             int64_t at = nband < cap ? nband : cap; /* past cap: counted, not kept (the bracket has missed) */
             pack_store(bx + at, v, in);
             pack_store_i(bid + at, _mm256_add_epi32(_mm256_set1_epi32((int32_t)q), lanes), in);
