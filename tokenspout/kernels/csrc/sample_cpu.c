@@ -921,122 +921,6 @@ static int64_t draw_kept(const cand *c, int64_t n, float m, float thr, int64_t V
     return out;
 }
 
-/* A per-thread scratch row (kept between calls: a fresh 0.5 MB malloc would be a fresh mmap, its page faults
- * costing more than the row's arithmetic). */
-static float *scratch_row(int64_t n) {
-    static __thread float *buf = NULL;
-    static __thread int64_t cap = 0;
-    if (n > cap) {
-        free(buf);
-        buf = malloc((size_t)n * sizeof(float));
-        cap = n;
-    }
-    return buf;
-}
-
-/* Mirostat 2 in one pass over the row, block by block (a block stays in L1 between its max and its weights): the
- * running max of x, each block's weights against the running max of its time (kept in a scratch row; at[b] that max),
- * z = sum exp(y - m) rescaled when the max grows, and the tokens with y - m >= min(-mu ln 2, 0) as candidates -- a
- * superset of the kept ones, since z >= 1 puts the cut log z - mu ln 2 above it and m only grows.  When they overflow
- * (a flat row, or a mu grown large) the kept weights are summed per block from the scratch row (w >= 2^(cut - the
- * block's offset)) and the draw is draw_dense's, without computing a weight twice. */
-static int64_t sample_mirostat2(const float *x, int64_t V, float t, float mu, uint64_t key, int64_t bs, double *lp) {
-    const float low = fminf(-mu * 0.69314718f, 0.0f), cs = LOG2E / t; /* low: nats below the max, as y - m */
-    const __m256 cv = _mm256_set1_ps(cs), lv = _mm256_set1_ps(low * LOG2E);
-    int64_t nb = (V + bs - 1) / bs, n = 0;
-    float *w = scratch_row(nb * bs), *at = malloc((size_t)nb * sizeof(float));
-    cand *c = malloc(CAND_CAP * sizeof(cand));
-    int overflow = 0;
-    float xm = -INFINITY; /* the running max of x (y's is xm / t) */
-    double z = 0.0;
-    for (int64_t b = 0; b < nb; b++) {
-        int64_t lo = b * bs, hi = (b + 1) * bs < V ? (b + 1) * bs : V;
-        float cm = max_range(x, lo, hi);
-        if (cm > xm) {
-            z = xm == -INFINITY ? 0.0 : z * exp(((double)xm - cm) / t);
-            xm = cm;
-        }
-        at[b] = xm;
-        if (xm == -INFINITY) {
-            memset(w + lo, 0, (size_t)(hi - lo) * sizeof(float));
-            continue;
-        }
-        const __m256 xv = _mm256_set1_ps(xm);
-        const float m = xm / t;
-        __m256 acc = _mm256_setzero_ps();
-        for (int64_t j = lo; j < hi; j += 8) {
-            __m256 d2 = bits8(x, j, hi, xv, cv), e = exp2_neg(d2);
-            _mm256_storeu_ps(w + j, e);
-            acc = _mm256_add_ps(acc, e);
-            int hit = overflow ? 0 : _mm256_movemask_ps(_mm256_cmp_ps(d2, lv, _CMP_GE_OQ));
-            while (hit) {
-                int q = __builtin_ctz(hit);
-                hit &= hit - 1;
-                if (n == CAND_CAP) { /* the earlier candidates against today's max: many drop out once it grew */
-                    int64_t r2 = 0;
-                    for (int64_t r = 0; r < n; r++)
-                        if (c[r].y - m >= low) c[r2++] = c[r];
-                    n = r2;
-                }
-                if (n == CAND_CAP) {
-                    overflow = 1;
-                    break;
-                }
-                c[n++] = (cand){x[j + q] / t, (int32_t)(j + q)};
-            }
-        }
-        z += hsum8(acc);
-    }
-    *lp = 0.0;
-    int64_t out = 0;
-    if (xm > -INFINITY) {
-        const float m = xm / t;
-        float thr = (float)(log(z) - (double)mu * 0.69314718055994530942);
-        thr = thr > 0.0f ? 0.0f : thr;
-        if (!overflow) {
-            out = draw_kept(c, n, m, thr, V, key, bs, lp);
-        } else { /* kept: d2 >= thr2 against the final max, i.e. w >= 2^(thr2 - off_b), off_b = (at_b - xm) c */
-            double zk = 0.0, best = -INFINITY;
-            int64_t chosen = -1;
-            float wthr_chosen = 0.0f;
-            for (int64_t b = 0; b < nb; b++) {
-                int64_t lo = b * bs, hi = (b + 1) * bs < V ? (b + 1) * bs : V;
-                if (at[b] == -INFINITY) continue;
-                float off = (at[b] - xm) * cs, wthr = exp2f(thr * LOG2E - off);
-                const __m256 tv2 = _mm256_set1_ps(wthr);
-                __m256 acc = _mm256_setzero_ps();
-                for (int64_t j = lo; j + 8 <= hi; j += 8) {
-                    __m256 e = _mm256_loadu_ps(w + j);
-                    acc = _mm256_add_ps(acc, _mm256_and_ps(e, _mm256_cmp_ps(e, tv2, _CMP_GE_OQ)));
-                }
-                float mass = hsum8(acc);
-                for (int64_t j = lo + ((hi - lo) & ~(int64_t)7); j < hi; j++) mass += w[j] >= wthr ? w[j] : 0.0f;
-                if (!(mass > 0.0f)) continue;
-                zk += (double)mass * exp2((double)off);
-                double sc = (double)logf(mass) + (double)off * 0.69314718055994530942 + gumbel(key, b, SALT_BLOCK);
-                if (sc > best) {
-                    best = sc;
-                    chosen = b;
-                    wthr_chosen = wthr;
-                }
-            }
-            best = -INFINITY;
-            for (int64_t j = chosen * bs; chosen >= 0 && j < V && j < (chosen + 1) * bs; j++) {
-                if (!(w[j] > 0.0f && w[j] >= wthr_chosen)) continue;
-                double sc = (double)(x[j] / t) + gumbel(key, j, SALT_TOKEN);
-                if (sc > best) {
-                    best = sc;
-                    out = j;
-                }
-            }
-            *lp = (double)(x[out] / t - m) - log(zk);
-        }
-    }
-    free(c);
-    free(at);
-    return out;
-}
-
 /* Left-packing 8 lanes by a mask (AVX2 has no compress): PACK[m] holds the lane indices of m's set bits, in order,
  * one per byte. */
 static uint64_t PACK[256];
@@ -1361,6 +1245,125 @@ static int64_t sample_mirostat1(const float *x, int64_t V, float t, float mu, ui
     }
     free(smp);
     return out >= 0 ? out : mirostat1_dense(x, V, t, xmax, ki, key, bs, lp);
+}
+
+/* The two-level draw among candidates (cx, cid)[0..n) that hold every kept token: kept where (x - xm) log2(e) / t
+ * >= thr log2(e) (y - m >= thr, draw_dense_pass's test on the same floats), weights 2^((x - xm) log2(e) / t) summed
+ * per block, a block by argmin(E_b / mass_b), a token of it by argmin(E_t / w_t) (draw_dense's argmaxes of
+ * log mass + G and y + G).  *lp: the token's log probability among the kept.  cx is clobbered (8 floats of slack). */
+static int64_t draw_candidates_cut(const float *x, float *cx, const int32_t *cid, int64_t n, int64_t V, float t,
+                                   float xm, float thr, uint64_t key, int64_t bs, double *lp) {
+    const float cs = LOG2E / t;
+    const __m256 xv = _mm256_set1_ps(xm), cv = _mm256_set1_ps(cs), thv = _mm256_set1_ps(thr * LOG2E);
+    for (int64_t q = n; q < ((n + 7) & ~(int64_t)7); q++) cx[q] = -INFINITY;
+    for (int64_t q = 0; q < n; q += 8) { /* weights in place, 0 where dropped */
+        const __m256 d2 = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(cx + q), xv), cv);
+        _mm256_storeu_ps(cx + q, _mm256_and_ps(exp2_neg(d2), _mm256_cmp_ps(d2, thv, _CMP_GE_OQ)));
+    }
+    int64_t nb = (V + bs - 1) / bs, chosen = -1, out = 0;
+    float *mass = calloc((size_t)nb, sizeof(float));
+    for (int64_t q = 0; q < n; q++) mass[cid[q] / bs] += cx[q];
+    double zk = 0.0, best = INFINITY;
+    for (int64_t q = 0; q < n; q++) { /* the blocks that hold kept tokens, each scored once */
+        int64_t b = cid[q] / bs;
+        if (!(mass[b] > 0.0f)) continue;
+        zk += mass[b];
+        double sc = expo(key, b, SALT_BLOCK) / (double)mass[b];
+        mass[b] = 0.0f;
+        if (sc < best) {
+            best = sc;
+            chosen = b;
+        }
+    }
+    free(mass);
+    best = INFINITY;
+    for (int64_t q = 0; q < n; q++) {
+        if (cid[q] / bs != chosen || !(cx[q] > 0.0f)) continue;
+        double sc = expo(key, cid[q], SALT_TOKEN) / (double)cx[q];
+        if (sc < best) {
+            best = sc;
+            out = cid[q];
+        }
+    }
+    *lp = (double)(x[out] / t - xm / t) - log(zk);
+    return out;
+}
+
+/* Mirostat 2 in one read of the row, block by block (a block stays in L1 between its max and its weights): the
+ * running max of x, z = sum exp(y - m) rescaled when the max grows, and as candidates (their x and ids packed) the
+ * tokens with y - m >= min(-mu ln 2, 0) against the running max -- a superset of the kept ones, since z >= 1 puts
+ * the cut log z - mu ln 2 above it and m only grows.  The kept ones among them are drawn by mirostat2_candidates,
+ * without reading the row again.  When they overflow the buffer even after compacting against today's max (a flat
+ * row, or a mu grown large), the draw is draw_dense_pass's with the cut: a second read.  (No weight is stored: a
+ * scratch row of weights, written for every row in case of an overflow, cost more than the rare second read.) */
+#define MIRO2_CAP 16384
+static int64_t sample_mirostat2(const float *x, int64_t V, float t, float mu, uint64_t key, int64_t bs, double *lp) {
+    const float low = -mu * 0.69314718f < 0.0f ? -mu * 0.69314718f : 0.0f, cs = LOG2E / t; /* nats below the max */
+    const __m256 cv = _mm256_set1_ps(cs), lv = _mm256_set1_ps(low * LOG2E);
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    int64_t nb = (V + bs - 1) / bs, n = 0;
+    float *cx = malloc((MIRO2_CAP + 8) * sizeof(float));
+    int32_t *cid = malloc((MIRO2_CAP + 8) * sizeof(int32_t));
+    int overflow = 0;
+    float xm = -INFINITY; /* the running max of x (y's is xm / t) */
+    double z = 0.0;
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t lo = b * bs, hi = (b + 1) * bs < V ? (b + 1) * bs : V;
+        float cm = max_range(x, lo, hi);
+        if (cm > xm) {
+            z = xm == -INFINITY ? 0.0 : z * exp(((double)xm - cm) / t);
+            xm = cm;
+        }
+        if (xm == -INFINITY) continue;
+        const __m256 xv = _mm256_set1_ps(xm);
+        __m256 acc = _mm256_setzero_ps();
+        for (int64_t j = lo; j < hi; j += 8) {
+            __m256 v;
+            if (j + 8 <= hi) {
+                v = _mm256_loadu_ps(x + j);
+            } else {
+                float tail[8];
+                for (int q = 0; q < 8; q++) tail[q] = j + q < hi ? x[j + q] : -INFINITY;
+                v = _mm256_loadu_ps(tail);
+            }
+            const __m256 d2 = _mm256_mul_ps(_mm256_sub_ps(v, xv), cv);
+            acc = _mm256_add_ps(acc, exp2_neg(d2));
+            int hit = _mm256_movemask_ps(_mm256_cmp_ps(d2, lv, _CMP_GE_OQ));
+            if (!hit || overflow) continue;
+            if (n + 8 > MIRO2_CAP) { /* the earlier candidates against today's max: many drop out once it grew */
+                int64_t n2 = 0;
+                for (int64_t q = 0; q < n; q++)
+                    if ((cx[q] - xm) * cs >= low * LOG2E) {
+                        cx[n2] = cx[q];
+                        cid[n2++] = cid[q];
+                    }
+                n = n2;
+                if (n + 8 > MIRO2_CAP / 2) { /* (half full after compacting: it would compact again soon) */
+                    overflow = 1;
+                    continue;
+                }
+            }
+            pack_store_i(cid + n, _mm256_add_epi32(_mm256_set1_epi32((int32_t)j), lanes), hit);
+            n += pack_store(cx + n, v, hit);
+        }
+        z += hsum8(acc);
+    }
+    *lp = 0.0;
+    int64_t out = 0;
+    if (xm > -INFINITY) {
+        float thr = (float)(log(z) - (double)mu * 0.69314718055994530942);
+        thr = thr > 0.0f ? 0.0f : thr;
+        if (!overflow) {
+            out = draw_candidates_cut(x, cx, cid, n, V, t, xm, thr, key, bs, lp);
+        } else {
+            double zk;
+            out = draw_dense_pass(x, V, t, xm, thr, 0.0f, key, bs, &zk);
+            *lp = (double)(x[out] / t - xm / t) - log(zk);
+        }
+    }
+    free(cid);
+    free(cx);
+    return out;
 }
 
 static int64_t sample_mirostat(const float *x, int64_t V, float t, int mode, float mu, uint64_t key, int64_t bs,
