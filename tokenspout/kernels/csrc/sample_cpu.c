@@ -768,7 +768,9 @@ static int64_t sample_top_k_warped(const float *x, int64_t V, float t, int64_t k
 /* A warped row without top-k (and without typical_p, which needs its candidates ordered: rows_cpu.py sends those
  * to the torch path): the whole row's weights after top_n_sigma, dynatemp, min_p and top-p (nucleus.py's bucketed
  * cut), then epsilon / eta / XTC as masks on them, then the dense draw. */
-static int64_t sample_dense_warped(const float *x, int64_t V, float t, float top_p, float min_p, uint64_t key,
+/* (Out of line and 64-byte aligned: inlined into the OpenMP body its loops' alignment moved with every unrelated edit
+ * of this file, and its whole-row cost with it, by 10-30% in bench.sampler's top_n_sigma_alone / xtc_min_p rows.) */
+__attribute__((noinline, aligned(64))) static int64_t sample_dense_warped(const float *x, int64_t V, float t, float top_p, float min_p, uint64_t key,
                                    int64_t bs, const float *wk) {
     float one;
     double st[4];
@@ -1002,6 +1004,39 @@ static inline double expo(uint64_t key, int64_t id, uint64_t salt) {
     return -log(((double)(z >> 11) + 0.5) * 0x1p-53);
 }
 
+/* U of expo's (key, id, salt): E = -log U >= 1 - U, the bound that lets a race skip most logs. */
+static inline double unif(uint64_t key, int64_t id, uint64_t salt) {
+    return ((double)(mix64((uint64_t)id * MIX_ID + key + salt) >> 11) + 0.5) * 0x1p-53;
+}
+
+/* argmin over the n weights w[i] > 0 of E_i / w[i], E_i = -log U(key, ids[i] or i, salt) (the exponential race, i.e.
+ * argmax(log w + G)): the heaviest first, then an entry's log only where its bound (1 - U) / w can beat the best so
+ * far -- most light entries cannot (a log for a few entries, not each; the same choice).  *z (if not NULL): the sum. */
+static int64_t race(const float *w, const int32_t *ids, int64_t n, uint64_t key, uint64_t salt, double *z) {
+    int64_t top = -1;
+    double sum = 0.0;
+    for (int64_t i = 0; i < n; i++) {
+        if (!(w[i] > 0.0f)) continue;
+        sum += w[i];
+        if (top < 0 || w[i] > w[top]) top = i;
+    }
+    if (z) *z = sum;
+    if (top < 0) return -1;
+    double best = expo(key, ids ? ids[top] : top, salt) / (double)w[top];
+    int64_t out = top;
+    for (int64_t i = 0; i < n; i++) {
+        if (!(w[i] > 0.0f) || i == top) continue;
+        const int64_t id = ids ? ids[i] : i;
+        if (1.0 - unif(key, id, salt) >= best * (double)w[i]) continue; /* E_i / w_i >= best already */
+        const double sc = expo(key, id, salt) / (double)w[i];
+        if (sc < best) {
+            best = sc;
+            out = i;
+        }
+    }
+    return out;
+}
+
 static void sift_down_cand(cand *h, int64_t n, int64_t i) {
     cand v = h[i];
     for (;;) {
@@ -1068,40 +1103,29 @@ static int64_t top_ids(const float *x, int64_t V, int64_t k, cand *heap, float *
  * kept tokens (draw_dense's argmaxes of log mass + G and y + G).  *lp: the token's log probability among the kept. */
 static int64_t draw_cut(const float *x, int64_t V, float t, float xm, float kv, const float *mass, int64_t nb,
                         uint64_t key, int64_t bs, double *lp) {
-    double zk = 0.0, best = INFINITY;
-    int64_t chosen = -1, out = 0;
-    for (int64_t b = 0; b < nb; b++) {
-        if (!(mass[b] > 0.0f)) continue;
-        zk += mass[b];
-        double sc = expo(key, b, SALT_BLOCK) / (double)mass[b];
-        if (sc < best) {
-            best = sc;
-            chosen = b;
-        }
-    }
+    double zk;
+    const int64_t chosen = race(mass, NULL, nb, key, SALT_BLOCK, &zk);
     if (chosen < 0) return -1;
-    int64_t lo = chosen * bs, hi = (chosen + 1) * bs < V ? (chosen + 1) * bs : V;
+    const int64_t lo = chosen * bs, hi = (chosen + 1) * bs < V ? (chosen + 1) * bs : V;
     const float cs = LOG2E / t;
     const __m256 xv = _mm256_set1_ps(xm), cv = _mm256_set1_ps(cs), kvv = _mm256_set1_ps(kv), tv = _mm256_set1_ps(t);
-    best = INFINITY;
-    for (int64_t j = lo; j < hi; j += 8) {
-        float w[8], tail[8];
+    float *w = malloc((size_t)(hi - lo + 8) * sizeof(float));
+    int32_t *ids = malloc((size_t)(hi - lo) * sizeof(int32_t));
+    for (int64_t j = lo; j < hi; j += 8) { /* the block's kept weights (0 where dropped) */
+        float tail[8];
         const float *src = x + j;
         if (j + 8 > hi) {
             for (int q = 0; q < 8; q++) tail[q] = j + q < hi ? x[j + q] : -INFINITY;
             src = tail;
         }
         __m256 v = _mm256_loadu_ps(src), keep = _mm256_cmp_ps(load_scaled(src, tv, t), kvv, _CMP_GE_OQ);
-        _mm256_storeu_ps(w, _mm256_and_ps(keep, exp2_neg(_mm256_mul_ps(_mm256_sub_ps(v, xv), cv))));
-        for (int q = 0; q < 8; q++) {
-            if (!(w[q] > 0.0f)) continue;
-            double sc = expo(key, j + q, SALT_TOKEN) / (double)w[q];
-            if (sc < best) {
-                best = sc;
-                out = j + q;
-            }
-        }
+        _mm256_storeu_ps(w + (j - lo), _mm256_and_ps(keep, exp2_neg(_mm256_mul_ps(_mm256_sub_ps(v, xv), cv))));
     }
+    for (int64_t j = lo; j < hi; j++) ids[j - lo] = (int32_t)j;
+    const int64_t pick = race(w, ids, hi - lo, key, SALT_TOKEN, NULL);
+    const int64_t out = pick < 0 ? lo : lo + pick;
+    free(ids);
+    free(w);
     *lp = (double)(x[out] / t - xm / t) - log(zk);
     return out;
 }
@@ -1250,8 +1274,9 @@ static int64_t sample_mirostat1(const float *x, int64_t V, float t, float mu, ui
 /* The two-level draw among candidates (cx, cid)[0..n) that hold every kept token: kept where (x - xm) log2(e) / t
  * >= thr log2(e) (y - m >= thr, draw_dense_pass's test on the same floats), weights 2^((x - xm) log2(e) / t) summed
  * per block, a block by argmin(E_b / mass_b), a token of it by argmin(E_t / w_t) (draw_dense's argmaxes of
- * log mass + G and y + G).  *lp: the token's log probability among the kept.  cx is clobbered (8 floats of slack). */
-static int64_t draw_candidates_cut(const float *x, float *cx, const int32_t *cid, int64_t n, int64_t V, float t,
+ * log mass + G and y + G), both by race.  *lp: the token's log probability among the kept.  cx and cid are clobbered
+ * (cx needs 8 floats of slack). */
+static int64_t draw_candidates_cut(const float *x, float *cx, int32_t *cid, int64_t n, int64_t V, float t,
                                    float xm, float thr, uint64_t key, int64_t bs, double *lp) {
     const float cs = LOG2E / t;
     const __m256 xv = _mm256_set1_ps(xm), cv = _mm256_set1_ps(cs), thv = _mm256_set1_ps(thr * LOG2E);
@@ -1260,31 +1285,20 @@ static int64_t draw_candidates_cut(const float *x, float *cx, const int32_t *cid
         const __m256 d2 = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(cx + q), xv), cv);
         _mm256_storeu_ps(cx + q, _mm256_and_ps(exp2_neg(d2), _mm256_cmp_ps(d2, thv, _CMP_GE_OQ)));
     }
-    int64_t nb = (V + bs - 1) / bs, chosen = -1, out = 0;
+    const int64_t nb = (V + bs - 1) / bs;
     float *mass = calloc((size_t)nb, sizeof(float));
     for (int64_t q = 0; q < n; q++) mass[cid[q] / bs] += cx[q];
-    double zk = 0.0, best = INFINITY;
-    for (int64_t q = 0; q < n; q++) { /* the blocks that hold kept tokens, each scored once */
-        int64_t b = cid[q] / bs;
-        if (!(mass[b] > 0.0f)) continue;
-        zk += mass[b];
-        double sc = expo(key, b, SALT_BLOCK) / (double)mass[b];
-        mass[b] = 0.0f;
-        if (sc < best) {
-            best = sc;
-            chosen = b;
-        }
-    }
+    double zk;
+    const int64_t chosen = race(mass, NULL, nb, key, SALT_BLOCK, &zk);
     free(mass);
-    best = INFINITY;
-    for (int64_t q = 0; q < n; q++) {
-        if (cid[q] / bs != chosen || !(cx[q] > 0.0f)) continue;
-        double sc = expo(key, cid[q], SALT_TOKEN) / (double)cx[q];
-        if (sc < best) {
-            best = sc;
-            out = cid[q];
+    int64_t m = 0; /* the chosen block's kept candidates, packed to the front */
+    for (int64_t q = 0; q < n; q++)
+        if (cid[q] / bs == chosen && cx[q] > 0.0f) {
+            cx[m] = cx[q];
+            cid[m++] = cid[q];
         }
-    }
+    const int64_t pick = race(cx, cid, m, key, SALT_TOKEN, NULL);
+    const int64_t out = pick < 0 ? 0 : cid[pick];
     *lp = (double)(x[out] / t - xm / t) - log(zk);
     return out;
 }
@@ -1292,7 +1306,7 @@ static int64_t draw_candidates_cut(const float *x, float *cx, const int32_t *cid
 /* Mirostat 2 in one read of the row, block by block (a block stays in L1 between its max and its weights): the
  * running max of x, z = sum exp(y - m) rescaled when the max grows, and as candidates (their x and ids packed) the
  * tokens with y - m >= min(-mu ln 2, 0) against the running max -- a superset of the kept ones, since z >= 1 puts
- * the cut log z - mu ln 2 above it and m only grows.  The kept ones among them are drawn by mirostat2_candidates,
+ * the cut log z - mu ln 2 above it and m only grows.  The kept ones among them are drawn by draw_candidates_cut,
  * without reading the row again.  When they overflow the buffer even after compacting against today's max (a flat
  * row, or a mu grown large), the draw is draw_dense_pass's with the cut: a second read.  (No weight is stored: a
  * scratch row of weights, written for every row in case of an overflow, cost more than the rare second read.) */
@@ -1331,8 +1345,15 @@ static int64_t sample_mirostat2(const float *x, int64_t V, float t, float mu, ui
             int hit = _mm256_movemask_ps(_mm256_cmp_ps(d2, lv, _CMP_GE_OQ));
             if (!hit || overflow) continue;
             if (n + 8 > MIRO2_CAP) { /* the earlier candidates against today's max: many drop out once it grew */
-                int64_t n2 = 0;
-                for (int64_t q = 0; q < n; q++)
+                int64_t n2 = 0, q = 0;
+                for (; q + 8 <= n; q += 8) { /* packed forward in place: n2 <= q, the 8 lanes written are read */
+                    const __m256 c = _mm256_loadu_ps(cx + q);
+                    const __m256i ids = _mm256_loadu_si256((const __m256i *)(cid + q));
+                    int keep = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_mul_ps(_mm256_sub_ps(c, xv), cv), lv, _CMP_GE_OQ));
+                    pack_store_i(cid + n2, ids, keep);
+                    n2 += pack_store(cx + n2, c, keep);
+                }
+                for (; q < n; q++)
                     if ((cx[q] - xm) * cs >= low * LOG2E) {
                         cx[n2] = cx[q];
                         cid[n2++] = cid[q];
