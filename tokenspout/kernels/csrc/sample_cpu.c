@@ -247,17 +247,17 @@ static int64_t draw_dense(const float *x, float t, const float *w, int64_t V, ui
 #define LOG2E 1.44269504088896341f
 #define UNDER2 -126.0f /* exp2_neg's zero: a weight below 2^-126 of the max's */
 
+/* x[j..j+8), the lanes at or past `end` -inf (a row's or a block's short last group). */
+static inline __m256 load8_tail(const float *x, int64_t j, int64_t end) {
+    if (j + 8 <= end) return _mm256_loadu_ps(x + j);
+    float tail[8];
+    for (int b = 0; b < 8; b++) tail[b] = j + b < end ? x[j + b] : -INFINITY;
+    return _mm256_loadu_ps(tail);
+}
+
 /* The bits (log2 units) of x's weight below the row's max x_max: (x - x_max) * c, c = log2(e) / t. */
 static inline __m256 bits8(const float *x, int64_t j, int64_t V, __m256 xm, __m256 c) {
-    __m256 v;
-    if (j + 8 <= V) {
-        v = _mm256_loadu_ps(x + j);
-    } else {
-        float tail[8];
-        for (int b = 0; b < 8; b++) tail[b] = j + b < V ? x[j + b] : -INFINITY;
-        v = _mm256_loadu_ps(tail);
-    }
-    return _mm256_mul_ps(_mm256_sub_ps(v, xm), c);
+    return _mm256_mul_ps(_mm256_sub_ps(load8_tail(x, j, V), xm), c);
 }
 
 /* The weights exp(y - m) of x[j..j+8) (y = x / t, m its row max) where kept: y - m >= thr (bits >= thr2, its
@@ -1009,10 +1009,11 @@ static inline double unif(uint64_t key, int64_t id, uint64_t salt) {
     return ((double)(mix64((uint64_t)id * MIX_ID + key + salt) >> 11) + 0.5) * 0x1p-53;
 }
 
-/* argmin over the n weights w[i] > 0 of E_i / w[i], E_i = -log U(key, ids[i] or i, salt) (the exponential race, i.e.
+/* argmin over the n weights w[i] > 0 of E_i / w[i], E_i = -log U(key, ids[i] or base + i, salt) (the exponential race, i.e.
  * argmax(log w + G)): the heaviest first, then an entry's log only where its bound (1 - U) / w can beat the best so
  * far -- most light entries cannot (a log for a few entries, not each; the same choice).  *z (if not NULL): the sum. */
-static int64_t race(const float *w, const int32_t *ids, int64_t n, uint64_t key, uint64_t salt, double *z) {
+static int64_t race(const float *w, const int32_t *ids, int64_t base, int64_t n, uint64_t key, uint64_t salt,
+                    double *z) {
     int64_t top = -1;
     double sum = 0.0;
     for (int64_t i = 0; i < n; i++) {
@@ -1022,11 +1023,11 @@ static int64_t race(const float *w, const int32_t *ids, int64_t n, uint64_t key,
     }
     if (z) *z = sum;
     if (top < 0) return -1;
-    double best = expo(key, ids ? ids[top] : top, salt) / (double)w[top];
+    double best = expo(key, ids ? ids[top] : base + top, salt) / (double)w[top];
     int64_t out = top;
     for (int64_t i = 0; i < n; i++) {
         if (!(w[i] > 0.0f) || i == top) continue;
-        const int64_t id = ids ? ids[i] : i;
+        const int64_t id = ids ? ids[i] : base + i;
         if (1.0 - unif(key, id, salt) >= best * (double)w[i]) continue; /* E_i / w_i >= best already */
         const double sc = expo(key, id, salt) / (double)w[i];
         if (sc < best) {
@@ -1104,27 +1105,19 @@ static int64_t top_ids(const float *x, int64_t V, int64_t k, cand *heap, float *
 static int64_t draw_cut(const float *x, int64_t V, float t, float xm, float kv, const float *mass, int64_t nb,
                         uint64_t key, int64_t bs, double *lp) {
     double zk;
-    const int64_t chosen = race(mass, NULL, nb, key, SALT_BLOCK, &zk);
+    const int64_t chosen = race(mass, NULL, 0, nb, key, SALT_BLOCK, &zk);
     if (chosen < 0) return -1;
     const int64_t lo = chosen * bs, hi = (chosen + 1) * bs < V ? (chosen + 1) * bs : V;
     const float cs = LOG2E / t;
     const __m256 xv = _mm256_set1_ps(xm), cv = _mm256_set1_ps(cs), kvv = _mm256_set1_ps(kv), tv = _mm256_set1_ps(t);
     float *w = malloc((size_t)(hi - lo + 8) * sizeof(float));
-    int32_t *ids = malloc((size_t)(hi - lo) * sizeof(int32_t));
-    for (int64_t j = lo; j < hi; j += 8) { /* the block's kept weights (0 where dropped) */
-        float tail[8];
-        const float *src = x + j;
-        if (j + 8 > hi) {
-            for (int q = 0; q < 8; q++) tail[q] = j + q < hi ? x[j + q] : -INFINITY;
-            src = tail;
-        }
-        __m256 v = _mm256_loadu_ps(src), keep = _mm256_cmp_ps(load_scaled(src, tv, t), kvv, _CMP_GE_OQ);
+    for (int64_t j = lo; j < hi; j += 8) { /* the block's kept weights (0 where dropped); y = x / t as load_scaled */
+        const __m256 v = load8_tail(x, j, hi);
+        const __m256 keep = _mm256_cmp_ps(t == 1.0f ? v : _mm256_div_ps(v, tv), kvv, _CMP_GE_OQ);
         _mm256_storeu_ps(w + (j - lo), _mm256_and_ps(keep, exp2_neg(_mm256_mul_ps(_mm256_sub_ps(v, xv), cv))));
     }
-    for (int64_t j = lo; j < hi; j++) ids[j - lo] = (int32_t)j;
-    const int64_t pick = race(w, ids, hi - lo, key, SALT_TOKEN, NULL);
+    const int64_t pick = race(w, NULL, lo, hi - lo, key, SALT_TOKEN, NULL);
     const int64_t out = pick < 0 ? lo : lo + pick;
-    free(ids);
     free(w);
     *lp = (double)(x[out] / t - xm / t) - log(zk);
     return out;
@@ -1173,16 +1166,8 @@ static int64_t mirostat1_wide(const float *x, int64_t V, float t, float xm, int6
             if (gmax[g] < lo) continue;
         }
         for (int64_t q = j; q < j + GROUP && q < V; q += 8) {
-            __m256 v;
-            int valid = 0xff;
-            if (q + 8 <= V) {
-                v = _mm256_loadu_ps(x + q);
-            } else {
-                float tail[8];
-                for (int l = 0; l < 8; l++) tail[l] = q + l < V ? x[q + l] : -INFINITY;
-                v = _mm256_loadu_ps(tail);
-                valid = (1 << (V - q)) - 1;
-            }
+            const __m256 v = load8_tail(x, q, V);
+            const int valid = q + 8 <= V ? 0xff : (1 << (V - q)) - 1;
             int u = _mm256_movemask_ps(_mm256_cmp_ps(v, hv, _CMP_GT_OQ)) & valid;
             int in = _mm256_movemask_ps(_mm256_cmp_ps(v, lv, _CMP_GE_OQ)) & ~u & valid;
             nup += pack_store(up + nup, v, u);
@@ -1289,7 +1274,7 @@ static int64_t draw_candidates_cut(const float *x, float *cx, int32_t *cid, int6
     float *mass = calloc((size_t)nb, sizeof(float));
     for (int64_t q = 0; q < n; q++) mass[cid[q] / bs] += cx[q];
     double zk;
-    const int64_t chosen = race(mass, NULL, nb, key, SALT_BLOCK, &zk);
+    const int64_t chosen = race(mass, NULL, 0, nb, key, SALT_BLOCK, &zk);
     free(mass);
     int64_t m = 0; /* the chosen block's kept candidates, packed to the front */
     for (int64_t q = 0; q < n; q++)
@@ -1297,7 +1282,7 @@ static int64_t draw_candidates_cut(const float *x, float *cx, int32_t *cid, int6
             cx[m] = cx[q];
             cid[m++] = cid[q];
         }
-    const int64_t pick = race(cx, cid, m, key, SALT_TOKEN, NULL);
+    const int64_t pick = race(cx, cid, 0, m, key, SALT_TOKEN, NULL);
     const int64_t out = pick < 0 ? 0 : cid[pick];
     *lp = (double)(x[out] / t - xm / t) - log(zk);
     return out;
@@ -1332,14 +1317,7 @@ static int64_t sample_mirostat2(const float *x, int64_t V, float t, float mu, ui
         const __m256 xv = _mm256_set1_ps(xm);
         __m256 acc = _mm256_setzero_ps();
         for (int64_t j = lo; j < hi; j += 8) {
-            __m256 v;
-            if (j + 8 <= hi) {
-                v = _mm256_loadu_ps(x + j);
-            } else {
-                float tail[8];
-                for (int q = 0; q < 8; q++) tail[q] = j + q < hi ? x[j + q] : -INFINITY;
-                v = _mm256_loadu_ps(tail);
-            }
+            const __m256 v = load8_tail(x, j, hi);
             const __m256 d2 = _mm256_mul_ps(_mm256_sub_ps(v, xv), cv);
             acc = _mm256_add_ps(acc, exp2_neg(d2));
             int hit = _mm256_movemask_ps(_mm256_cmp_ps(d2, lv, _CMP_GE_OQ));
