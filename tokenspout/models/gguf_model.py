@@ -158,7 +158,8 @@ class GGUFCheckpoint:
 
 
 class _Rows:
-    """Rows of one GGUF tensor, dequantized as they are sliced ([r0:r1] -> float32 [r1 - r0, K]), Q/K un-permuted."""
+    """Rows of one GGUF tensor, dequantized as they are sliced ([r0:r1] -> float32 [r1 - r0, K], Q/K un-permuted) or
+    taken by index in the file's order (take)."""
 
     def __init__(self, ck: GGUFCheckpoint, name: str):
         self.ck, self.t = ck, ck._tensor(name)
@@ -166,14 +167,19 @@ class _Rows:
         self.raw = np.asarray(self.t.data).reshape(self.shape[0], -1)
         self.order = ck._unpermute(name, np.arange(self.shape[0]))  # HF row i is the file's row order[i]
 
-    def __getitem__(self, rows: slice) -> torch.Tensor:
+    def take(self, idx: np.ndarray) -> torch.Tensor:
+        """float32 [len(idx), K]: the file's rows idx, dequantized."""
         from gguf.quants import dequantize
 
+        out = np.asarray(dequantize(self.raw[idx], self.t.tensor_type), dtype=np.float32)
+        return torch.from_numpy(out.reshape(len(idx), self.shape[1]))
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
         r0, r1, _ = rows.indices(self.shape[0])
-        out = np.asarray(dequantize(self.raw[self.order[r0:r1]], self.t.tensor_type), dtype=np.float32)
+        out = self.take(self.order[r0:r1])
         if r1 == self.shape[0]:
             self.ck._release(self.t)
-        return torch.from_numpy(out.reshape(r1 - r0, self.shape[1]))
+        return out
 
 
 class GGUFEmbedding(torch.nn.Module):
@@ -184,17 +190,12 @@ class GGUFEmbedding(torch.nn.Module):
 
     def __init__(self, gguf: Path, dtype: torch.dtype):
         super().__init__()
-        t = GGUFCheckpoint(gguf)._tensor("embed_tokens.weight")
-        self.vocab, self.hidden = int(t.shape[1]), int(t.shape[0])  # GGUF lists dims innermost first
-        self.qtype, self.dtype = t.tensor_type, dtype
-        self.rows = np.asarray(t.data).reshape(self.vocab, -1)  # [vocab, bytes per row], a view of the map
+        self.table = GGUFCheckpoint(gguf).rows("embed_tokens.weight")  # (rows of a view of the map)
+        self.vocab, self.hidden = self.table.shape
+        self.qtype, self.dtype = self.table.t.tensor_type, dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        from gguf.quants import dequantize
-
-        flat = ids.reshape(-1).cpu().numpy()
-        out = np.asarray(dequantize(self.rows[flat], self.qtype), dtype=np.float32).reshape(flat.shape[0], -1)
-        return torch.from_numpy(out).to(self.dtype).reshape(*ids.shape, self.hidden)
+        return self.table.take(ids.reshape(-1).cpu().numpy()).to(self.dtype).reshape(*ids.shape, self.hidden)
 
     def extra_repr(self) -> str:
         return f"{self.vocab}, {self.hidden}, {self.qtype.name} rows of the file"
