@@ -264,8 +264,9 @@ def mirostat1_k(x: torch.Tensor, temperature: float, mu: float) -> torch.Tensor:
 
 @pytest.mark.parametrize("block_size", [256, 100])
 def test_mirostat_1_every_width_of_k(block_size: int) -> None:
-    """Mirostat 1 on LLM-like rows with mu from 4 to 60, so that k runs from a few tokens (the heap's own
-    candidates) through hundreds and thousands (the sampled bracket: sparse and dense second reads) to the whole
+    """Mirostat 1 on LLM-like rows with mu from 4 to 60, so that k runs from a few tokens (among the top-100
+    candidates) through hundreds and thousands (the threshold from the 32-token groups' maxes, then from the 8-token
+    sub-rows' for a k past the groups' count) and tens of thousands (the sampled bracket: a second read) to the whole
     vocabulary; a block size that is not a whole number of the kernel's 32-token groups takes its last resort.  The
     kernel draws what the torch path draws and moves mu the same way, row for row."""
     g = torch.Generator().manual_seed(31)
@@ -276,6 +277,8 @@ def test_mirostat_1_every_width_of_k(block_size: int) -> None:
     k = torch.stack([mirostat1_k(x[i:i + 1], 0.8, 2 * taus[i])[0] for i in range(rows)])
     assert int((k <= 100).sum()) >= 3 and int(((k > 100) & (k < 450)).sum()) >= 2
     assert int(((k >= 2000) & (k < n)).sum()) >= 3 and int((k == n).sum()) >= 3
+    groups, subrows = -(-n // 32), -(-n // 8)
+    assert int(((k > groups) & (k <= subrows)).sum()) >= 1 and int(((k > subrows) & (k < n)).sum()) >= 1
     params = [SamplingParams(mirostat=1, mirostat_tau=taus[i], temperature=0.8, seed=7 * i) for i in range(rows)]
     tiers = dataclasses.replace(TierConfig(), block_size=block_size)
     for step in range(3):  # mu moves between steps: each row's k with it
@@ -290,6 +293,33 @@ def test_mirostat_1_every_width_of_k(block_size: int) -> None:
         same = (kernel == ref).tolist()
         mu_kernel = [st.mu for st, ok in zip(metas[0].mirostat.states, same) if ok]
         assert mu_kernel == pytest.approx([st.mu for st, ok in zip(metas[1].mirostat.states, same) if ok], abs=1e-3)
+
+
+@pytest.mark.parametrize("vocab", [37, 100, 1003, 4133])
+def test_mirostat_1_odd_vocabularies(vocab: int) -> None:
+    """Mirostat 1 where the vocabulary is not whole 8-token sub-rows or 32-token groups (the tail's maxes), or has at
+    most 100 tokens (every token a candidate), with the row's max in the tail on half the rows, masked tokens on a
+    quarter, and k from 1 to the whole vocabulary: the kernel draws what the torch path draws, mu moves alike."""
+    g = torch.Generator().manual_seed(vocab)
+    rows = 24
+    u = torch.rand(rows, vocab, generator=g)
+    x = (-(1.0 + 1.5 * torch.rand(rows, 1, generator=g)) * torch.log(u * vocab + 1)).contiguous()
+    x[::2, -1] = x[::2].amax(-1) + 0.5
+    x[1::4, : vocab // 3] = float("-inf")
+    params = [SamplingParams(mirostat=1, mirostat_tau=0.5 + 0.6 * i, temperature=0.7, seed=3 * i) for i in range(rows)]
+    k = torch.stack([mirostat1_k(x[i:i + 1].clamp(min=-1e4), 0.7, 2 * params[i].mirostat_tau)[0]
+                     for i in range(rows)]) if vocab > 100 else None
+    if k is not None:
+        assert int((k <= 100).sum()) >= 2 and int(((k > 100) & (k < vocab)).sum()) >= 2
+    metas = [build_metadata(params, vocab), build_metadata(params, vocab)]
+    assert metas[0].mirostat is not None and metas[0].mirostat.kernel_rows == list(range(rows))
+    kernel = Sampler()(x.clone(), metas[0]).sampled_token_ids
+    ref = Sampler(cpu_kernel=False)(x.clone(), metas[1]).sampled_token_ids
+    assert int((kernel != ref).sum()) <= 1
+    assert bool(torch.isfinite(x.gather(1, kernel.unsqueeze(1))).all())
+    same = (kernel == ref).tolist()
+    assert [s.mu for s, ok in zip(metas[0].mirostat.states, same) if ok] == pytest.approx(
+        [s.mu for s, ok in zip(metas[1].mirostat.states, same) if ok], abs=1e-3)
 
 
 def test_mirostat_1_ties_wider_than_the_candidates() -> None:

@@ -1038,65 +1038,72 @@ static int64_t race(const float *w, const int32_t *ids, int64_t base, int64_t n,
     return out;
 }
 
-static void sift_down_cand(cand *h, int64_t n, int64_t i) {
-    cand v = h[i];
-    for (;;) {
-        int64_t c = 2 * i + 1;
-        if (c >= n) break;
-        if (c + 1 < n && h[c + 1].y < h[c].y) c++;
-        if (h[c].y >= v.y) break;
-        h[i] = h[c];
-        i = c;
-    }
-    h[i] = v;
-}
-
-static inline void offer_ids(cand *heap, int64_t k, const float *x, int64_t j, __m256 v) {
-    int m = _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(heap[0].y), _CMP_GT_OQ));
-    while (m) {
-        int q = __builtin_ctz(m);
-        m &= m - 1;
-        if (x[j + q] > heap[0].y) {
-            heap[0] = (cand){x[j + q], (int32_t)(j + q)};
-            sift_down_cand(heap, k, 0);
-        }
-    }
-}
-
-/* Mirostat 1's read of the row: the k largest x with their ids (heap, k <= 100; a token enters only above the
- * heap's smallest, so among ties at the boundary the earlier stay), and for each group of GROUP tokens its max
- * (gmax) and its first x (smp: a strided sample of the row, what mirostat1_wide brackets the k-th value with, taken
- * while the row streams by rather than gathered afterwards from memory that has left the cache).  Returns the
- * number of groups. */
+/* Mirostat 1's read of the row: the max of each 8 consecutive tokens (s8[q] of x[8q, 8q + 8), the tail's -inf
+ * padded) and each GROUP's first x (smp: a strided sample, what mirostat1_wide brackets the k-th value with, taken
+ * while the row streams by rather than gathered afterwards from memory that has left the cache).  No heap: the
+ * largest tokens are found afterwards from s8 (above_kth), reading again only the sub-rows that hold them.  The
+ * pass is bound by memory, so the four horizontal maxima per GROUP (and the GROUP's, gmax) cost next to nothing.
+ * Returns the number of groups; s8 gets (V + 7) / 8 entries. */
 #define GROUP 32
-static int64_t top_ids(const float *x, int64_t V, int64_t k, cand *heap, float *smp, float *gmax) {
-    for (int64_t i = 0; i < k; i++) heap[i] = (cand){-INFINITY, -1};
+static int64_t row_maxes(const float *x, int64_t V, float *s8, float *gmax, float *smp) {
+    const __m256i order = _mm256_setr_epi32(0, 4, 2, 6, 1, 3, 5, 7);
     int64_t j = 0, g = 0;
     for (; j + GROUP <= V; j += GROUP, g++) {
         const __m256 v0 = _mm256_loadu_ps(x + j), v1 = _mm256_loadu_ps(x + j + 8);
         const __m256 v2 = _mm256_loadu_ps(x + j + 16), v3 = _mm256_loadu_ps(x + j + 24);
-        const __m256 mx = _mm256_max_ps(_mm256_max_ps(v0, v1), _mm256_max_ps(v2, v3));
+        /* halves folded (v0 | v1 and v2 | v3 per lane), then pairs, then neighbours: d = v0 v0 v2 v2 v1 v1 v3 v3 */
+        const __m256 a = _mm256_max_ps(_mm256_permute2f128_ps(v0, v1, 0x20), _mm256_permute2f128_ps(v0, v1, 0x31));
+        const __m256 b = _mm256_max_ps(_mm256_permute2f128_ps(v2, v3, 0x20), _mm256_permute2f128_ps(v2, v3, 0x31));
+        const __m256 c = _mm256_max_ps(_mm256_shuffle_ps(a, b, 0x44), _mm256_shuffle_ps(a, b, 0xEE));
+        const __m256 d = _mm256_max_ps(c, _mm256_shuffle_ps(c, c, 0xB1));
+        _mm_storeu_ps(s8 + 4 * g, _mm256_castps256_ps128(_mm256_permutevar8x32_ps(d, order)));
+        const __m128 e = _mm_max_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
+        _mm_store_ss(gmax + g, _mm_max_ps(e, _mm_shuffle_ps(e, e, 0x4E)));
         smp[g] = x[j];
-        gmax[g] = hmax8(mx);
-        if (!(gmax[g] > heap[0].y)) continue;
-        offer_ids(heap, k, x, j, v0);
-        offer_ids(heap, k, x, j + 8, v1);
-        offer_ids(heap, k, x, j + 16, v2);
-        offer_ids(heap, k, x, j + 24, v3);
     }
     if (j < V) {
         smp[g] = x[j];
         gmax[g] = -INFINITY;
-        for (; j < V; j++) {
-            gmax[g] = x[j] > gmax[g] ? x[j] : gmax[g];
-            if (x[j] > heap[0].y) {
-                heap[0] = (cand){x[j], (int32_t)j};
-                sift_down_cand(heap, k, 0);
-            }
+        for (int64_t q = j; q < V; q += 8) {
+            s8[q / 8] = hmax8(load8_tail(x, q, V));
+            gmax[g] = s8[q / 8] > gmax[g] ? s8[q / 8] : gmax[g];
         }
         g++;
     }
     return g;
+}
+
+/* The tokens of x at or above tau, packed with their ids into *cx / *cid (allocated here, 8 of slack): tau is the
+ * k-th largest group max (k <= ng: a select among few) or of s8[0..ns) (k <= ns), -inf for a wider k.  The k groups
+ * or sub-rows whose maxes are >= tau hold k tokens >= tau, so the k-th largest x is >= tau and these tokens are a
+ * superset of the row's k largest, ties included.  Only the sub-rows whose max is >= tau are read again (the row
+ * has just streamed through the cache).  Returns their number. */
+static int64_t above_kth(const float *x, int64_t V, const float *s8, int64_t ns, const float *gmax, int64_t ng,
+                         int64_t k, float **cx, int32_t **cid) {
+    float *tmp = malloc((size_t)(ns + 8) * sizeof(float));
+    memcpy(tmp, k <= ng ? gmax : s8, (size_t)(k <= ng ? ng : ns) * sizeof(float));
+    const float tau = k <= ng ? select_desc(tmp, ng, k - 1) : k <= ns ? select_desc(tmp, ns, k - 1) : -INFINITY;
+    const __m256 tv = _mm256_set1_ps(tau);
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    int32_t *sel = (int32_t *)tmp; /* the sub-rows to read, listed without a branch (tmp's floats are done) */
+    int64_t nsel = 0, q = 0;
+    for (; q + 8 <= ns; q += 8)
+        nsel += pack_store_i(sel + nsel, _mm256_add_epi32(_mm256_set1_epi32((int32_t)q), lanes),
+                             _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(s8 + q), tv, _CMP_GE_OQ)));
+    for (; q < ns; q++)
+        if (s8[q] >= tau) sel[nsel++] = (int32_t)q;
+    *cx = malloc((size_t)(8 * nsel + 8) * sizeof(float));
+    *cid = malloc((size_t)(8 * nsel + 8) * sizeof(int32_t));
+    int64_t n = 0;
+    for (int64_t i = 0; i < nsel; i++) { /* packed whether or not a lane hits: a branch here would often miss */
+        const int64_t j = (int64_t)sel[i] * 8;
+        const __m256 v = load8_tail(x, j, V);
+        const int m = _mm256_movemask_ps(_mm256_cmp_ps(v, tv, _CMP_GE_OQ));
+        pack_store_i(*cid + n, _mm256_add_epi32(_mm256_set1_epi32((int32_t)j), lanes), m);
+        n += pack_store(*cx + n, v, m);
+    }
+    free(tmp);
+    return n;
 }
 
 /* The two-level draw over weights kept by a cut at the k-th largest y (kv): mass[b] holds each block's kept weight
@@ -1123,7 +1130,44 @@ static int64_t draw_cut(const float *x, int64_t V, float t, float xm, float kv, 
     return out;
 }
 
-/* Mirostat 1 for a k wider than the top-100 heap: the k-th largest y is bracketed by two pivots from smp[0..ng), the
+/* The two-level draw among candidates (cx, cid)[0..n) that hold every kept token: kept where (x - xm) log2(e) / t
+ * >= thr log2(e) (y - m >= thr, draw_dense_pass's test on the same floats), weights 2^((x - xm) log2(e) / t) summed
+ * per block, a block by argmin(E_b / mass_b), a token of it by argmin(E_t / w_t) (draw_dense's argmaxes of
+ * log mass + G and y + G), both by race.  kv (-inf: none) cuts on y = x / t itself as well (y >= kv, the torch
+ * path's top-k test: mirostat 1's k-th value stays, whatever the rounding of thr's form).  *lp: the token's log
+ * probability among the kept.  cx and cid are clobbered (cx needs 8 floats of slack). */
+static int64_t draw_candidates_cut(const float *x, float *cx, int32_t *cid, int64_t n, int64_t V, float t,
+                                   float xm, float thr, float kv, uint64_t key, int64_t bs, double *lp) {
+    const float cs = LOG2E / t;
+    const __m256 xv = _mm256_set1_ps(xm), cv = _mm256_set1_ps(cs), thv = _mm256_set1_ps(thr * LOG2E);
+    const __m256 tv = _mm256_set1_ps(t), kvv = _mm256_set1_ps(kv);
+    for (int64_t q = n; q < ((n + 7) & ~(int64_t)7); q++) cx[q] = -INFINITY;
+    for (int64_t q = 0; q < n; q += 8) { /* weights in place, 0 where dropped */
+        const __m256 v = _mm256_loadu_ps(cx + q), d2 = _mm256_mul_ps(_mm256_sub_ps(v, xv), cv);
+        const __m256 keep = _mm256_and_ps(_mm256_cmp_ps(d2, thv, _CMP_GE_OQ),
+                                          _mm256_cmp_ps(t == 1.0f ? v : _mm256_div_ps(v, tv), kvv, _CMP_GE_OQ));
+        _mm256_storeu_ps(cx + q, _mm256_and_ps(exp2_neg(d2), keep));
+    }
+    const int64_t nb = (V + bs - 1) / bs;
+    const int sh = (bs & (bs - 1)) == 0 ? __builtin_ctzll((uint64_t)bs) : -1; /* (a shift, not a division, per id) */
+    float *mass = calloc((size_t)nb, sizeof(float));
+    for (int64_t q = 0; q < n; q++) mass[sh >= 0 ? cid[q] >> sh : cid[q] / bs] += cx[q];
+    double zk;
+    const int64_t chosen = race(mass, NULL, 0, nb, key, SALT_BLOCK, &zk);
+    free(mass);
+    int64_t m = 0; /* the chosen block's kept candidates, packed to the front */
+    for (int64_t q = 0; q < n; q++)
+        if (cid[q] >= chosen * bs && cid[q] < (chosen + 1) * bs && cx[q] > 0.0f) {
+            cx[m] = cx[q];
+            cid[m++] = cid[q];
+        }
+    const int64_t pick = race(cx, cid, 0, m, key, SALT_TOKEN, NULL);
+    const int64_t out = pick < 0 ? 0 : cid[pick];
+    *lp = (double)(x[out] / t - xm / t) - log(zk);
+    return out;
+}
+
+/* Mirostat 1 for a k wider than above_kth reaches (the 8-token sub-rows): the k-th largest y is bracketed by two pivots from smp[0..ng), the
  * groups' sample (ranks k ng / V +- 4 sigma; smp is clobbered), and a second read of the row sums the weights of the
  * tokens above the upper pivot per block (kept whatever the k-th value is; exp only on groups whose max is above
  * it), counts them, and packs the tokens between the pivots (groups whose max is below the lower one are skipped);
@@ -1215,16 +1259,24 @@ static int64_t mirostat1_dense(const float *x, int64_t V, float t, float xm, int
 }
 
 /* Mirostat 1 without a normaliser over the vocabulary (the draw and the mu update only need the kept tokens): one
- * read of the row (top_ids) gives s from the 100 largest y and so k (with mu); k <= 100: the kept tokens are the
- * heap's (unless ties at the k-th value reach past it: then collected), drawn as a top-k row -- one read in all; a
- * wider k: mirostat1_wide (a second read); every token kept: draw_dense_pass (a second read); when neither holds
- * (ties wider than the candidate buffer, a bracket that missed), mirostat1_dense. */
+ * read of the row (row_maxes), then the tokens at or above the 100th largest 8-token max (above_kth: a few hundred
+ * sub-rows read again from the cache) hold the 100 largest y, which give s and so k (with mu).  k <= 100: the kept
+ * tokens are among those, drawn as a top-k row; k <= the number of sub-rows: above_kth again for k, the k-th value
+ * selected among its tokens, draw_candidates_cut with the cut y >= it; a wider k: mirostat1_wide (a second read);
+ * every token kept: draw_dense_pass (a second read); when neither holds (a bracket that missed, blocks not made of
+ * whole groups), mirostat1_dense. */
 static int64_t sample_mirostat1(const float *x, int64_t V, float t, float mu, uint64_t key, int64_t bs, double *lp) {
-    int64_t mm = V < 100 ? V : 100;
-    cand top[100];
-    float *smp = malloc((size_t)(2 * (V / GROUP + 9)) * sizeof(float)), *gmax = smp + V / GROUP + 9;
-    int64_t ng = top_ids(x, V, mm, top, smp, gmax); /* on x: x / t keeps the order */
-    qsort(top, (size_t)mm, sizeof(cand), cand_order);
+    const int64_t mm = V < 100 ? V : 100, ns = (V + 7) / 8, ngr = (V + GROUP - 1) / GROUP;
+    float *s8 = malloc((size_t)(ns + 2 * (ngr + 8)) * sizeof(float)), *smp = s8 + ns, *gmax = smp + ngr + 8;
+    const int64_t ng = row_maxes(x, V, s8, gmax, smp); /* on x: x / t keeps the order */
+    float *cx;
+    int32_t *cid;
+    const int64_t nc = above_kth(x, V, s8, ns, gmax, ng, mm, &cx, &cid);
+    cand *top = malloc((size_t)nc * sizeof(cand));
+    for (int64_t q = 0; q < nc; q++) top[q] = (cand){cx[q], cid[q]};
+    free(cx);
+    free(cid);
+    qsort(top, (size_t)nc, sizeof(cand), cand_order); /* (a few hundred at most, unless ties reach that far) */
     *lp = 0.0;
     int64_t out = -1, ki = 0;
     const float xmax = top[0].y;
@@ -1232,60 +1284,33 @@ static int64_t sample_mirostat1(const float *x, int64_t V, float t, float mu, ui
         out = 0; /* every logit -inf: nothing to draw */
     } else {
         int64_t finite = 0;
-        for (int64_t q = 0; q < mm; q++) {
+        for (int64_t q = 0; q < nc; q++) {
             top[q].y = t == 1.0f ? top[q].y : top[q].y / t;
-            finite += top[q].y > -INFINITY;
+            finite += q < mm && top[q].y > -INFINITY;
         }
         ki = mirostat1_k(top, finite, mm, V, mu);
         if (ki >= V) { /* every token kept: a dense draw over the row, no k-th value to find */
             double zk;
             out = draw_dense_pass(x, V, t, xmax, -INFINITY, 0.0f, key, bs, &zk);
             *lp = (double)(x[out] / t - xmax / t) - log(zk);
-        } else if (ki > mm) { /* (blocks made of whole groups; else the last resort) */
-            if (bs % GROUP == 0) out = mirostat1_wide(x, V, t, xmax, ki, smp, gmax, ng, key, bs, lp);
-        } else if (mm == V || top[mm - 1].y < top[ki - 1].y) { /* every token with y >= the k-th is in the heap */
-            out = draw_kept(top, mm, top[0].y, top[ki - 1].y - top[0].y, V, key, bs, lp);
-        } else {
-            cand *c = malloc(CAND_CAP * sizeof(cand));
-            int64_t n = collect(x, V, t, top[ki - 1].y, c, CAND_CAP);
-            if (n <= CAND_CAP && n > 0) out = draw_kept(c, n, top[0].y, top[ki - 1].y - top[0].y, V, key, bs, lp);
-            free(c);
+        } else if (ki <= mm) { /* every token with y >= the k-th is among the candidates */
+            out = draw_kept(top, nc, top[0].y, top[ki - 1].y - top[0].y, V, key, bs, lp);
+        } else if (ki <= ns) {
+            const int64_t n = above_kth(x, V, s8, ns, gmax, ng, ki, &cx, &cid);
+            float *tmp = malloc((size_t)(n + 8) * sizeof(float));
+            memcpy(tmp, cx, (size_t)n * sizeof(float));
+            const float kx = select_desc(tmp, n, ki - 1); /* the k-th largest x; the k-th largest y is it over t */
+            free(tmp);
+            out = draw_candidates_cut(x, cx, cid, n, V, t, xmax, -INFINITY, t == 1.0f ? kx : kx / t, key, bs, lp);
+            free(cx);
+            free(cid);
+        } else if (bs % GROUP == 0) { /* (blocks made of whole groups; else the last resort) */
+            out = mirostat1_wide(x, V, t, xmax, ki, smp, gmax, ng, key, bs, lp);
         }
     }
-    free(smp);
+    free(top);
+    free(s8);
     return out >= 0 ? out : mirostat1_dense(x, V, t, xmax, ki, key, bs, lp);
-}
-
-/* The two-level draw among candidates (cx, cid)[0..n) that hold every kept token: kept where (x - xm) log2(e) / t
- * >= thr log2(e) (y - m >= thr, draw_dense_pass's test on the same floats), weights 2^((x - xm) log2(e) / t) summed
- * per block, a block by argmin(E_b / mass_b), a token of it by argmin(E_t / w_t) (draw_dense's argmaxes of
- * log mass + G and y + G), both by race.  *lp: the token's log probability among the kept.  cx and cid are clobbered
- * (cx needs 8 floats of slack). */
-static int64_t draw_candidates_cut(const float *x, float *cx, int32_t *cid, int64_t n, int64_t V, float t,
-                                   float xm, float thr, uint64_t key, int64_t bs, double *lp) {
-    const float cs = LOG2E / t;
-    const __m256 xv = _mm256_set1_ps(xm), cv = _mm256_set1_ps(cs), thv = _mm256_set1_ps(thr * LOG2E);
-    for (int64_t q = n; q < ((n + 7) & ~(int64_t)7); q++) cx[q] = -INFINITY;
-    for (int64_t q = 0; q < n; q += 8) { /* weights in place, 0 where dropped */
-        const __m256 d2 = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(cx + q), xv), cv);
-        _mm256_storeu_ps(cx + q, _mm256_and_ps(exp2_neg(d2), _mm256_cmp_ps(d2, thv, _CMP_GE_OQ)));
-    }
-    const int64_t nb = (V + bs - 1) / bs;
-    float *mass = calloc((size_t)nb, sizeof(float));
-    for (int64_t q = 0; q < n; q++) mass[cid[q] / bs] += cx[q];
-    double zk;
-    const int64_t chosen = race(mass, NULL, 0, nb, key, SALT_BLOCK, &zk);
-    free(mass);
-    int64_t m = 0; /* the chosen block's kept candidates, packed to the front */
-    for (int64_t q = 0; q < n; q++)
-        if (cid[q] / bs == chosen && cx[q] > 0.0f) {
-            cx[m] = cx[q];
-            cid[m++] = cid[q];
-        }
-    const int64_t pick = race(cx, cid, 0, m, key, SALT_TOKEN, NULL);
-    const int64_t out = pick < 0 ? 0 : cid[pick];
-    *lp = (double)(x[out] / t - xm / t) - log(zk);
-    return out;
 }
 
 /* Mirostat 2 in one read of the row, block by block (a block stays in L1 between its max and its weights): the
@@ -1353,7 +1378,7 @@ static int64_t sample_mirostat2(const float *x, int64_t V, float t, float mu, ui
         float thr = (float)(log(z) - (double)mu * 0.69314718055994530942);
         thr = thr > 0.0f ? 0.0f : thr;
         if (!overflow) {
-            out = draw_candidates_cut(x, cx, cid, n, V, t, xm, thr, key, bs, lp);
+            out = draw_candidates_cut(x, cx, cid, n, V, t, xm, thr, -INFINITY, key, bs, lp);
         } else {
             double zk;
             out = draw_dense_pass(x, V, t, xm, thr, 0.0f, key, bs, &zk);
