@@ -209,9 +209,9 @@ def test_warped_kernel_whole_rows() -> None:
 
 
 def mirostat_rows(g: torch.Generator, rows: int, trial: int) -> torch.Tensor:
-    """Row shapes that steer the mirostat kernel down each of its paths: LLM-like (Zipf over a random order: small
-    candidate sets), a rising ramp (the running max grows chunk after chunk: z rescaled, candidates compacted),
-    nearly flat (v2's candidates overflow: the dense path), a masked vocabulary, a single finite logit."""
+    """Row shapes that steer the mirostat kernel down each of its paths: LLM-like (Zipf over a random order: a few
+    sub-rows read again), a rising ramp (the running max grows block after block: z rescaled), nearly flat (the kept
+    set spans most sub-rows, or for v1 every token), a masked vocabulary, a single finite logit."""
     u = torch.rand(rows, V, generator=g)
     s = 1.2 + torch.rand(rows, 1, generator=g)
     x = -s * torch.log(u * V + 1)
@@ -227,10 +227,13 @@ def mirostat_rows(g: torch.Generator, rows: int, trial: int) -> torch.Tensor:
     return x.contiguous()
 
 
-def test_mirostat_kernel_draws_what_the_torch_path_draws() -> None:
-    """Mirostat rows on the kernel (v2 in one pass with a running max, v1 on its top-100 candidates, the dense path
-    when those do not hold the kept set) against the torch path: the same token and the same new mu, row for row."""
+@pytest.mark.parametrize("block_size", [256, 100])
+def test_mirostat_kernel_draws_what_the_torch_path_draws(block_size: int) -> None:
+    """Mirostat rows on the kernel (v2 in one pass with a running max, then the sub-rows that hold kept tokens; v1 on
+    its top-100 candidates and wider) against the torch path: the same token and the same new mu, row for row.  A
+    block size that is not whole 8-token sub-rows takes v2's second read of the whole row with the cut."""
     g = torch.Generator().manual_seed(29)
+    tiers = dataclasses.replace(TierConfig(), block_size=block_size)
     mismatches = total = 0
     for trial in range(15):
         rows = 16
@@ -240,8 +243,8 @@ def test_mirostat_kernel_draws_what_the_torch_path_draws() -> None:
                                  seed=100 * trial + i) for i in range(rows)]
         metas = [build_metadata(params, V), build_metadata(params, V)]
         assert metas[0].mirostat is not None and metas[0].mirostat.kernel_rows == list(range(rows))
-        kernel = Sampler()(x.clone(), metas[0]).sampled_token_ids
-        ref = Sampler(cpu_kernel=False)(x.clone(), metas[1]).sampled_token_ids
+        kernel = Sampler(tiers)(x.clone(), metas[0]).sampled_token_ids
+        ref = Sampler(tiers, cpu_kernel=False)(x.clone(), metas[1]).sampled_token_ids
         mismatches += int((kernel != ref).sum())
         total += rows
         mu_kernel = [st.mu for st in metas[0].mirostat.states]
@@ -323,9 +326,9 @@ def test_mirostat_1_odd_vocabularies(vocab: int) -> None:
 
 
 def test_mirostat_1_ties_wider_than_the_candidates() -> None:
-    """Mirostat 1 whose k-th value is shared by ~6,000 tokens (more than the kernel's candidate buffer): the kernel's
-    last resort (the k-th value by a heap, then the dense draw with that cut) draws what the torch path draws, and
-    the mu updates agree."""
+    """Mirostat 1 whose k-th value (k = 110) is shared by ~6,000 tokens: the 110th largest group max is that value
+    itself, so the kernel packs all ~6,000 ties and keeps every one of them, draws what the torch path draws, and the
+    mu updates agree."""
     v = 20000
     x = torch.full((16, v), -30.0)
     x[:, :40] = torch.linspace(0, -4, 40)

@@ -1038,25 +1038,30 @@ static int64_t race(const float *w, const int32_t *ids, int64_t base, int64_t n,
     return out;
 }
 
+#define GROUP 32
+/* The maxima of x[0..32)'s four 8-token sub-rows into s8[0..4); returned as a vector whose lanes hold them (each
+ * twice, in the order 0 0 2 2 1 1 3 3): halves folded (v0 | v1 and v2 | v3 per lane), then pairs, then neighbours. */
+static inline __m256 sub_maxes32(const float *x, float *s8) {
+    const __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8);
+    const __m256 v2 = _mm256_loadu_ps(x + 16), v3 = _mm256_loadu_ps(x + 24);
+    const __m256 a = _mm256_max_ps(_mm256_permute2f128_ps(v0, v1, 0x20), _mm256_permute2f128_ps(v0, v1, 0x31));
+    const __m256 b = _mm256_max_ps(_mm256_permute2f128_ps(v2, v3, 0x20), _mm256_permute2f128_ps(v2, v3, 0x31));
+    const __m256 c = _mm256_max_ps(_mm256_shuffle_ps(a, b, 0x44), _mm256_shuffle_ps(a, b, 0xEE));
+    const __m256 d = _mm256_max_ps(c, _mm256_shuffle_ps(c, c, 0xB1));
+    _mm_storeu_ps(s8, _mm256_castps256_ps128(_mm256_permutevar8x32_ps(d, _mm256_setr_epi32(0, 4, 2, 6, 1, 3, 5, 7))));
+    return d;
+}
+
 /* Mirostat 1's read of the row: the max of each 8 consecutive tokens (s8[q] of x[8q, 8q + 8), the tail's -inf
  * padded) and each GROUP's first x (smp: a strided sample, what mirostat1_wide brackets the k-th value with, taken
  * while the row streams by rather than gathered afterwards from memory that has left the cache).  No heap: the
  * largest tokens are found afterwards from s8 (above_kth), reading again only the sub-rows that hold them.  The
  * pass is bound by memory, so the four horizontal maxima per GROUP (and the GROUP's, gmax) cost next to nothing.
  * Returns the number of groups; s8 gets (V + 7) / 8 entries. */
-#define GROUP 32
 static int64_t row_maxes(const float *x, int64_t V, float *s8, float *gmax, float *smp) {
-    const __m256i order = _mm256_setr_epi32(0, 4, 2, 6, 1, 3, 5, 7);
     int64_t j = 0, g = 0;
     for (; j + GROUP <= V; j += GROUP, g++) {
-        const __m256 v0 = _mm256_loadu_ps(x + j), v1 = _mm256_loadu_ps(x + j + 8);
-        const __m256 v2 = _mm256_loadu_ps(x + j + 16), v3 = _mm256_loadu_ps(x + j + 24);
-        /* halves folded (v0 | v1 and v2 | v3 per lane), then pairs, then neighbours: d = v0 v0 v2 v2 v1 v1 v3 v3 */
-        const __m256 a = _mm256_max_ps(_mm256_permute2f128_ps(v0, v1, 0x20), _mm256_permute2f128_ps(v0, v1, 0x31));
-        const __m256 b = _mm256_max_ps(_mm256_permute2f128_ps(v2, v3, 0x20), _mm256_permute2f128_ps(v2, v3, 0x31));
-        const __m256 c = _mm256_max_ps(_mm256_shuffle_ps(a, b, 0x44), _mm256_shuffle_ps(a, b, 0xEE));
-        const __m256 d = _mm256_max_ps(c, _mm256_shuffle_ps(c, c, 0xB1));
-        _mm_storeu_ps(s8 + 4 * g, _mm256_castps256_ps128(_mm256_permutevar8x32_ps(d, order)));
+        const __m256 d = sub_maxes32(x + j, s8 + 4 * g);
         const __m128 e = _mm_max_ps(_mm256_castps256_ps128(d), _mm256_extractf128_ps(d, 1));
         _mm_store_ss(gmax + g, _mm_max_ps(e, _mm_shuffle_ps(e, e, 0x4E)));
         smp[g] = x[j];
@@ -1073,35 +1078,54 @@ static int64_t row_maxes(const float *x, int64_t V, float *s8, float *gmax, floa
     return g;
 }
 
-/* The tokens of x at or above tau, packed with their ids into *cx / *cid (allocated here, 8 of slack): tau is the
- * k-th largest group max (k <= ng: a select among few) or of s8[0..ns) (k <= ns), -inf for a wider k.  The k groups
- * or sub-rows whose maxes are >= tau hold k tokens >= tau, so the k-th largest x is >= tau and these tokens are a
- * superset of the row's k largest, ties included.  Only the sub-rows whose max is >= tau are read again (the row
- * has just streamed through the cache).  Returns their number. */
+/* The sub-rows q < ns whose max s8[q] passes (s8[q] - a) c >= b, listed in sel (ns + 8 entries) without a branch;
+ * the test is monotone in the value, so a sub-row whose max fails it holds no token that passes.  Returns their
+ * number. */
+static int64_t subrows_passing(const float *s8, int64_t ns, float a, float c, float b, int32_t *sel) {
+    const __m256 av = _mm256_set1_ps(a), cv = _mm256_set1_ps(c), bv = _mm256_set1_ps(b);
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    int64_t n = 0, q = 0;
+    for (; q + 8 <= ns; q += 8) {
+        const __m256 d = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(s8 + q), av), cv);
+        n += pack_store_i(sel + n, _mm256_add_epi32(_mm256_set1_epi32((int32_t)q), lanes),
+                          _mm256_movemask_ps(_mm256_cmp_ps(d, bv, _CMP_GE_OQ)));
+    }
+    for (; q < ns; q++)
+        if ((s8[q] - a) * c >= b) sel[n++] = (int32_t)q;
+    return n;
+}
+
+/* The tokens of the sub-rows sel[0..nsel) of x that pass (x - a) c >= b, packed with their ids into *cx / *cid
+ * (allocated here, 8 of slack; packed whether or not a lane passes: a branch here would often miss).  Only those
+ * sub-rows are read (the row has just streamed through the cache).  Returns their number. */
+static int64_t pack_subrows(const float *x, int64_t V, const int32_t *sel, int64_t nsel, float a, float c, float b,
+                            float **cx, int32_t **cid) {
+    const __m256 av = _mm256_set1_ps(a), cv = _mm256_set1_ps(c), bv = _mm256_set1_ps(b);
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    *cx = malloc((size_t)(8 * nsel + 8) * sizeof(float));
+    *cid = malloc((size_t)(8 * nsel + 8) * sizeof(int32_t));
+    int64_t n = 0;
+    for (int64_t i = 0; i < nsel; i++) {
+        const int64_t j = (int64_t)sel[i] * 8;
+        const __m256 v = load8_tail(x, j, V);
+        const int m = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_mul_ps(_mm256_sub_ps(v, av), cv), bv, _CMP_GE_OQ));
+        pack_store_i(*cid + n, _mm256_add_epi32(_mm256_set1_epi32((int32_t)j), lanes), m);
+        n += pack_store(*cx + n, v, m);
+    }
+    return n;
+}
+
+/* The tokens of x at or above tau, packed with their ids into *cx / *cid (pack_subrows): tau is the k-th largest
+ * group max (k <= ng: a select among few) or of s8[0..ns) (k <= ns), -inf for a wider k.  The k groups or sub-rows
+ * whose maxes are >= tau hold k tokens >= tau, so the k-th largest x is >= tau and these tokens are a superset of
+ * the row's k largest, ties included.  Returns their number. */
 static int64_t above_kth(const float *x, int64_t V, const float *s8, int64_t ns, const float *gmax, int64_t ng,
                          int64_t k, float **cx, int32_t **cid) {
     float *tmp = malloc((size_t)(ns + 8) * sizeof(float));
     memcpy(tmp, k <= ng ? gmax : s8, (size_t)(k <= ng ? ng : ns) * sizeof(float));
     const float tau = k <= ng ? select_desc(tmp, ng, k - 1) : k <= ns ? select_desc(tmp, ns, k - 1) : -INFINITY;
-    const __m256 tv = _mm256_set1_ps(tau);
-    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    int32_t *sel = (int32_t *)tmp; /* the sub-rows to read, listed without a branch (tmp's floats are done) */
-    int64_t nsel = 0, q = 0;
-    for (; q + 8 <= ns; q += 8)
-        nsel += pack_store_i(sel + nsel, _mm256_add_epi32(_mm256_set1_epi32((int32_t)q), lanes),
-                             _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(s8 + q), tv, _CMP_GE_OQ)));
-    for (; q < ns; q++)
-        if (s8[q] >= tau) sel[nsel++] = (int32_t)q;
-    *cx = malloc((size_t)(8 * nsel + 8) * sizeof(float));
-    *cid = malloc((size_t)(8 * nsel + 8) * sizeof(int32_t));
-    int64_t n = 0;
-    for (int64_t i = 0; i < nsel; i++) { /* packed whether or not a lane hits: a branch here would often miss */
-        const int64_t j = (int64_t)sel[i] * 8;
-        const __m256 v = load8_tail(x, j, V);
-        const int m = _mm256_movemask_ps(_mm256_cmp_ps(v, tv, _CMP_GE_OQ));
-        pack_store_i(*cid + n, _mm256_add_epi32(_mm256_set1_epi32((int32_t)j), lanes), m);
-        n += pack_store(*cx + n, v, m);
-    }
+    int32_t *sel = (int32_t *)tmp; /* (tmp's floats are done) */
+    const int64_t n = pack_subrows(x, V, sel, subrows_passing(s8, ns, 0.0f, 1.0f, tau, sel), 0.0f, 1.0f, tau, cx, cid);
     free(tmp);
     return n;
 }
@@ -1245,8 +1269,8 @@ static int64_t mirostat1_wide(const float *x, int64_t V, float t, float xm, int6
     return out;
 }
 
-/* Mirostat 1's last resort (ties at the k-th value wider than the candidate buffer, a bracket that missed): the k-th
- * value from a heap of k over the row, then draw_dense_pass with that cut.  xm: the row's max of x. */
+/* Mirostat 1's last resort (a wide k whose bracket missed, or blocks not made of whole groups): the k-th value from
+ * a heap of k over the row, then draw_dense_pass with that cut.  xm: the row's max of x. */
 static int64_t mirostat1_dense(const float *x, int64_t V, float t, float xm, int64_t k, uint64_t key, int64_t bs,
                                double *lp) {
     float *heap = malloc((size_t)k * sizeof(float));
@@ -1313,27 +1337,35 @@ static int64_t sample_mirostat1(const float *x, int64_t V, float t, float mu, ui
     return out >= 0 ? out : mirostat1_dense(x, V, t, xmax, ki, key, bs, lp);
 }
 
+/* The largest of x[lo..hi) (lo a multiple of 8), and each of its 8-token sub-rows' max into s8 (s8[q] for
+ * x[8q, 8q + 8), cut at hi). */
+static inline float block_maxes(const float *x, int64_t lo, int64_t hi, float *s8) {
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    int64_t j = lo;
+    for (; j + GROUP <= hi; j += GROUP) mv = _mm256_max_ps(mv, sub_maxes32(x + j, s8 + j / 8));
+    float m = hmax8(mv);
+    for (; j < hi; j += 8) {
+        s8[j / 8] = hmax8(load8_tail(x, j, hi));
+        m = s8[j / 8] > m ? s8[j / 8] : m;
+    }
+    return m;
+}
+
 /* Mirostat 2 in one read of the row, block by block (a block stays in L1 between its max and its weights): the
- * running max of x, z = sum exp(y - m) rescaled when the max grows, and as candidates (their x and ids packed) the
- * tokens with y - m >= min(-mu ln 2, 0) against the running max -- a superset of the kept ones, since z >= 1 puts
- * the cut log z - mu ln 2 above it and m only grows.  The kept ones among them are drawn by draw_candidates_cut,
- * without reading the row again.  When they overflow the buffer even after compacting against today's max (a flat
- * row, or a mu grown large), the draw is draw_dense_pass's with the cut: a second read.  (No weight is stored: a
- * scratch row of weights, written for every row in case of an overflow, cost more than the rare second read.) */
-#define MIRO2_CAP 16384
+ * running max of x, z = sum exp(y - m) rescaled when the max grows, and each 8-token sub-row's max (block_maxes).
+ * The cut, log z - mu ln 2 below the max, is then known; only the sub-rows whose max passes it hold kept tokens, and
+ * only those are read again (from the cache), their kept tokens packed and drawn by draw_candidates_cut.  (Blocks
+ * that are not whole sub-rows: draw_dense_pass with the cut, a second read of the whole row.) */
 static int64_t sample_mirostat2(const float *x, int64_t V, float t, float mu, uint64_t key, int64_t bs, double *lp) {
-    const float low = -mu * 0.69314718f < 0.0f ? -mu * 0.69314718f : 0.0f, cs = LOG2E / t; /* nats below the max */
-    const __m256 cv = _mm256_set1_ps(cs), lv = _mm256_set1_ps(low * LOG2E);
-    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    int64_t nb = (V + bs - 1) / bs, n = 0;
-    float *cx = malloc((MIRO2_CAP + 8) * sizeof(float));
-    int32_t *cid = malloc((MIRO2_CAP + 8) * sizeof(int32_t));
-    int overflow = 0;
+    const float cs = LOG2E / t;
+    const __m256 cv = _mm256_set1_ps(cs);
+    const int64_t nb = (V + bs - 1) / bs, ns = (V + 7) / 8;
+    float *s8 = bs % 8 == 0 ? malloc((size_t)(ns + 8) * sizeof(float)) : NULL;
     float xm = -INFINITY; /* the running max of x (y's is xm / t) */
     double z = 0.0;
     for (int64_t b = 0; b < nb; b++) {
-        int64_t lo = b * bs, hi = (b + 1) * bs < V ? (b + 1) * bs : V;
-        float cm = max_range(x, lo, hi);
+        const int64_t lo = b * bs, hi = (b + 1) * bs < V ? (b + 1) * bs : V;
+        const float cm = s8 ? block_maxes(x, lo, hi, s8) : max_range(x, lo, hi);
         if (cm > xm) {
             z = xm == -INFINITY ? 0.0 : z * exp(((double)xm - cm) / t);
             xm = cm;
@@ -1341,35 +1373,8 @@ static int64_t sample_mirostat2(const float *x, int64_t V, float t, float mu, ui
         if (xm == -INFINITY) continue;
         const __m256 xv = _mm256_set1_ps(xm);
         __m256 acc = _mm256_setzero_ps();
-        for (int64_t j = lo; j < hi; j += 8) {
-            const __m256 v = load8_tail(x, j, hi);
-            const __m256 d2 = _mm256_mul_ps(_mm256_sub_ps(v, xv), cv);
-            acc = _mm256_add_ps(acc, exp2_neg(d2));
-            int hit = _mm256_movemask_ps(_mm256_cmp_ps(d2, lv, _CMP_GE_OQ));
-            if (!hit || overflow) continue;
-            if (n + 8 > MIRO2_CAP) { /* the earlier candidates against today's max: many drop out once it grew */
-                int64_t n2 = 0, q = 0;
-                for (; q + 8 <= n; q += 8) { /* packed forward in place: n2 <= q, the 8 lanes written are read */
-                    const __m256 c = _mm256_loadu_ps(cx + q);
-                    const __m256i ids = _mm256_loadu_si256((const __m256i *)(cid + q));
-                    int keep = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_mul_ps(_mm256_sub_ps(c, xv), cv), lv, _CMP_GE_OQ));
-                    pack_store_i(cid + n2, ids, keep);
-                    n2 += pack_store(cx + n2, c, keep);
-                }
-                for (; q < n; q++)
-                    if ((cx[q] - xm) * cs >= low * LOG2E) {
-                        cx[n2] = cx[q];
-                        cid[n2++] = cid[q];
-                    }
-                n = n2;
-                if (n + 8 > MIRO2_CAP / 2) { /* (half full after compacting: it would compact again soon) */
-                    overflow = 1;
-                    continue;
-                }
-            }
-            pack_store_i(cid + n, _mm256_add_epi32(_mm256_set1_epi32((int32_t)j), lanes), hit);
-            n += pack_store(cx + n, v, hit);
-        }
+        for (int64_t j = lo; j < hi; j += 8)
+            acc = _mm256_add_ps(acc, exp2_neg(_mm256_mul_ps(_mm256_sub_ps(load8_tail(x, j, hi), xv), cv)));
         z += hsum8(acc);
     }
     *lp = 0.0;
@@ -1377,16 +1382,23 @@ static int64_t sample_mirostat2(const float *x, int64_t V, float t, float mu, ui
     if (xm > -INFINITY) {
         float thr = (float)(log(z) - (double)mu * 0.69314718055994530942);
         thr = thr > 0.0f ? 0.0f : thr;
-        if (!overflow) {
+        if (s8) { /* (the same test draw_candidates_cut keeps by: (x - xm) log2(e) / t >= thr log2(e)) */
+            int32_t *sel = malloc((size_t)(ns + 8) * sizeof(int32_t));
+            float *cx;
+            int32_t *cid;
+            const int64_t nsel = subrows_passing(s8, ns, xm, cs, thr * LOG2E, sel);
+            const int64_t n = pack_subrows(x, V, sel, nsel, xm, cs, thr * LOG2E, &cx, &cid);
+            free(sel);
             out = draw_candidates_cut(x, cx, cid, n, V, t, xm, thr, -INFINITY, key, bs, lp);
+            free(cid);
+            free(cx);
         } else {
             double zk;
             out = draw_dense_pass(x, V, t, xm, thr, 0.0f, key, bs, &zk);
             *lp = (double)(x[out] / t - xm / t) - log(zk);
         }
     }
-    free(cid);
-    free(cx);
+    free(s8);
     return out;
 }
 
