@@ -896,7 +896,9 @@ static void linear_body(const float *x, int64_t ldx, int64_t M, const ts_weight 
         for (int64_t m0 = 0; m0 < M; m0 += MT) {
             const int64_t mt = M - m0 < MT ? M - m0 : MT;
             /* a literal weight type per call: the format branches fold away inside the loops */
-            if (W->wt == WT_Q8) BLOCK_Q(W, WT_Q8, b, K, a, m0, mt, o);
+            if (mt == 1 && W->wt == WT_Q8) BLOCK_Q(W, WT_Q8, b, K, a, m0, 1, o);
+            else if (mt == 1) BLOCK_Q(W, WT_Q4, b, K, a, m0, 1, o);
+            else if (W->wt == WT_Q8) BLOCK_Q(W, WT_Q8, b, K, a, m0, mt, o);
             else BLOCK_Q(W, WT_Q4, b, K, a, m0, mt, o);
             for (int64_t m = 0; m < mt; m++)
                 for (int r = 0; r < 4 && n + r < N; r++) store(y, (m0 + m) * ldy + n + r, o[m * 4 + r], bias, n + r, accumulate);
