@@ -208,6 +208,36 @@ def test_warped_kernel_whole_rows() -> None:
                           V).warp_kernel_rows == [1]
 
 
+@pytest.mark.parametrize("vocab", [37, 1003, 4133])
+def test_warped_kernel_whole_rows_with_a_cut(vocab: int) -> None:
+    """Whole rows (no top-k, no top-p) with top_n_sigma or min_p take the kernel's sparse path (one read, then only
+    the 8-token sub-rows that hold kept tokens), with dynatemp, epsilon, eta and XTC on top; vocabularies that are
+    not whole sub-rows (the dense path's scalar tail), masked tokens, flat and peaked rows: token for token the
+    torch path's draw."""
+    g = torch.Generator().manual_seed(vocab)
+    rows = 24
+    u = torch.rand(rows, vocab, generator=g)
+    x = -(0.5 + 2.0 * torch.rand(rows, 1, generator=g)) * torch.log(u * vocab + 1)
+    x[::3] = torch.randn(rows // 3, vocab, generator=g)  # flat rows: min_p keeps many
+    x[1::4, : vocab // 2] = NEG_INF
+    params = []
+    for i in range(rows):
+        knobs: dict = {"min_p": 0.02 + 0.1 * (i % 5)} if i % 3 else {"top_n_sigma": 0.5 + 0.5 * (i % 4)}
+        if i % 2:
+            knobs |= {"xtc_probability": 0.9, "xtc_threshold": 0.05}
+        if i % 4 == 2:
+            knobs |= {"epsilon_cutoff": 1e-3} if i % 8 == 2 else {"eta_cutoff": 2e-3}
+        if i % 5 == 3:
+            knobs |= {"dynatemp_range": 0.4}
+        params.append(SamplingParams(temperature=0.4 + 0.1 * (i % 9), seed=5 * i, **knobs))
+    meta = build_metadata(params, vocab)
+    warped = [i for i, p in enumerate(params) if p.uses_warpers]  # (min_p alone: the plain kernel's row)
+    assert meta.warp_kernel_rows == warped and len(warped) >= 18
+    kernel, ref = both(x.contiguous(), params, outputs=[[1] * (i + 1) for i in range(rows)])
+    assert int((kernel != ref).sum()) <= 1
+    assert bool(torch.isfinite(x.gather(1, kernel.unsqueeze(1))).all())
+
+
 def mirostat_rows(g: torch.Generator, rows: int, trial: int) -> torch.Tensor:
     """Row shapes that steer the mirostat kernel down each of its paths: LLM-like (Zipf over a random order: a few
     sub-rows read again), a rising ramp (the running max grows block after block: z rescaled), nearly flat (the kept

@@ -767,11 +767,16 @@ static int64_t sample_top_k_warped(const float *x, int64_t V, float t, int64_t k
 
 /* A warped row without top-k (and without typical_p, which needs its candidates ordered: rows_cpu.py sends those
  * to the torch path): the whole row's weights after top_n_sigma, dynatemp, min_p and top-p (nucleus.py's bucketed
- * cut), then epsilon / eta / XTC as masks on them, then the dense draw. */
+ * cut), then epsilon / eta / XTC as masks on them, then the dense draw.  Without top-p but with a cut (top_n_sigma,
+ * min_p): sample_sparse_warped, the same draw from the kept tokens only. */
 /* (Out of line and 64-byte aligned: inlined into the OpenMP body its loops' alignment moved with every unrelated edit
  * of this file, and its whole-row cost with it, by 10-30% in bench.sampler's top_n_sigma_alone / xtc_min_p rows.) */
+static int64_t sample_sparse_warped(const float *x, int64_t V, float t, float min_p, uint64_t key, int64_t bs,
+                                    const float *wk);
+
 __attribute__((noinline, aligned(64))) static int64_t sample_dense_warped(const float *x, int64_t V, float t, float top_p, float min_p, uint64_t key,
                                    int64_t bs, const float *wk) {
+    if (top_p >= 1.0f && (wk[W_SIGMA] > 0.0f || min_p > 0.0f)) return sample_sparse_warped(x, V, t, min_p, key, bs, wk);
     float one;
     double st[4];
     kth_and_stats(x, V, 1, &one, st); /* st[0]: the row's max */
@@ -1039,17 +1044,19 @@ static int64_t race(const float *w, const int32_t *ids, int64_t base, int64_t n,
 }
 
 #define GROUP 32
-/* The maxima of x[0..32)'s four 8-token sub-rows into s8[0..4); returned as a vector whose lanes hold them (each
+/* The maxima of four 8-token sub-rows (v0..v3) into s8[0..4); returned as a vector whose lanes hold them (each
  * twice, in the order 0 0 2 2 1 1 3 3): halves folded (v0 | v1 and v2 | v3 per lane), then pairs, then neighbours. */
-static inline __m256 sub_maxes32(const float *x, float *s8) {
-    const __m256 v0 = _mm256_loadu_ps(x), v1 = _mm256_loadu_ps(x + 8);
-    const __m256 v2 = _mm256_loadu_ps(x + 16), v3 = _mm256_loadu_ps(x + 24);
+static inline __m256 sub_maxes4(__m256 v0, __m256 v1, __m256 v2, __m256 v3, float *s8) {
     const __m256 a = _mm256_max_ps(_mm256_permute2f128_ps(v0, v1, 0x20), _mm256_permute2f128_ps(v0, v1, 0x31));
     const __m256 b = _mm256_max_ps(_mm256_permute2f128_ps(v2, v3, 0x20), _mm256_permute2f128_ps(v2, v3, 0x31));
     const __m256 c = _mm256_max_ps(_mm256_shuffle_ps(a, b, 0x44), _mm256_shuffle_ps(a, b, 0xEE));
     const __m256 d = _mm256_max_ps(c, _mm256_shuffle_ps(c, c, 0xB1));
     _mm_storeu_ps(s8, _mm256_castps256_ps128(_mm256_permutevar8x32_ps(d, _mm256_setr_epi32(0, 4, 2, 6, 1, 3, 5, 7))));
     return d;
+}
+
+static inline __m256 sub_maxes32(const float *x, float *s8) {
+    return sub_maxes4(_mm256_loadu_ps(x), _mm256_loadu_ps(x + 8), _mm256_loadu_ps(x + 16), _mm256_loadu_ps(x + 24), s8);
 }
 
 /* Mirostat 1's read of the row: the max of each 8 consecutive tokens (s8[q] of x[8q, 8q + 8), the tail's -inf
@@ -1399,6 +1406,185 @@ static int64_t sample_mirostat2(const float *x, int64_t V, float t, float mu, ui
         }
     }
     free(s8);
+    return out;
+}
+
+/* ---- Warped rows without top-k or top-p whose cut (top_n_sigma's bound, min_p) leaves few tokens ----
+ * sample_dense_warped writes the whole row's weights and runs epsilon / eta / XTC and the draw over them; here one
+ * read gives its statistics (the same sums in the same order, so the same sigma bound) and each 8-token sub-row's
+ * max, and only the sub-rows whose max can pass the cut are read again, their kept tokens' weights computed as that
+ * path computes them (the same vector exp; the last V % 8 tokens by its scalar expf).  Every later step runs on the
+ * kept tokens in id order with that path's arithmetic: z from per-lane float sums per 1024 tokens, folded in the
+ * same order; epsilon / eta / XTC's double sums (the dropped tokens' zeros add nothing); block masses summed in id
+ * order and the same Gumbel draws.  So the draw is the dense path's, token for token. */
+static void stats_maxes(const float *x, int64_t V, double *st, float *s8) {
+    const __m256 ninf = _mm256_set1_ps(-INFINITY), one = _mm256_set1_ps(1.0f);
+    __m256 mx = ninf;
+    st[1] = st[2] = st[3] = 0.0;
+    int64_t i = 0;
+    while (i + 8 <= V) { /* kth_and_stats's accumulation (per lane, per 1024 tokens) */
+        __m256 cnt = _mm256_setzero_ps(), sum = _mm256_setzero_ps(), sq = _mm256_setzero_ps();
+        const int64_t end = i + 1024 < V ? i + 1024 : V;
+#define ACC(v)                                                 \
+    {                                                          \
+        const __m256 ok = _mm256_cmp_ps(v, ninf, _CMP_GT_OQ);   \
+        const __m256 f = _mm256_and_ps(ok, v);                  \
+        cnt = _mm256_add_ps(cnt, _mm256_and_ps(ok, one));       \
+        sum = _mm256_add_ps(sum, f);                            \
+        sq = _mm256_fmadd_ps(f, f, sq);                         \
+    }
+        for (; i + GROUP <= end; i += GROUP) {
+            const __m256 v0 = _mm256_loadu_ps(x + i), v1 = _mm256_loadu_ps(x + i + 8);
+            const __m256 v2 = _mm256_loadu_ps(x + i + 16), v3 = _mm256_loadu_ps(x + i + 24);
+            ACC(v0) ACC(v1) ACC(v2) ACC(v3)
+            mx = _mm256_max_ps(mx, sub_maxes4(v0, v1, v2, v3, s8 + i / 8));
+        }
+        for (; i + 8 <= end; i += 8) {
+            const __m256 v = _mm256_loadu_ps(x + i);
+            ACC(v)
+            s8[i / 8] = hmax8(v);
+            mx = _mm256_max_ps(mx, v);
+        }
+#undef ACC
+        st[1] += hsum8(cnt);
+        st[2] += hsum8(sum);
+        st[3] += hsum8(sq);
+    }
+    float m = hmax8(mx);
+    if (i < V) s8[i / 8] = hmax8(load8_tail(x, i, V));
+    for (; i < V; i++) {
+        const float v = x[i];
+        m = v > m ? v : m;
+        if (v > -INFINITY) st[1] += 1.0, st[2] += v, st[3] += (double)v * v;
+    }
+    st[0] = m;
+}
+
+/* draw_dense over the kept tokens (w[i] > 0, ids ascending): the blocks' masses (float sums in id order, as the
+ * dense path's over the row with zeros), argmax log mass + G, then argmax x / t + G within the block. */
+static int64_t draw_dense_candidates(const float *x, float t, const float *w, const int32_t *id, int64_t n,
+                                     uint64_t key, int64_t bs) {
+    int64_t chosen = 0, out = 0;
+    double best = -INFINITY;
+    for (int64_t q = 0; q < n;) {
+        const int64_t b = id[q] / bs;
+        float mass = 0.0f;
+        for (; q < n && id[q] / bs == b; q++) mass += w[q];
+        if (!(mass > 0.0f)) continue;
+        const double sc = (double)logf(mass) + gumbel(key, b, SALT_BLOCK);
+        if (sc > best) {
+            best = sc;
+            chosen = b;
+        }
+    }
+    best = -INFINITY;
+    for (int64_t q = 0; q < n; q++) {
+        if (id[q] / bs != chosen || !(w[q] > 0.0f)) continue;
+        const double sc = (double)(x[id[q]] / t) + gumbel(key, id[q], SALT_TOKEN);
+        if (sc > best) {
+            best = sc;
+            out = id[q];
+        }
+    }
+    return out;
+}
+
+static int64_t sample_sparse_warped(const float *x, int64_t V, float t, float min_p, uint64_t key, int64_t bs,
+                                    const float *wk) {
+    const int64_t ns = (V + 7) / 8, vec = V / 8 * 8; /* tokens from vec on: the dense path's scalar tail */
+    float *s8 = malloc((size_t)(ns + 8) * sizeof(float));
+    double st[4];
+    stats_maxes(x, V, st, s8);
+    if (!(st[1] > 0.0)) {
+        free(s8);
+        return 0;
+    }
+    float bound = -INFINITY;
+    if (wk[W_SIGMA] > 0.0f) {
+        double mean = st[2] / st[1], var = fmax(st[3] / st[1] - mean * mean, 0.0);
+        bound = (float)(st[0] - wk[W_SIGMA] * sqrt(var));
+    }
+    const float tw = wk[W_DYN_R] > 0.0f ? dyn_temp(x, V, bound, (float)st[0], t, wk) : t;
+    const float m = (float)st[0] / tw;
+    const __m256 tv = _mm256_set1_ps(tw), mv = _mm256_set1_ps(m), bv = _mm256_set1_ps(bound),
+                 ninf = _mm256_set1_ps(-INFINITY), mpv = _mm256_set1_ps(min_p), zero = _mm256_setzero_ps(),
+                 slack = _mm256_set1_ps(min_p * 0.999f); /* (for the sub-rows: exp_neg's rounding need not be monotone) */
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    int32_t *sel = malloc((size_t)(ns + 8) * sizeof(int32_t));
+    int64_t nsel = 0, q = 0;
+    for (; q < ns; q += 8) { /* the sub-rows whose max passes the cut */
+        const __m256 v = load8_tail(s8, q, ns);
+        __m256 ok = _mm256_and_ps(_mm256_cmp_ps(v, bv, _CMP_GE_OQ), _mm256_cmp_ps(v, ninf, _CMP_GT_OQ));
+        if (min_p > 0.0f)
+            ok = _mm256_and_ps(ok, _mm256_cmp_ps(exp_neg(_mm256_sub_ps(tw == 1.0f ? v : _mm256_div_ps(v, tv), mv)),
+                                                 slack, _CMP_GE_OQ));
+        nsel += pack_store_i(sel + nsel, _mm256_add_epi32(_mm256_set1_epi32((int32_t)q), lanes), _mm256_movemask_ps(ok));
+    }
+    float *w = malloc((size_t)(8 * nsel + 8) * sizeof(float));
+    int32_t *id = malloc((size_t)(8 * nsel + 8) * sizeof(int32_t));
+    int64_t n = 0;
+    for (int64_t i = 0; i < nsel; i++) { /* the kept tokens' weights, as sample_dense_warped computes them */
+        const int64_t j = (int64_t)sel[i] * 8;
+        if (j >= vec) {
+            for (int64_t l = j; l < V; l++) {
+                float e = x[l] >= bound && x[l] > -INFINITY ? expf(x[l] / tw - m) : 0.0f;
+                if (min_p > 0.0f && e < min_p) e = 0.0f;
+                if (e > 0.0f) w[n] = e, id[n++] = (int32_t)l;
+            }
+            continue;
+        }
+        const __m256 xv = _mm256_loadu_ps(x + j);
+        const __m256 ok = _mm256_and_ps(_mm256_cmp_ps(xv, bv, _CMP_GE_OQ), _mm256_cmp_ps(xv, ninf, _CMP_GT_OQ));
+        __m256 e = _mm256_and_ps(ok, exp_neg(_mm256_sub_ps(load_scaled(x + j, tv, tw), mv)));
+        if (min_p > 0.0f) e = _mm256_and_ps(e, _mm256_cmp_ps(e, mpv, _CMP_GE_OQ));
+        const int mk = _mm256_movemask_ps(_mm256_cmp_ps(e, zero, _CMP_GT_OQ));
+        pack_store_i(id + n, _mm256_add_epi32(_mm256_set1_epi32((int32_t)j), lanes), mk);
+        n += pack_store(w + n, e, mk);
+    }
+    free(sel);
+    free(s8);
+    /* z as the dense path sums it: float lanes (id % 8) per 1024 tokens, each folded by hsum8 into a double, then
+     * the scalar tail's */
+    const int64_t nch = (vec + 1023) / 1024;
+    float *zl = calloc((size_t)(nch + 1) * 8, sizeof(float));
+    double z = 0.0;
+    for (int64_t k = 0; k < n && id[k] < vec; k++) zl[(id[k] / 1024) * 8 + id[k] % 8] += w[k];
+    for (int64_t c = 0; c < nch; c++) z += hsum8(_mm256_loadu_ps(zl + c * 8));
+    for (int64_t k = 0; k < n; k++)
+        if (id[k] >= vec) z += w[k];
+    free(zl);
+    for (int pass = 0; pass < 2; pass++) { /* epsilon, then eta (sample_dense_warped's loop over the kept) */
+        const float e = pass ? wk[W_ETA] : wk[W_EPS];
+        if (!(e > 0.0f)) continue;
+        double b = e;
+        if (pass) {
+            double swl = 0.0;
+            for (int64_t k = 0; k < n; k++)
+                if (w[k] > 0.0f) swl += w[k] * log((double)w[k]);
+            b = fmin((double)e, sqrt((double)e) * exp(-(log(z) - swl / z)));
+        }
+        double cut = b * z, z2 = 0.0;
+        for (int64_t k = 0; k < n; k++) {
+            if (w[k] > 0.0f && w[k] < cut && w[k] < 1.0f) w[k] = 0.0f;
+            z2 += w[k];
+        }
+        z = z2;
+    }
+    if (wk[W_XTC_P] > 0.0f && wk[W_XTC_T] <= 0.5f && xtc_uniform(key) < (double)wk[W_XTC_P]) {
+        double thr = wk[W_XTC_T] * z, least = INFINITY;
+        int64_t above = 0;
+        for (int64_t k = 0; k < n; k++)
+            if (w[k] > 0.0f && w[k] >= thr) {
+                above++;
+                least = fmin(least, w[k]);
+            }
+        if (above >= 2)
+            for (int64_t k = 0; k < n; k++)
+                if (w[k] >= thr && w[k] > least) w[k] = 0.0f;
+    }
+    const int64_t out = draw_dense_candidates(x, tw, w, id, n, key, bs);
+    free(id);
+    free(w);
     return out;
 }
 
