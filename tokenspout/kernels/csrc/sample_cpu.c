@@ -771,6 +771,41 @@ static int64_t sample_top_k_warped(const float *x, int64_t V, float t, int64_t k
  * min_p): sample_sparse_warped, the same draw from the kept tokens only. */
 /* (Out of line and 64-byte aligned: inlined into the OpenMP body its loops' alignment moved with every unrelated edit
  * of this file, and its whole-row cost with it, by 10-30% in bench.sampler's top_n_sigma_alone / xtc_min_p rows.) */
+/* Epsilon, then eta (p < bound dropped; w = 1, the row's max, stays), then XTC, as masks on the weights w[0..n) that
+ * sum to z (a row's weights, zeros included, or the kept ones in id order: the same double sums either way). */
+static void warp_masks(float *w, int64_t n, double z, const float *wk, uint64_t key) {
+    for (int pass = 0; pass < 2; pass++) {
+        float e = pass ? wk[W_ETA] : wk[W_EPS];
+        if (!(e > 0.0f)) continue;
+        double b = e;
+        if (pass) {
+            double swl = 0.0;
+            for (int64_t i = 0; i < n; i++)
+                if (w[i] > 0.0f) swl += w[i] * log((double)w[i]);
+            double h = log(z) - swl / z;
+            b = fmin((double)e, sqrt((double)e) * exp(-h));
+        }
+        double cut = b * z, z2 = 0.0;
+        for (int64_t i = 0; i < n; i++) {
+            if (w[i] > 0.0f && w[i] < cut && w[i] < 1.0f) w[i] = 0.0f;
+            z2 += w[i];
+        }
+        z = z2;
+    }
+    if (wk[W_XTC_P] > 0.0f && wk[W_XTC_T] <= 0.5f && xtc_uniform(key) < (double)wk[W_XTC_P]) {
+        double thr = wk[W_XTC_T] * z, least = INFINITY;
+        int64_t above = 0;
+        for (int64_t i = 0; i < n; i++)
+            if (w[i] > 0.0f && w[i] >= thr) {
+                above++;
+                least = fmin(least, w[i]);
+            }
+        if (above >= 2)
+            for (int64_t i = 0; i < n; i++)
+                if (w[i] >= thr && w[i] > least) w[i] = 0.0f;
+    }
+}
+
 static int64_t sample_sparse_warped(const float *x, int64_t V, float t, float min_p, uint64_t key, int64_t bs,
                                     const float *wk);
 
@@ -817,36 +852,7 @@ __attribute__((noinline, aligned(64))) static int64_t sample_dense_warped(const 
         z = 0.0;
         for (int64_t i = 0; i < V; i++) z += w[i];
     }
-    for (int pass = 0; pass < 2; pass++) { /* epsilon, then eta: p < bound dropped, the top token stays */
-        float e = pass ? wk[W_ETA] : wk[W_EPS];
-        if (!(e > 0.0f)) continue;
-        double b = e;
-        if (pass) {
-            double swl = 0.0;
-            for (int64_t i = 0; i < V; i++)
-                if (w[i] > 0.0f) swl += w[i] * log((double)w[i]);
-            double h = log(z) - swl / z;
-            b = fmin((double)e, sqrt((double)e) * exp(-h));
-        }
-        double cut = b * z, z2 = 0.0;
-        for (int64_t i = 0; i < V; i++) {
-            if (w[i] > 0.0f && w[i] < cut && w[i] < 1.0f) w[i] = 0.0f; /* w = 1: the row's max, which stays */
-            z2 += w[i];
-        }
-        z = z2;
-    }
-    if (wk[W_XTC_P] > 0.0f && wk[W_XTC_T] <= 0.5f && xtc_uniform(key) < (double)wk[W_XTC_P]) {
-        double thr = wk[W_XTC_T] * z, least = INFINITY;
-        int64_t above = 0;
-        for (int64_t i = 0; i < V; i++)
-            if (w[i] > 0.0f && w[i] >= thr) {
-                above++;
-                least = fmin(least, w[i]);
-            }
-        if (above >= 2)
-            for (int64_t i = 0; i < V; i++)
-                if (w[i] >= thr && w[i] > least) w[i] = 0.0f;
-    }
+    warp_masks(w, V, z, wk, key);
     int64_t out = draw_dense(x, tw, w, V, key, bs);
     free(w);
     return out;
@@ -1553,35 +1559,7 @@ static int64_t sample_sparse_warped(const float *x, int64_t V, float t, float mi
     for (int64_t k = 0; k < n; k++)
         if (id[k] >= vec) z += w[k];
     free(zl);
-    for (int pass = 0; pass < 2; pass++) { /* epsilon, then eta (sample_dense_warped's loop over the kept) */
-        const float e = pass ? wk[W_ETA] : wk[W_EPS];
-        if (!(e > 0.0f)) continue;
-        double b = e;
-        if (pass) {
-            double swl = 0.0;
-            for (int64_t k = 0; k < n; k++)
-                if (w[k] > 0.0f) swl += w[k] * log((double)w[k]);
-            b = fmin((double)e, sqrt((double)e) * exp(-(log(z) - swl / z)));
-        }
-        double cut = b * z, z2 = 0.0;
-        for (int64_t k = 0; k < n; k++) {
-            if (w[k] > 0.0f && w[k] < cut && w[k] < 1.0f) w[k] = 0.0f;
-            z2 += w[k];
-        }
-        z = z2;
-    }
-    if (wk[W_XTC_P] > 0.0f && wk[W_XTC_T] <= 0.5f && xtc_uniform(key) < (double)wk[W_XTC_P]) {
-        double thr = wk[W_XTC_T] * z, least = INFINITY;
-        int64_t above = 0;
-        for (int64_t k = 0; k < n; k++)
-            if (w[k] > 0.0f && w[k] >= thr) {
-                above++;
-                least = fmin(least, w[k]);
-            }
-        if (above >= 2)
-            for (int64_t k = 0; k < n; k++)
-                if (w[k] >= thr && w[k] > least) w[k] = 0.0f;
-    }
+    warp_masks(w, n, z, wk, key);
     const int64_t out = draw_dense_candidates(x, tw, w, id, n, key, bs);
     free(id);
     free(w);
