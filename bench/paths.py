@@ -12,7 +12,8 @@ closed loop, streamed, ignore_eos):
   fastest.
 The table marks the configuration `auto` resolves to (`*`).  With --rounds N every path is measured N times,
 interleaved (round 1 of every path, then round 2, ...), and the median per level is reported: the VM drifts
-between minutes.  Writes bench/results/paths.json and prints a markdown table (the one in README.md).
+between minutes.  Writes bench/results/paths.json (or --out NAME there: a partial run with --only need not replace
+the full table's results) and prints a markdown table (the one in README.md).
 """
 
 from __future__ import annotations
@@ -137,6 +138,7 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--only", nargs="*", default=None, help="measure only these path names (e.g. auto float32/int4/avx512)")
+    ap.add_argument("--out", default="paths.json", help="results file name under bench/results/")
     ap.add_argument("--peers-dir", type=Path, default=ROOT.parent / "shared" / "peers")
     args = ap.parse_args()
     choice = auto_choice()
@@ -161,7 +163,7 @@ def main() -> None:
                 report["paths"][n]["results"][i]["output_tok_s"] for n in report["paths"] if n != "auto")
             for i, r in enumerate(mine)}
         print(table(report))
-    print("wrote", write_json("paths.json", report))
+    print("wrote", write_json(args.out, report))
 
 
 if __name__ == "__main__":
