@@ -175,9 +175,10 @@ static inline __attribute__((always_inline)) float row1_f(const void *w, const i
  * and never converted to float; one conversion and one FMA per 32 weights and row.  int16 rounds the activations
  * by at most 1/65534 of their group's largest value: the results stay within float32-level error of the
  * dequantized weights' float product (llama.cpp's int8 activations cost ~1 logit of error on the default model and
- * flipped greedy near-ties; this costs ~25% more integer work per row).  At one row this integer work, not the
- * weight bytes, is the limit: one thread streams int4 at ~8.6 GB/s of the ~13 it can read, and four rows cost
- * twice one. */
+ * flipped greedy near-ties; this costs ~25% more integer work per row).  At one row the AVX2 path sits between its
+ * integer work and memory: in L2 a group of four rows takes ~13 cycles (~7.5 of them the integer dots, the rest the
+ * reduction and scaling), from memory with both cache lines prefetched (prefetch2) two threads stream int4 at
+ * ~17-24 GB/s where a plain read gets ~27-30; int8 activations (vpmaddubsw) measured only 1.0-1.1x there. */
 typedef struct {
     int16_t *q;  /* [M, K]; tiled (mp > 0): pairs of int16 (columns 2t, 2t+1 of a group), see tiled() */
     float *d;    /* [M, G] scale; tiled: [G][mp] */
