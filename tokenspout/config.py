@@ -50,7 +50,11 @@ class ModelConfig:
 
 @dataclass(slots=True)
 class CacheConfig:
-    block_size: int = 16
+    # Tokens per KV block, also the prefix cache's unit (only whole blocks are reused).  8, not 16: a shared prefix
+    # (a chat template's system prompt is ~24 tokens here) is reused up to 7 tokens closer to its end, and every
+    # token not reused is a prefill row.  1.7B Q4_K_M, 16 chat requests, c=1, A/B A/B: TTFT p50 580-593 vs 786-834 ms,
+    # tok/s 1.07x.  The decode attention computes each position's row address, so the block size costs it nothing.
+    block_size: int = 8
     kv_cache_memory_gib: float = 1.0  # budget for the paged KV cache
     # "auto": the model's dtype; "float16": half the bytes of a float32 cache (twice the tokens per budget, half the
     # memory traffic of decode attention), K/V rounded to float16 as llama.cpp's default cache type does

@@ -265,12 +265,15 @@ def test_return_tokens_as_token_ids(client, model):
 
 
 def test_cached_tokens_count_prefix_cache_hits(client, model):
-    prompt = " ".join(f"word{i}" for i in range(40))  # well over two 16-token blocks
+    from tokenspout.config import CacheConfig
+
+    bs = CacheConfig().block_size  # the server's default block: the prefix cache's unit
+    prompt = " ".join(f"word{i}" for i in range(40))  # well over two blocks
     first = client.completions.create(model=model, prompt=prompt, max_tokens=1)
     second = client.completions.create(model=model, prompt=prompt, max_tokens=1)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert 16 <= cached < second.usage.prompt_tokens and cached % 16 == 0
+    assert bs <= cached < second.usage.prompt_tokens and cached % bs == 0
 
 
 def test_continuous_usage_stats(client, model):

@@ -81,8 +81,9 @@ def test_draft_kv_cache_counts_against_the_budget(tmp_path):
                            cache=CacheConfig(kv_cache_memory_gib=0.01), speculative=spec)
         return EngineCore(cfg).runner.num_blocks
     alone = blocks(SpeculativeConfig())
-    # The draft has half the target's layers (same KV width): the shared block count drops to 2/3.
-    assert blocks(SpeculativeConfig(method="draft", draft_model=str(tmp_path / "draft"))) == int(alone * 2 / 3)
+    # The draft has half the target's layers (same KV width): the shared block count drops to 2/3 (each count is
+    # the budget floored to whole blocks, so the two floors may differ by one block).
+    assert abs(blocks(SpeculativeConfig(method="draft", draft_model=str(tmp_path / "draft"))) - alone * 2 / 3) <= 1
     assert blocks(SpeculativeConfig(method="draft", draft_layers=1)) == alone  # self-draft: no second cache
 
 

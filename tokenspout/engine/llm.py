@@ -46,7 +46,7 @@ Prompt = str | list[int]
 
 def build_engine_config(model: str | None = None, *, dtype: str = "float32", quantization: str | None = None,
                         max_model_len: int | None = None,
-                        kv_cache_memory: float = 1.0, kv_cache_dtype: str = "auto", block_size: int = 16,
+                        kv_cache_memory: float = 1.0, kv_cache_dtype: str = "auto", block_size: int = 8,
                         max_num_seqs: int = 64, max_num_batched_tokens: int = 512, num_kv_blocks: int | None = None,
                         served_model_name: str | None = None, num_threads: int | None = None,
                         speculative: str | None = None, num_speculative_tokens: int = 4, ngram_min: int = 2,

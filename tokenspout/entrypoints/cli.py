@@ -40,7 +40,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "tokens per budget, and decode attention at large batches is bound by reading them: +25%% "
                         "tok/s at 64 clients), the model's own dtype for a bfloat16 one; model: the model's dtype "
                         "(a float32 cache, exact like transformers); float16: always float16")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--num-threads", type=int, default=None,
