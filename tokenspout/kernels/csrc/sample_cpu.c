@@ -765,12 +765,6 @@ static int64_t sample_top_k_warped(const float *x, int64_t V, float t, int64_t k
     return out;
 }
 
-/* A warped row without top-k (and without typical_p, which needs its candidates ordered: rows_cpu.py sends those
- * to the torch path): the whole row's weights after top_n_sigma, dynatemp, min_p and top-p (nucleus.py's bucketed
- * cut), then epsilon / eta / XTC as masks on them, then the dense draw.  Without top-p but with a cut (top_n_sigma,
- * min_p): sample_sparse_warped, the same draw from the kept tokens only. */
-/* (Out of line and 64-byte aligned: inlined into the OpenMP body its loops' alignment moved with every unrelated edit
- * of this file, and its whole-row cost with it, by 10-30% in bench.sampler's top_n_sigma_alone / xtc_min_p rows.) */
 /* Epsilon, then eta (p < bound dropped; w = 1, the row's max, stays), then XTC, as masks on the weights w[0..n) that
  * sum to z (a row's weights, zeros included, or the kept ones in id order: the same double sums either way). */
 static void warp_masks(float *w, int64_t n, double z, const float *wk, uint64_t key) {
@@ -809,6 +803,12 @@ static void warp_masks(float *w, int64_t n, double z, const float *wk, uint64_t 
 static int64_t sample_sparse_warped(const float *x, int64_t V, float t, float min_p, uint64_t key, int64_t bs,
                                     const float *wk);
 
+/* A warped row without top-k (and without typical_p, which needs its candidates ordered: rows_cpu.py sends those
+ * to the torch path): the whole row's weights after top_n_sigma, dynatemp, min_p and top-p (nucleus.py's bucketed
+ * cut), then epsilon / eta / XTC as masks on them, then the dense draw.  Without top-p but with a cut (top_n_sigma,
+ * min_p): sample_sparse_warped, the same draw from the kept tokens only. */
+/* (Out of line and 64-byte aligned: inlined into the OpenMP body its loops' alignment moved with every unrelated edit
+ * of this file, and its whole-row cost with it, by 10-30% in bench.sampler's top_n_sigma_alone / xtc_min_p rows.) */
 __attribute__((noinline, aligned(64))) static int64_t sample_dense_warped(const float *x, int64_t V, float t, float top_p, float min_p, uint64_t key,
                                    int64_t bs, const float *wk) {
     if (top_p >= 1.0f && (wk[W_SIGMA] > 0.0f || min_p > 0.0f)) return sample_sparse_warped(x, V, t, min_p, key, bs, wk);
