@@ -81,14 +81,15 @@ def unpack_min(packed) -> torch.Tensor:
 @pytest.mark.parametrize("fn,levels", [(quantize_int8, 254), (quantize_int4, 15)])
 @pytest.mark.parametrize("m", [1, 2, 4, 7, 13, 14, 15, 16, 17, 27, 28, 70])
 @pytest.mark.parametrize("n", [5, 64, 130])
-@pytest.mark.parametrize("k", [96, 128])
+@pytest.mark.parametrize("k", [96, 128, 608])
 def test_linear_quantized_packed_matches_dequantized(lib, fn, levels, m, n, k):
     """Quantized weights x int16 activations: exactly the integer dot products of the quantized values, scaled;
     Q4's min term uses the exact float group sums of x.  AVX2: m < 16 takes the row path (m = 15 its largest batch),
     m >= 16 the tiled path: 16 is one tile of 16 rows, 17 a tile of 16 and one of 8 with 7 padding rows, 70 four
     and one; AVX-512: m < 14 the row path (13 its largest), 14 one tile of 16 rows with 2 padding rows, 17 and 28
     one tile of 32 rows with padding rows, 70 two tiles of 32 and one of 16; n = 5 and 130 end on a lone block of four weight rows (the tiled path takes them in pairs) and on
-    padding rows; k = 96 ends Q4's pairs of groups with a lone group."""
+    padding rows; k = 96 ends Q4's pairs of groups with a lone group; k = 608 (19 groups) spans three of the tiled
+    path's chunks of widened groups, the last one short and ending on a lone group."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     G = k // 32
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)

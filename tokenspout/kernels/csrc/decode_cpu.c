@@ -446,7 +446,8 @@ static inline __attribute__((always_inline)) void block_q512(const ts_weight *W,
 /* ---- the tiled path (M >= TILE_MIN) ----
  * With many batch rows the row path above spends most of its instructions on the horizontal reduction, scaling
  * and loads of each (row, group, 4 weight rows) dot, ~3.5 per vpmaddwd.  Here each block's four weight rows are
- * first widened to int16 once (into L1, shared by every batch row; two blocks per pass over the activations), and
+ * first widened to int16 once (a chunk of CG groups at a time, into L1, shared by every batch row; TB blocks per
+ * pass over the activations), and
  * the activations are laid out per pair of columns across eight batch rows (quantize_act's tiled layout), so one
  * vpmaddwd of a broadcast weight pair against eight rows' pairs adds into eight rows' dot products at once: a tile
  * of 4 weight rows x 16 batch rows takes 8 vpmaddwd + 8 vpaddd per column pair, int32 sums in registers, and the
@@ -455,8 +456,19 @@ static inline __attribute__((always_inline)) void block_q512(const ts_weight *W,
  * 1.12x, 1.35x); below 16 rows the row path wins (0.5x-0.96x at 4-12 rows), hence TILE_MIN.  The multiply-adds
  * alone run at 5.0-5.7 cycles per 8 vpmaddwd + 8 vpaddd on this Zen 3 (the ports would allow 4); with the scaling
  * ~61 GMAC/s per core in L1, ~51 in a c=64 step. */
+
+/* Groups of columns widened per chunk: the widened codes of a pass (TB blocks x 4 rows) are computed for CG groups at
+ * a time into buffers that stay in L1 (TB * 4 * CG * 64 bytes = 16 KiB) and used at once by every batch row.
+ * Widening whole blocks first (4 rows x K int16 each: 512 KiB a pass at K = 8192, the 1.7B shape's down_proj) wrote
+ * them out to L2 / L3 and read them back: 1.7B-shaped int4 layers, 2 threads, 1.06-1.12x at 16-256 rows; the 1.7B
+ * Q4_K_M file's c=16 generation in process 1.05x.  4 or 16 groups measured the same.  Even: an int4 block stores its
+ * groups in pairs. */
+#ifndef CG
+#define CG 8
+#endif
+
 typedef struct {
-    int16_t *w; /* [4][G * 32] the block's codes as int16 */
+    int16_t *w; /* [4][CG * 32] the block's codes of the current chunk of groups, as int16 */
     float *sc;  /* [G][4] */
     float *mn;  /* [G][4] (Q4) */
 } ts_wtile;
@@ -467,31 +479,37 @@ static inline int64_t block_bytes(int64_t wt, int64_t K) {
     return wt == WT_Q8 ? G * 4 * 32 : (G + 1) / 2 * 4 * 32;
 }
 
-static void widen_block(const ts_weight *W, const int wt, int64_t b, int64_t K, ts_wtile *t) {
-    const int64_t G = K / 32, KP = G * 32;
+/* The block's scales (and Q4 minimums) as float32, once per pass. */
+static void widen_scales(const ts_weight *W, const int wt, int64_t b, int64_t K, ts_wtile *t) {
+    const int64_t G = K / 32;
     const uint16_t *sc = W->scale + b * G * 4, *mn = wt == WT_Q4 ? W->min + b * G * 4 : NULL;
     for (int64_t i = 0; i < G * 4; i += 4) {
         _mm_storeu_ps(t->sc + i, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(sc + i))));
         if (mn) _mm_storeu_ps(t->mn + i, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(mn + i))));
     }
+}
+
+/* Groups g0..g1 (g0 even, g1 - g0 <= CG) of block b's codes as int16: row r's group g at t->w[r * CG * 32 + (g - g0) * 32]. */
+static void widen_codes(const ts_weight *W, const int wt, int64_t b, int64_t K, int64_t g0, int64_t g1, ts_wtile *t) {
+    const int64_t G = K / 32, CW = CG * 32;
     if (wt == WT_Q8) {
         const uint8_t *codes = (const uint8_t *)W->w + b * G * 4 * 32;
-        for (int64_t g = 0; g < G; g++)
+        for (int64_t g = g0; g < g1; g++)
             for (int r = 0; r < 4; r++) {
                 __m256i lo, hi;
                 widen_q8(codes + (g * 4 + r) * 32, &lo, &hi);
-                _mm256_storeu_si256((__m256i *)(t->w + r * KP + g * 32), lo);
-                _mm256_storeu_si256((__m256i *)(t->w + r * KP + g * 32 + 16), hi);
+                _mm256_storeu_si256((__m256i *)(t->w + r * CW + (g - g0) * 32), lo);
+                _mm256_storeu_si256((__m256i *)(t->w + r * CW + (g - g0) * 32 + 16), hi);
             }
         return;
     }
     const int64_t P = (G + 1) / 2;
     const uint8_t *codes = (const uint8_t *)W->w + b * P * 4 * 32;
     const __m256i nib = _mm256_set1_epi16(0x000F);
-    for (int64_t p = 0; p < P; p++)
+    for (int64_t p = g0 / 2; 2 * p < g1; p++)
         for (int r = 0; r < 4; r++) {
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + (p * 4 + r) * 32));
-            int16_t *o = t->w + r * KP + p * 64;
+            int16_t *o = t->w + r * CW + (2 * p - g0) * 32;
             _mm256_storeu_si256((__m256i *)o, _mm256_and_si256(raw, nib));
             _mm256_storeu_si256((__m256i *)(o + 16), _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib));
             if (2 * p + 1 == G) continue; /* odd last group: its pair's upper half is padding */
@@ -501,11 +519,11 @@ static void widen_block(const ts_weight *W, const int wt, int64_t b, int64_t K, 
 }
 
 /* f[r * mp + m0 + m] += row r of the block . batch row m0 + m over group g, for m < 8 * NV (NV = 1 or 2). */
-static inline __attribute__((always_inline)) void tile_group(const ts_wtile *t, const int wt, int64_t KP, int64_t g,
+static inline __attribute__((always_inline)) void tile_group(const ts_wtile *t, const int wt, int64_t gl, int64_t g,
                                                              const ts_qact *a, int64_t m0, const int NV, float *f) {
     const int64_t mp = a->mp;
-    const int32_t *w0 = (const int32_t *)(t->w + g * 32), *w1 = (const int32_t *)(t->w + KP + g * 32);
-    const int32_t *w2 = (const int32_t *)(t->w + 2 * KP + g * 32), *w3 = (const int32_t *)(t->w + 3 * KP + g * 32);
+    const int32_t *w0 = (const int32_t *)(t->w + gl * 32), *w1 = (const int32_t *)(t->w + CG * 32 + gl * 32);
+    const int32_t *w2 = (const int32_t *)(t->w + 2 * CG * 32 + gl * 32), *w3 = (const int32_t *)(t->w + 3 * CG * 32 + gl * 32);
     const int32_t *xq = (const int32_t *)a->q + tiled(g, 0, m0, mp);
     __m256i c00 = _mm256_setzero_si256(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;
 #pragma GCC unroll 16
@@ -545,11 +563,11 @@ static inline __attribute__((always_inline)) void tile_group(const ts_wtile *t, 
 /* The same tile with AVX-512 VNNI: sixteen batch rows per vector and vpdpwssd's fused multiply-add-accumulate, so a
  * tile of 4 weight rows x 32 batch rows is 8 vpdpwssd per column pair (the AVX2 tile: 8 vpmaddwd + 8 vpaddd for
  * 16 batch rows). */
-static inline __attribute__((always_inline)) void tile_group512(const ts_wtile *t, const int wt, int64_t KP, int64_t g,
+static inline __attribute__((always_inline)) void tile_group512(const ts_wtile *t, const int wt, int64_t gl, int64_t g,
                                                                 const ts_qact *a, int64_t m0, const int NV, float *f) {
     const int64_t mp = a->mp;
-    const int32_t *w0 = (const int32_t *)(t->w + g * 32), *w1 = (const int32_t *)(t->w + KP + g * 32);
-    const int32_t *w2 = (const int32_t *)(t->w + 2 * KP + g * 32), *w3 = (const int32_t *)(t->w + 3 * KP + g * 32);
+    const int32_t *w0 = (const int32_t *)(t->w + gl * 32), *w1 = (const int32_t *)(t->w + CG * 32 + gl * 32);
+    const int32_t *w2 = (const int32_t *)(t->w + 2 * CG * 32 + gl * 32), *w3 = (const int32_t *)(t->w + 3 * CG * 32 + gl * 32);
     const int32_t *xq = (const int32_t *)a->q + tiled(g, 0, m0, mp);
     __m512i c00 = _mm512_setzero_si512(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;
 #pragma GCC unroll 16
@@ -589,8 +607,8 @@ static inline __attribute__((always_inline)) void tile_group512(const ts_wtile *
 /* One out-of-line copy per (format, width): inlined into the loops over groups, gcc hoists the 64 weight
  * broadcasts of every group out of the loop over batch rows and spills them (measured 2x slower). */
 #define TILE_FN(name, WT, NV)                                                                                        \
-    static __attribute__((noinline)) void name(const ts_wtile *t, int64_t KP, int64_t g, const ts_qact *a, int64_t m0, \
-                                               float *f) { TILE_GROUP(t, WT, KP, g, a, m0, NV, f); }
+    static __attribute__((noinline)) void name(const ts_wtile *t, int64_t gl, int64_t g, const ts_qact *a, int64_t m0, \
+                                               float *f) { TILE_GROUP(t, WT, gl, g, a, m0, NV, f); }
 TILE_FN(tile_q4x2, WT_Q4, 2)
 TILE_FN(tile_q4x1, WT_Q4, 1)
 TILE_FN(tile_q8x2, WT_Q8, 2)
@@ -605,22 +623,27 @@ TILE_FN(tile_q8x1, WT_Q8, 1)
 #define TB 8
 #endif
 
-/* f[(4i + r) * mp + m] = row r of block i . batch row m, for the nb (1..TB) widened blocks t[i] and every batch
- * row m < mp (a multiple of TW).  Groups outer, batch rows inner: a tile's activations (16 pairs of TW or 2 TW rows)
- * are read from L2 once and from L1 by the other blocks. */
-static void blocks_tile(const ts_wtile *t, int nb, const int wt, int64_t K, const ts_qact *a, float *f,
-                        const char *pf, int64_t pf_bytes) {
-    const int64_t G = K / 32, KP = G * 32, mp = a->mp, pf_step = (pf_bytes / G + 63) / 64 * 64;
+/* f[(4i + r) * mp + m] = row r of block b + i . batch row m, for the nb (1..TB) blocks from b (their scales already in
+ * t[i]) and every batch row m < mp (a multiple of TW).  Chunks of CG groups: the chunk's codes widened (from L2, where
+ * the previous pass prefetched them) into t[i].w, then groups outer, batch rows inner: a tile's activations (16 pairs
+ * of TW or 2 TW rows) are read from L2 once and from L1 by the other blocks. */
+static void blocks_tile(const ts_weight *W, int64_t b, ts_wtile *t, int nb, const int wt, int64_t K, const ts_qact *a,
+                        float *f, const char *pf, int64_t pf_bytes) {
+    const int64_t G = K / 32, mp = a->mp, pf_step = (pf_bytes / G + 63) / 64 * 64;
     memset(f, 0, sizeof(float) * (size_t)(4 * nb * mp));
-    for (int64_t g = 0; g < G; g++) {
-        /* the next pass's codes into L2 while this one computes: widen_block then reads them from cache instead of
-         * waiting on memory (its loads were the step's only reads of the weights from DRAM) */
-        for (int64_t o = g * pf_step; pf && o < (g + 1) * pf_step && o < pf_bytes; o += 64) _mm_prefetch(pf + o, _MM_HINT_T1);
-        int64_t m0 = 0;
-        for (; m0 + 2 * TW <= mp; m0 += 2 * TW)
-            for (int i = 0; i < nb; i++) (wt == WT_Q4 ? tile_q4x2 : tile_q8x2)(t + i, KP, g, a, m0, f + 4 * i * mp);
-        if (m0 < mp)
-            for (int i = 0; i < nb; i++) (wt == WT_Q4 ? tile_q4x1 : tile_q8x1)(t + i, KP, g, a, m0, f + 4 * i * mp);
+    for (int64_t g0 = 0; g0 < G; g0 += CG) {
+        const int64_t g1 = g0 + CG < G ? g0 + CG : G;
+        for (int i = 0; i < nb; i++) widen_codes(W, wt, b + i, K, g0, g1, t + i);
+        for (int64_t g = g0; g < g1; g++) {
+            /* the next pass's codes into L2 while this one computes: widen_codes then reads them from cache instead
+             * of waiting on memory (its loads are the step's only reads of the weights from DRAM) */
+            for (int64_t o = g * pf_step; pf && o < (g + 1) * pf_step && o < pf_bytes; o += 64) _mm_prefetch(pf + o, _MM_HINT_T1);
+            int64_t m0 = 0;
+            for (; m0 + 2 * TW <= mp; m0 += 2 * TW)
+                for (int i = 0; i < nb; i++) (wt == WT_Q4 ? tile_q4x2 : tile_q8x2)(t + i, g - g0, g, a, m0, f + 4 * i * mp);
+            if (m0 < mp)
+                for (int i = 0; i < nb; i++) (wt == WT_Q4 ? tile_q4x1 : tile_q8x1)(t + i, g - g0, g, a, m0, f + 4 * i * mp);
+        }
     }
 }
 
@@ -880,15 +903,15 @@ static void linear_body(const float *x, int64_t ldx, int64_t M, const ts_weight 
         const int64_t G = K / 32;
         ts_wtile t[TB];
         for (int i = 0; i < TB; i++)
-            t[i] = (ts_wtile){(int16_t *)malloc(sizeof(int16_t) * (size_t)(4 * G * 32)),
+            t[i] = (ts_wtile){(int16_t *)malloc(sizeof(int16_t) * (size_t)(4 * CG * 32)),
                               (float *)malloc(sizeof(float) * (size_t)(G * 4)), (float *)malloc(sizeof(float) * (size_t)(G * 4))};
         float *f = (float *)malloc(sizeof(float) * (size_t)(4 * TB * a->mp));
 #pragma omp for schedule(static) nowait
         for (int64_t b = 0; b < nblk; b += TB) { /* TB blocks (4 * TB weight rows) per pass over the activations */
             const int nb = nblk - b < TB ? (int)(nblk - b) : TB;
-            for (int i = 0; i < nb; i++) widen_block(W, (int)W->wt, b + i, K, t + i);
+            for (int i = 0; i < nb; i++) widen_scales(W, (int)W->wt, b + i, K, t + i);
             const int64_t blk = block_bytes(W->wt, K), next = b + TB < nblk ? (nblk - b - TB < TB ? nblk - b - TB : TB) : 0;
-            blocks_tile(t, nb, (int)W->wt, K, a, f, next ? (const char *)W->w + (b + TB) * blk : NULL, next * blk);
+            blocks_tile(W, b, t, nb, (int)W->wt, K, a, f, next ? (const char *)W->w + (b + TB) * blk : NULL, next * blk);
             const int64_t n = N - 4 * b < 4 * nb ? N - 4 * b : 4 * nb; /* the last block's padding rows are not stored */
             store_pass(f, a->mp, M, n, y + 4 * b, ldy, bias ? bias + 4 * b : NULL, accumulate);
         }
