@@ -148,6 +148,25 @@ def test_served_under_the_file_name():
     assert build_engine_config(None).model.served_model_name == "SmolLM2-135M-Instruct"
 
 
+def test_llm_serves_a_gguf_file_in_its_own_format():
+    """LLM(model="x.gguf") / build_engine_config: a bare quantization=None keeps the file's format (as the server's
+    auto), "none" asks for float weights (the CLI's --quantization none reaches it as "none"); folders keep None."""
+    import argparse
+
+    from tokenspout.engine.llm import build_engine_config
+    from tokenspout.entrypoints.cli import add_engine_args, engine_kwargs
+
+    assert build_engine_config(str(gguf_path())).model.quantization == "int4"
+    assert build_engine_config(str(gguf_path()), quantization="none").model.quantization is None
+    assert build_engine_config(str(gguf_path()), quantization="int8").model.quantization == "int8"
+    assert build_engine_config(None).model.quantization is None
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    for flag, want in (("none", None), ("auto", "int4"), ("int8", "int8")):
+        args = p.parse_args(["--model", str(gguf_path()), "--quantization", flag])
+        assert build_engine_config(args.model, **engine_kwargs(args)).model.quantization == want, flag
+
+
 def test_tokenizer_flag(tmp_path: Path, model_path):
     """--tokenizer DIR: the folder's tokenizer replaces the model's (checked, a clear error when it holds none)."""
     from tokenspout.engine.llm import build_engine_config

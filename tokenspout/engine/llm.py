@@ -56,7 +56,16 @@ def build_engine_config(model: str | None = None, *, dtype: str = "float32", qua
                         chat_template: str | None = None, data_parallel_size: int = 1,
                         tokenizer: str | None = None, engine_hang_timeout: float = 30.0,
                         engine_restart: bool = True) -> EngineConfig:
+    """quantization: None serves a GGUF file in its own format (what the server's `--quantization auto` picks for
+    it: a quantized file is never dequantized to float32 unless asked) and any other model with its float weights;
+    "none" asks for float weights for a GGUF file too."""
     path, name = resolve_model_path(model)  # converts the default model here, once, before any engine starts
+    if quantization == "none":
+        quantization = None
+    elif quantization is None and model is not None and Path(model).suffix.lower() == ".gguf":
+        from tokenspout.models.gguf_file import default_quantization
+
+        quantization = default_quantization(Path(model).expanduser())
     if tokenizer is not None:
         tok_path = Path(tokenizer).expanduser()
         if not (tok_path / "tokenizer.json").is_file() and not (tok_path / "tokenizer_config.json").is_file():

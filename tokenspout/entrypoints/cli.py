@@ -106,7 +106,9 @@ def resolve_kv_cache_dtype(flag: str, dtype: str) -> str:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {"dtype": args.dtype, "quantization": resolve_quantization(args.quantization, args.model),
+    # "none" stays "none": build_engine_config reads a bare None as a GGUF file's own format
+    quant = "none" if args.quantization == "none" else resolve_quantization(args.quantization, args.model)
+    return {"dtype": args.dtype, "quantization": quant,
             "max_model_len": args.max_model_len, "kv_cache_memory": args.kv_cache_memory,
             "kv_cache_dtype": resolve_kv_cache_dtype(args.kv_cache_dtype, args.dtype),
             "block_size": args.block_size, "max_num_seqs": args.max_num_seqs,
