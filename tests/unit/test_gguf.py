@@ -4,6 +4,7 @@ permutation undone, and the default model's GGUF loaded straight from the file a
 
 from __future__ import annotations
 
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -195,3 +196,66 @@ def test_corrupt_or_truncated_files_are_clear_errors(tmp_path: Path):
             sidecar_folder(bad)
         with pytest.raises(ValueError, match="cannot read GGUF file"):
             resolve_quantization("auto", str(bad))
+
+
+def test_header_reads_what_the_gguf_package_reads():
+    """models/gguf_header.py against the gguf package's GGUFReader on the default model's file: every tensor's name,
+    type, dims, offset, size and data view (typed and shaped alike, same bytes), every scalar metadata value."""
+    from gguf import GGUFReader
+
+    from tokenspout.models.gguf_file import field, open_reader
+
+    mine, ref = open_reader(gguf_path()), GGUFReader(str(gguf_path()))
+    assert [t.name for t in mine.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(mine.tensors, ref.tensors):
+        assert (a.tensor_type, a.shape, a.n_elements, a.n_bytes, a.data_offset) == (
+            b.tensor_type, tuple(b.shape.tolist()), b.n_elements, b.n_bytes, b.data_offset), a.name
+        assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
+        assert np.array_equal(a.data[:3], b.data[:3]) and np.array_equal(a.data[-1:], b.data[-1:]), a.name
+    scalars = {k: f for k, f in ref.fields.items() if not k.startswith("GGUF.") and f.types[0].name != "ARRAY"}
+    assert len(scalars) > 20
+    for k, f in scalars.items():
+        v = f.parts[f.data[0]]
+        want = bytes(v).decode() if f.types[0].name == "STRING" else v.tolist()[0]
+        assert field(mine, k) == pytest.approx(want) if isinstance(want, float) else field(mine, k) == want, k
+
+
+def _tiny_gguf(path: Path) -> bytes:
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_token_list(["a", "bb", "ccc"])
+    w.add_tensor("token_embd.weight", np.arange(8 * 32, dtype=np.float32).reshape(8, 32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path.read_bytes()
+
+
+def test_hostile_headers_are_clear_errors(tmp_path: Path):
+    """Lengths and counts that run past the file, bad versions, unknown types: a ValueError naming the file, never
+    a huge allocation or a crash."""
+    from tokenspout.models.gguf_file import open_reader
+
+    good = _tiny_gguf(tmp_path / "good.gguf")
+    h = open_reader(tmp_path / "good.gguf")
+    assert h.fields["llama.block_count"] == 1 and "tokenizer.ggml.tokens" not in h.fields  # (string arrays skipped)
+    assert np.array_equal(h.tensors[0].data, np.arange(8 * 32, dtype=np.float32).reshape(8, 32))
+    key = b"tokenizer.ggml.tokens"
+    at = good.index(key) + len(key) + 4 + 4  # after the key, the value type (array) and the item type (string)
+    tensor_at = good.index(b"token_embd.weight") + len(b"token_embd.weight")  # then dims count, 2 dims, type, offset
+    cases = [  # (what the error says, the file)
+        ("version 7", good[:4] + struct.pack("<I", 7) + good[8:]),
+        ("string array runs past", good[:at] + struct.pack("<Q", 1 << 40) + good[at + 8:]),
+        ("string array runs past", good[:at + 8] + struct.pack("<Q", 1 << 40) + good[at + 16:]),
+        ("empty file", b""),
+        ("header runs past", good[:24]),
+        ("has 9 dimensions", good[:tensor_at] + struct.pack("<I", 9) + good[tensor_at + 4:]),
+        ("unknown type 999", good[:tensor_at + 4 + 16] + struct.pack("<I", 999) + good[tensor_at + 24:]),
+        ("runs past the end of the file \\(", good[:tensor_at + 24] + struct.pack("<Q", 1 << 40) + good[tensor_at + 32:]),
+    ]
+    for i, (says, data) in enumerate(cases):
+        bad = tmp_path / f"bad{i}.gguf"
+        bad.write_bytes(data)
+        with pytest.raises(ValueError, match=f"cannot read GGUF file .*{bad.name}: .*{says}"):
+            open_reader(bad)

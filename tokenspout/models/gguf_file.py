@@ -32,25 +32,23 @@ def gguf_source(folder: Path) -> Path | None:
 
 
 def open_reader(gguf: Path):
-    """The gguf package's reader of `gguf` (the file memory-mapped, its header parsed), or a ValueError naming the
-    file when it is missing, not a GGUF file, truncated or corrupt (the reader fails with whatever numpy raises)."""
-    from gguf import GGUFReader
+    """The header of `gguf` (models/gguf_header.py: metadata scalars, tensors as views of the memory-mapped file), or
+    a ValueError naming the file when it is not a GGUF file, truncated or corrupt."""
+    from tokenspout.models.gguf_header import GGUFHeader
 
     if not gguf.is_file():
         raise FileNotFoundError(f"GGUF file {gguf} does not exist")
     try:
-        return GGUFReader(str(gguf))
-    except Exception as e:  # noqa: BLE001 - IndexError, struct errors, ValueError("GGUF magic invalid"), ...
+        return GGUFHeader(gguf)
+    except Exception as e:  # noqa: BLE001 - ValueError from the checks, numpy's on a map of an empty file, ...
         raise ValueError(f"cannot read GGUF file {gguf}: {type(e).__name__}: {e} (not a GGUF file, or truncated "
                          "or corrupt?)") from None
 
 
 def field(reader, key: str):
-    f = reader.fields.get(key)
-    if f is None:
-        return None
-    v = f.parts[f.data[0]]
-    return bytes(v).decode() if f.types and f.types[0].name == "STRING" else v.tolist()[0]
+    """A metadata value (a numeric array's first item, as the gguf package's fields read)."""
+    v = reader.fields.get(key)
+    return v[0] if isinstance(v, list) and v else v
 
 
 def architecture(reader) -> str:

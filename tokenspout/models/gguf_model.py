@@ -3,7 +3,7 @@
 A GGUF file holds the weights, the tokenizer and the chat template.  What is not weights goes once into a small
 "sidecar" folder under $TOKENSPOUT_CACHE/gguf/ (models/gguf_file.py), so the rest of tokenspout sees a model folder;
 the weights are never copied there: `GGUFCheckpoint` reads them tensor by tensor from the memory-mapped file (the
-gguf package's reader).
+header parsed by models/gguf_header.py; blocks dequantized by the gguf package where they are not converted).
 
 Weights, per GGUF tensor type:
 * Q4_0, Q4_1 (4-bit, blocks of 32) become the kernels' int4 format and Q8_0 their int8 format exactly (block for
