@@ -71,6 +71,49 @@ def test_rows_on_demand_equal_the_whole_tensor():
     assert torch.equal(emb(ids), ck.get("embed_tokens.weight")[ids].bfloat16())
 
 
+def _k_blocks(g, kind: str, rows: int, supers: int) -> np.ndarray:
+    """Random K-quant super-blocks with small finite float16 scales ([rows, supers * block bytes] uint8)."""
+    size = {"Q4_K": 144, "Q6_K": 210}[kind]
+    raw = g.integers(0, 256, size=(rows, supers, size), dtype=np.uint8)
+    at, n = {"Q4_K": (0, 2), "Q6_K": (208, 1)}[kind]  # where the float16 d (and dmin) sit
+    raw[..., at : at + 2 * n] = (g.standard_normal((rows, supers, n)) * 0.01).astype(np.float16).view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
+def test_fused_layer_with_a_wider_part_is_int8(tmp_path: Path):
+    """Q4_K_M keeps v at Q6_K in half the layers: asked for int4, a fused q/k/v with such a part is served as int8
+    (every part re-rounded onto an 8-bit grid, within half its step of the file's values) instead of forcing the
+    6-bit v (and the re-fitted q / k) onto int4's grid (on the 1.7B shape's file that moved the logits 10x more);
+    q / k / v all Q4_K stay exact int4."""
+    from tokenspout.kernels.cpu import WT_Q4, WT_Q8
+
+    g = np.random.default_rng(5)
+    path = tmp_path / "mixed.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_head_count(2)
+    w.add_head_count_kv(2)
+    raws = {"q": _k_blocks(g, "Q4_K", 8, 1), "k": _k_blocks(g, "Q4_K", 8, 1), "v": _k_blocks(g, "Q6_K", 8, 1),
+            "v4": _k_blocks(g, "Q4_K", 8, 1)}
+    for name, raw in raws.items():
+        w.add_tensor(f"blk.0.attn_{name}.weight", raw, raw_dtype=GGMLQuantizationType.Q6_K if name == "v"
+                     else GGMLQuantizationType.Q4_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ck = GGUFCheckpoint(path)
+    names = [f"layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
+    mixed = ck.packed(names, "int4")
+    assert mixed is not None and mixed.wt == WT_Q8
+    ref = torch.cat([ck.get(n) for n in names])
+    got = dequantize(mixed)
+    step = ref.abs().view(ref.shape[0], -1, 32).amax(-1, keepdim=True) / 127
+    assert ((got - ref).abs().view(ref.shape[0], -1, 32) <= step / 2 * 1.001 + 1e-9).all()
+    ck.tensors["blk.0.attn_v.weight"] = ck.tensors["blk.0.attn_v4.weight"]  # an all-Q4_K q/k/v
+    assert ck.packed(names, "int4").wt == WT_Q4
+
+
 @pytest.fixture(scope="module")
 def gguf_int4():
     return load_model(ModelConfig(model=str(gguf_path()), quantization="int4"))
