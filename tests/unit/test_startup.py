@@ -49,6 +49,18 @@ def _load(path: Path, method: str, dtype: str = "float32"):
     return load_model(ModelConfig(model=str(path), quantization=method, dtype=dtype))
 
 
+def _assert_same_packed(name: str, pa: PackedWeight, pb: PackedWeight) -> None:
+    assert (pa.n, pa.k, pa.wt) == (pb.n, pb.k, pb.wt), name
+    for f in ("codes", "scale", "min"):
+        ta, tb = getattr(pa, f), getattr(pb, f)
+        assert (ta is None) == (tb is None), (name, f)
+        if ta is not None:
+            assert ta.dtype == tb.dtype and torch.equal(ta, tb), (name, f)
+    assert (pa.tail is None) == (pb.tail is None), name
+    if pa.tail is not None and pb.tail is not None:
+        _assert_same_packed(name + ".tail", pa.tail, pb.tail)
+
+
 def _assert_identical(a, b) -> None:
     sa, sb = a.model.state_dict(), b.model.state_dict()
     assert sa.keys() == sb.keys()
@@ -56,13 +68,7 @@ def _assert_identical(a, b) -> None:
         assert sa[k].dtype == sb[k].dtype and torch.equal(sa[k], sb[k]), k
     assert a.quantized.keys() == b.quantized.keys()
     for name, pa in a.quantized.items():
-        pb: PackedWeight = b.quantized[name]
-        assert (pa.n, pa.k, pa.wt) == (pb.n, pb.k, pb.wt), name
-        for f in ("codes", "scale", "min"):
-            ta, tb = getattr(pa, f), getattr(pb, f)
-            assert (ta is None) == (tb is None), (name, f)
-            if ta is not None:
-                assert ta.dtype == tb.dtype and torch.equal(ta, tb), (name, f)
+        _assert_same_packed(name, pa, b.quantized[name])
     for m in (a.model, b.model):  # the head is untied, like quantize_model leaves it: where the kernels run a
         # QuantLinear holding only its packed weight (no float copy anywhere in the model), else dequantized floats
         if cpu.load() is not None:
@@ -98,6 +104,37 @@ def test_cached_load_is_bit_identical(tiny_model, cache, method, dtype, monkeypa
     ptrs = [t.data_ptr() for t in cached.model.state_dict().values()]
     ptrs += [t.data_ptr() for pw in cached.quantized.values() for t in (pw.codes, pw.scale, pw.min) if t is not None]
     assert all(p % 64 == 0 for p in ptrs)
+
+
+@pytest.mark.skipif(cpu.load() is None, reason="a weight of two formats exists only where the kernels run")
+def test_weight_of_two_formats_round_trips_the_cache(tiny_model, cache, monkeypatch):
+    """A fused weight of two formats (int4 rows, then an int8 tail: a GGUF file's Q4_K q / k and Q6_K v) is cached
+    and mapped back as it was, and computes the same as its dequantized values."""
+    from tokenspout.models import quant_load
+    from tokenspout.models.quantize import dequantize, quantize_int4, quantize_int8
+
+    build = quant_load.build_quantized
+
+    def two_formats(*args, **kwargs):
+        model, packed = build(*args, **kwargs)
+        for name, pw in packed.items():
+            if name.endswith("qkv_proj"):
+                w = dequantize(pw)
+                head, tail = quantize_int4(w[:64])[0], quantize_int8(w[64:])[0]
+                head.tail, head.n = tail, head.n + tail.n
+                packed[name] = model.get_submodule(name).packed = head
+        return model, packed
+
+    monkeypatch.setattr(quant_load, "build_quantized", two_formats)
+    fresh = _load(tiny_model, "int4")
+    pw = fresh.quantized["layers.0.self_attn.qkv_proj"]
+    assert pw.tail is not None and (pw.n, pw.tail.n) == (128, 64)
+    _no_quantizing(monkeypatch)
+    cached = _load(tiny_model, "int4")
+    _assert_identical(fresh, cached)
+    x = torch.randn(3, 64)
+    qkv = cached.model.get_submodule("layers.0.self_attn.qkv_proj")
+    torch.testing.assert_close(qkv(x), x @ dequantize(pw).T, rtol=1e-3, atol=1e-3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8])

@@ -43,7 +43,12 @@ i64, f32, vp = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
 class Weight(ctypes.Structure):
-    _fields_ = [("w", vp), ("scale", vp), ("min", vp), ("wt", i64)]
+    pass
+
+
+# tail: a second Weight for rows [n_head, N) in another quantized format (csrc ts_weight); NULL for one format
+Weight._fields_ = [("w", vp), ("scale", vp), ("min", vp), ("wt", i64), ("tail", ctypes.POINTER(Weight)),
+                   ("n_head", i64)]
 
 
 class Layer(ctypes.Structure):
@@ -164,7 +169,11 @@ def weight(w) -> tuple[Weight, int]:
     if isinstance(w, torch.Tensor):
         assert w.dtype in FLOAT_WEIGHT_TYPES and w.is_contiguous() and w.dim() == 2
         return Weight(w.data_ptr(), None, None, FLOAT_WEIGHT_TYPES[w.dtype]), w.shape[0]
-    return Weight(w.codes.data_ptr(), w.scale.data_ptr(), _ptr(w.min), w.wt), w.n
+    desc = Weight(w.codes.data_ptr(), w.scale.data_ptr(), _ptr(w.min), w.wt)
+    if w.tail is not None:
+        tail, _ = weight(w.tail)
+        desc.tail, desc.n_head = ctypes.pointer(tail), w.n - w.tail.n  # (the pointer object keeps `tail` alive)
+    return desc, w.n
 
 
 def linear(lib, x: torch.Tensor, w, bias: torch.Tensor | None = None, out: torch.Tensor | None = None,

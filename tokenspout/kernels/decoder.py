@@ -62,10 +62,14 @@ class CpuDecoder:
 
         def weight(name: str, module, quant: bool) -> cpu.Weight:
             w = q[name] if quant and name in q else module.weight.data
-            for t in (w,) if isinstance(w, torch.Tensor) else (w.codes, w.scale, w.min):
-                if t is not None:
-                    self._keep.append(t)
-            return cpu.weight(w)[0]
+            parts = [w] if isinstance(w, torch.Tensor) else [w] + ([w.tail] if w.tail is not None else [])
+            for p in parts:
+                for t in (p,) if isinstance(p, torch.Tensor) else (p.codes, p.scale, p.min):
+                    if t is not None:
+                        self._keep.append(t)
+            desc = cpu.weight(w)[0]
+            self._keep.append(desc)  # (its tail descriptor, which the layer's copy points to, lives as long)
+            return desc
 
         n = num_layers or a.num_layers
         slots = kv_caches[0].shape[1]

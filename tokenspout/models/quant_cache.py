@@ -92,10 +92,15 @@ def load(file: Path, key: dict, model: LlamaForCausalLM, dtype: torch.dtype, lib
             state = {k[len(_MODEL):]: f.get_tensor(k) for k in f.keys()  # noqa: SIM118
                      if k.startswith(_MODEL)}
             packed: dict[str, PackedWeight] = {}
-            for name, (n, k, wt) in json.loads(meta["packed"]).items():
-                p = _PACKED + name
+            def part(p: str, n: int, k: int, wt: int) -> PackedWeight:
                 lo = f.get_tensor(p + ".min") if wt == WT_Q4 else None
-                packed[name] = PackedWeight(f.get_tensor(p + ".codes"), f.get_tensor(p + ".scale"), lo, n, k, wt)
+                return PackedWeight(f.get_tensor(p + ".codes"), f.get_tensor(p + ".scale"), lo, n, k, wt)
+
+            for name, (n, k, wt, *tail) in json.loads(meta["packed"]).items():
+                p = _PACKED + name
+                packed[name] = part(p, n, k, wt)
+                if tail:  # [tail rows, tail wt]
+                    packed[name].tail = part(p + ".tail", tail[0], k, tail[1])
         shapes = linear_shapes(model)
         expected = model.state_dict()
         if lib is not None:  # the linear layers will be QuantLinear modules: no float weight of theirs in the file
@@ -110,10 +115,15 @@ def load(file: Path, key: dict, model: LlamaForCausalLM, dtype: torch.dtype, lib
         if packed.keys() != shapes.keys():
             raise ValueError("packed weights do not cover the model's linear layers")
         for name, pw in packed.items():
-            want = _packed_numels(pw.n, pw.k, pw.wt)
-            got = (pw.codes.numel(), pw.scale.numel(), 0 if pw.min is None else pw.min.numel())
-            if pw.wt not in (WT_Q8, WT_Q4, WT_BF16, WT_F16) or got != want or (pw.n, pw.k) != shapes[name]:
+            if (pw.n, pw.k) != shapes[name]:
                 raise ValueError(f"packed weight {name} has the wrong size")
+            parts = [(pw, pw.n)] if pw.tail is None else [(pw, pw.n - pw.tail.n), (pw.tail, pw.tail.n)]
+            for p, rows in parts:
+                want = _packed_numels(rows, p.k, p.wt)
+                got = (p.codes.numel(), p.scale.numel(), 0 if p.min is None else p.min.numel())
+                if p.wt not in (WT_Q8, WT_Q4, WT_BF16, WT_F16) or got != want or rows <= 0 or (
+                        pw.tail is not None and (p.wt not in (WT_Q8, WT_Q4) or (p is pw and rows % 4))):
+                    raise ValueError(f"packed weight {name} has the wrong size")
     except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
         if discard:
             logger.warning("quantized-weights cache %s is unusable (%s): rebuilding it", file, e)
@@ -132,11 +142,16 @@ def save(file: Path, key: dict, model: LlamaForCausalLM, packed: dict[str, Packe
     method and dtype."""
     tensors = {_MODEL + k: v.contiguous() for k, v in model.state_dict().items()}
     for name, pw in packed.items():
-        tensors[f"{_PACKED}{name}.codes"] = pw.codes
-        tensors[f"{_PACKED}{name}.scale"] = pw.scale
-        if pw.min is not None:
-            tensors[f"{_PACKED}{name}.min"] = pw.min
-    meta = {"key": json.dumps(key), "packed": json.dumps({n: [pw.n, pw.k, pw.wt] for n, pw in packed.items()})}
+        for p, part in ((name, pw), (name + ".tail", pw.tail)):
+            if part is None:
+                continue
+            tensors[f"{_PACKED}{p}.codes"] = part.codes
+            tensors[f"{_PACKED}{p}.scale"] = part.scale
+            if part.min is not None:
+                tensors[f"{_PACKED}{p}.min"] = part.min
+    # [n, k, wt] (+ [tail rows, tail wt] for a weight of two formats)
+    meta = {"key": json.dumps(key), "packed": json.dumps({
+        n: [pw.n, pw.k, pw.wt] + ([pw.tail.n, pw.tail.wt] if pw.tail is not None else []) for n, pw in packed.items()})}
     tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")  # unique: writers hold the lock
     try:
         write_aligned(tmp, tensors, meta)

@@ -21,6 +21,7 @@ reason.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -48,9 +49,12 @@ class PackedWeight:
     codes: torch.Tensor
     scale: torch.Tensor
     min: torch.Tensor | None
-    n: int
+    n: int  # every row, the tail's included
     k: int
     wt: int
+    # a fused weight of two quantized formats: codes / scale / min hold rows [0, n - tail.n) (a multiple of 4),
+    # `tail` the last tail.n rows (a GGUF file's Q4_K q / k as int4, its Q6_K v as int8)
+    tail: PackedWeight | None = None
 
 
 def _blocks(t: torch.Tensor) -> torch.Tensor:
@@ -168,6 +172,8 @@ def quantize_rows(parts: Sequence[RowSource], fn, dtype: torch.dtype = torch.flo
 
 def dequantize(pw: PackedWeight) -> torch.Tensor:
     """The float32 [N, K] values a PackedWeight encodes (the inverse of the packing)."""
+    if pw.tail is not None:
+        return torch.cat([dequantize(dataclasses.replace(pw, n=pw.n - pw.tail.n, tail=None)), dequantize(pw.tail)])
     if pw.wt in (WT_BF16, WT_F16):
         return pw.codes.float()
     n4, groups = -(-pw.n // 4) * 4, pw.k // GROUP

@@ -42,11 +42,16 @@
 #define WT_F16 4
 #define IS_FLOAT(wt) ((wt) == WT_F32 || (wt) == WT_BF16 || (wt) == WT_F16)
 
-typedef struct {
+typedef struct ts_weight {
     const void *w;         /* float32 [N, K] or packed codes */
     const uint16_t *scale; /* quantized only, float16 */
     const uint16_t *min;   /* Q4 only, float16 */
     int64_t wt;
+    /* A fused weight of two quantized formats (a GGUF file's Q4_K q / k with a Q6_K v): this one holds rows
+     * [0, n_head), `tail` the rest (NULL: one format for all rows).  Both quantized: they share the int16
+     * activations. */
+    const struct ts_weight *tail;
+    int64_t n_head;
 } ts_weight;
 
 /* ---- the barrier between the steps of a layer ------------------------------------------------------------------
@@ -890,6 +895,14 @@ static void linear_body(const float *x, int64_t ldx, int64_t M, const ts_weight 
 #ifdef SKIP_LINEAR /* benchmarks: the fixed cost of a step without its weight streaming */
     if (W->wt != WT_F32) { bar_wait(bar); return; }
 #endif
+    if (W->tail) { /* rows [0, n_head) in this weight's format, the rest in the tail's (each call ends on the barrier) */
+        ts_weight head = *W;
+        head.tail = NULL;
+        linear_body(x, ldx, M, &head, bias, W->n_head, K, y, ldy, accumulate, a, bar);
+        linear_body(x, ldx, M, W->tail, bias ? bias + W->n_head : NULL, N - W->n_head, K, y + W->n_head, ldy,
+                    accumulate, a, bar);
+        return;
+    }
     if (IS_FLOAT(W->wt)) {
         if (a->mp) float_tiled(W, bias, M, N, K, a, y, ldy, accumulate);
         else if (W->wt == WT_BF16) rows_f(W->w, WT_BF16, bias, M, N, K, x, ldx, y, ldy, accumulate);
