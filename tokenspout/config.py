@@ -91,6 +91,10 @@ class SchedulerConfig:
 SPECULATIVE_METHODS = ("ngram", "draft")
 
 
+# The defaults of the engine's cache and scheduler, read by the LLM API's and the CLI's own defaults (one source)
+CACHE_DEFAULTS, SCHEDULER_DEFAULTS = CacheConfig(), SchedulerConfig()
+
+
 @dataclass(slots=True)
 class SpeculativeConfig:
     method: str | None = None  # None (off) | "ngram" | "draft"

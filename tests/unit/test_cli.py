@@ -59,3 +59,21 @@ def test_kv_cache_dtype_flag():
 def test_async_scheduling_flag():
     assert kwargs()["async_scheduling"] is False
     assert kwargs("--async-scheduling")["async_scheduling"] is True
+
+
+def test_cache_and_scheduler_defaults_are_the_engine_configs():
+    """The CLI and the LLM API take their cache / scheduler defaults from CacheConfig / SchedulerConfig (one source:
+    the block size once had to be changed in three places)."""
+    import inspect
+
+    from tokenspout.config import CacheConfig, SchedulerConfig
+    from tokenspout.engine.llm import build_engine_config
+
+    cache, sched = CacheConfig(), SchedulerConfig()
+    want = {"block_size": cache.block_size, "kv_cache_memory": cache.kv_cache_memory_gib,
+            "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens}
+    got = kwargs()
+    params = inspect.signature(build_engine_config).parameters
+    for name, value in want.items():
+        assert got[name] == value and params[name].default == value, name
+    assert params["kv_cache_dtype"].default == cache.kv_cache_dtype

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Self, cast
 
 from tokenspout.config import (
+    CACHE_DEFAULTS,
+    SCHEDULER_DEFAULTS,
     CacheConfig,
     EngineConfig,
     ModelConfig,
@@ -46,8 +48,12 @@ Prompt = str | list[int]
 
 def build_engine_config(model: str | None = None, *, dtype: str = "float32", quantization: str | None = None,
                         max_model_len: int | None = None,
-                        kv_cache_memory: float = 1.0, kv_cache_dtype: str = "auto", block_size: int = 8,
-                        max_num_seqs: int = 64, max_num_batched_tokens: int = 512, num_kv_blocks: int | None = None,
+                        kv_cache_memory: float = CACHE_DEFAULTS.kv_cache_memory_gib,
+                        kv_cache_dtype: str = CACHE_DEFAULTS.kv_cache_dtype,
+                        block_size: int = CACHE_DEFAULTS.block_size,
+                        max_num_seqs: int = SCHEDULER_DEFAULTS.max_num_seqs,
+                        max_num_batched_tokens: int = SCHEDULER_DEFAULTS.max_num_batched_tokens,
+                        num_kv_blocks: int | None = None,
                         served_model_name: str | None = None, num_threads: int | None = None,
                         speculative: str | None = None, num_speculative_tokens: int = 4, ngram_min: int = 2,
                         ngram_max: int = 4, enable_prefix_caching: bool = True, draft_model: str | None = None,

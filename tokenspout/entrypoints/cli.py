@@ -8,6 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
+from tokenspout.config import CACHE_DEFAULTS, SCHEDULER_DEFAULTS
 from tokenspout.entrypoints.cli_args import (
     SuggestingArgumentParser,
     add_chat_template_arg,
@@ -34,15 +35,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "GGUF weights are exactly Q4_1 / Q8_0, so it is lossless there), the checkpoint's own 16-bit "
                         "type for a bf16 / fp16 folder (lossless), none (float32) for a float32 folder")
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--kv-cache-memory", type=float, default=1.0, help="GiB for the paged KV cache")
+    p.add_argument("--kv-cache-memory", type=float, default=CACHE_DEFAULTS.kv_cache_memory_gib,
+                   help="GiB for the paged KV cache")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float16", "model"],
                    help="auto: float16 for a float32 model (llama.cpp's default cache type: half the bytes, twice the "
                         "tokens per budget, and decode attention at large batches is bound by reading them: +25%% "
                         "tok/s at 64 clients), the model's own dtype for a bfloat16 one; model: the model's dtype "
                         "(a float32 cache, exact like transformers); float16: always float16")
-    p.add_argument("--block-size", type=int, default=8)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--block-size", type=int, default=CACHE_DEFAULTS.block_size,
+                   help="tokens per KV block, the prefix cache's unit")
+    p.add_argument("--max-num-seqs", type=int, default=SCHEDULER_DEFAULTS.max_num_seqs)
+    p.add_argument("--max-num-batched-tokens", type=int, default=SCHEDULER_DEFAULTS.max_num_batched_tokens)
     p.add_argument("--num-threads", type=int, default=None,
                    help="torch threads per engine process (default: the cores, divided among the engines)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
