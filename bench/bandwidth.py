@@ -40,8 +40,7 @@ def read_bandwidth(gib: float = 1.0, reps: int = 9) -> float:
 
 
 def weight_bytes(quantized: dict) -> int:
-    parts = [q for p in quantized.values() for q in (p, p.tail) if q is not None]  # (a weight of two formats)
-    return sum(t.numel() * t.element_size() for p in parts for t in (p.codes, p.scale, p.min) if t is not None)
+    return sum(t.numel() * t.element_size() for p in quantized.values() for t in p.tensors())
 
 
 def decode_step_s(lib, loaded, steps: int, context: int = 100, block_size: int = 16) -> float:

@@ -38,6 +38,7 @@ from tokenspout.engine.output_processor import OutputProcessor
 from tokenspout.engine.processor import Processor, read_generation_config
 from tokenspout.engine.tokenizer import load_tokenizer
 from tokenspout.models.default_model import resolve_model_path  # not loader: the frontend never imports torch
+from tokenspout.models.gguf_file import default_quantization, is_gguf
 from tokenspout.outputs import RequestOutput
 from tokenspout.reasoning import reasoning_parser_class
 from tokenspout.reasoning.budget import apply_budget
@@ -68,9 +69,7 @@ def build_engine_config(model: str | None = None, *, dtype: str = "float32", qua
     path, name = resolve_model_path(model)  # converts the default model here, once, before any engine starts
     if quantization == "none":
         quantization = None
-    elif quantization is None and model is not None and Path(model).suffix.lower() == ".gguf":
-        from tokenspout.models.gguf_file import default_quantization
-
+    elif quantization is None and model is not None and is_gguf(Path(model)):
         quantization = default_quantization(Path(model).expanduser())
     if tokenizer is not None:
         tok_path = Path(tokenizer).expanduser()

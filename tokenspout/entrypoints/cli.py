@@ -80,9 +80,9 @@ def resolve_quantization(flag: str, model: str | None) -> str | None:
     its layers (4-bit types -> int4, other quantized types -> int8, float -> none); for a model folder its weights'
     own type (bf16 / fp16 folders keep 16-bit weights, float32 ones float32): lossless either way."""
     if flag == "auto":
-        if model is not None and Path(model).suffix.lower() == ".gguf":
-            from tokenspout.models.gguf_file import default_quantization
+        from tokenspout.models.gguf_file import default_quantization, is_gguf
 
+        if model is not None and is_gguf(Path(model)):
             return default_quantization(Path(model).expanduser())
         if model is None:
             return "int4"

@@ -62,11 +62,7 @@ class CpuDecoder:
 
         def weight(name: str, module, quant: bool) -> cpu.Weight:
             w = q[name] if quant and name in q else module.weight.data
-            parts = [w] if isinstance(w, torch.Tensor) else [w] + ([w.tail] if w.tail is not None else [])
-            for p in parts:
-                for t in (p,) if isinstance(p, torch.Tensor) else (p.codes, p.scale, p.min):
-                    if t is not None:
-                        self._keep.append(t)
+            self._keep.extend([w] if isinstance(w, torch.Tensor) else w.tensors())
             desc = cpu.weight(w)[0]
             self._keep.append(desc)  # (its tail descriptor, which the layer's copy points to, lives as long)
             return desc

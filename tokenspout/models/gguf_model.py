@@ -139,9 +139,9 @@ class GGUFCheckpoint:
         kinds = [self.type_name(n) for n in names]
         formats = {_EXACT.get(k) for k in kinds}
         if len(formats) != 1 or None in formats:  # not every part converts directly, or not to one format
-            if method != "int4" or not any(k in _WIDER or _EXACT.get(k) == "int8" for k in kinds):
-                return None
             wide = [k in _WIDER or _EXACT.get(k) == "int8" for k in kinds]
+            if method != "int4" or not any(wide):
+                return None
             split = wide.index(True)
             if split and all(wide[split:]) and sum(self.shape(n)[0] for n in names[:split]) % 4 == 0:
                 head = self.packed(names[:split], "int4")  # exact int4 parts first, the wider ones after

@@ -56,6 +56,11 @@ class PackedWeight:
     # `tail` the last tail.n rows (a GGUF file's Q4_K q / k as int4, its Q6_K v as int8)
     tail: PackedWeight | None = None
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor the weight holds (its tail's included): what must stay alive while the kernels read it."""
+        own = [t for t in (self.codes, self.scale, self.min) if t is not None]
+        return own + (self.tail.tensors() if self.tail is not None else [])
+
 
 def _blocks(t: torch.Tensor) -> torch.Tensor:
     """[N, G, ...] -> [ceil(N/4), G, 4, ...] contiguous, zero-padded rows."""
