@@ -268,6 +268,28 @@ def test_header_reads_what_the_gguf_package_reads():
         assert field(mine, k) == pytest.approx(want) if isinstance(want, float) else field(mine, k) == want, k
 
 
+def test_transformers_reads_the_same_fields_through_the_fast_reader():
+    """The sidecar's tokenizer and config come from transformers' GGUF conversion, fed by gguf_file's fast reader in
+    place of the gguf package's: every metadata field (the vocabulary, merges and token types included) parses to
+    the same value through transformers' own reading, and the tensors are the same."""
+    from gguf import GGUFReader
+    from transformers.integrations.ggml import _gguf_parse_value
+
+    from tokenspout.models.gguf_file import _TransformersReader
+
+    fast, ref = _TransformersReader(str(gguf_path())), GGUFReader(str(gguf_path()))
+    ref_fields = {k: f for k, f in ref.fields.items() if not k.startswith("GGUF.")}  # (the reader's own entries)
+    assert fast.fields.keys() == ref_fields.keys()
+    assert "tokenizer.ggml.tokens" in fast.fields and "tokenizer.ggml.merges" in fast.fields
+    for k, f in ref_fields.items():
+        g = fast.fields[k]
+        assert [int(t) for t in g.types] == [int(t) for t in f.types], k
+        got = [_gguf_parse_value(g.parts[i], g.types) for i in g.data]
+        want = [_gguf_parse_value(f.parts[i], f.types) for i in f.data]
+        assert got == want, k
+    assert [t.name for t in fast.tensors] == [t.name for t in ref.tensors]
+
+
 def _tiny_gguf(path: Path) -> bytes:
     w = GGUFWriter(str(path), "llama")
     w.add_block_count(1)
@@ -294,7 +316,8 @@ def test_hostile_headers_are_clear_errors(tmp_path: Path):
     tensor_at = good.index(b"token_embd.weight") + len(b"token_embd.weight")  # then dims count, 2 dims, type, offset
     cases = [  # (what the error says, the file)
         ("version 7", good[:4] + struct.pack("<I", 7) + good[8:]),
-        ("string array runs past", good[:at] + struct.pack("<Q", 1 << 40) + good[at + 8:]),
+        ("declares an array of 1099511627776 items", good[:at] + struct.pack("<Q", 1 << 40) + good[at + 8:]),
+        ("string array runs past", good[:at] + struct.pack("<Q", 1 << 20) + good[at + 8:]),
         ("string array runs past", good[:at + 8] + struct.pack("<Q", 1 << 40) + good[at + 16:]),
         ("empty file", b""),
         ("header runs past", good[:24]),

@@ -9,6 +9,7 @@ import fcntl
 import hashlib
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenspout.models.cache_dir import cache_dir, folder_written_whole
@@ -31,15 +32,16 @@ def gguf_source(folder: Path) -> Path | None:
     return Path(json.loads(marker.read_text())["gguf"]) if marker.is_file() else None
 
 
-def open_reader(gguf: Path):
-    """The header of `gguf` (models/gguf_header.py: metadata scalars, tensors as views of the memory-mapped file), or
-    a ValueError naming the file when it is not a GGUF file, truncated or corrupt."""
+def open_reader(gguf: Path, raw: bool = False):
+    """The header of `gguf` (models/gguf_header.py: metadata scalars, tensors as views of the memory-mapped file;
+    raw: every field as transformers reads it too), or a ValueError naming the file when it is not a GGUF file,
+    truncated or corrupt."""
     from tokenspout.models.gguf_header import GGUFHeader
 
     if not gguf.is_file():
         raise FileNotFoundError(f"GGUF file {gguf} does not exist")
     try:
-        return GGUFHeader(gguf)
+        return GGUFHeader(gguf, raw=raw)
     except Exception as e:  # noqa: BLE001 - ValueError from the checks, numpy's on a map of an empty file, ...
         raise ValueError(f"cannot read GGUF file {gguf}: {type(e).__name__}: {e} (not a GGUF file, or truncated "
                          "or corrupt?)") from None
@@ -76,13 +78,42 @@ def sidecar_folder(gguf: Path) -> Path:
     return target
 
 
+@dataclass(frozen=True)
+class _Field:
+    """One metadata value as the gguf package's ReaderField presents it to transformers (`parts[i]` for i in `data`:
+    one part per item, `types`: the value type, then an array's item type)."""
+
+    name: str
+    types: list[int]
+    parts: list
+    data: list[int]
+
+
+class _TransformersReader:
+    """What transformers' GGUF conversion (load_gguf_checkpoint: the config and tokenizer of a GGUF file) reads of
+    the gguf package's GGUFReader, built from tokenspout's own header parser: every metadata field with its parts,
+    and the tensors (it reads their names).  GGUFReader builds a numpy view per part of every field: ~9 s per open
+    of the 1.7B shape's Q4_K_M file (a 49k-token vocabulary and its merges), and a sidecar opened it twice (the
+    tokenizer, the config): first start 40 s -> ~22 s there.  tests/unit/test_gguf.py checks that transformers reads
+    the same values from both."""
+
+    def __init__(self, path, *args, **kwargs):
+        header = open_reader(Path(path), raw=True)
+        self.fields = {k: _Field(k, types, parts, list(range(len(parts))))
+                       for k, (types, parts) in header.raw_fields.items()}
+        self.tensors = header.tensors
+
+
 def _write_sidecar(gguf: Path, target: Path) -> None:
+    from unittest import mock
+
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     reader = open_reader(gguf)
     arch = architecture(reader)
     logger.info("reading the tokenizer and config of %s (once)", gguf.name)
-    with folder_written_whole(target) as tmp:
+    # transformers imports GGUFReader from the gguf package at each call: the fast reader stands in for it here
+    with folder_written_whole(target) as tmp, mock.patch("gguf.GGUFReader", _TransformersReader):
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         tok.save_pretrained(tmp)
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()

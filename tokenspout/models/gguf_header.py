@@ -8,7 +8,8 @@ the embedding).  Here arrays are skipped (string arrays by walking their lengths
 ~0.1 s.  Tensors come out as the gguf package presents them (`tensor_type` a GGMLQuantizationType, `shape` the
 GGUF dims innermost first, `data` typed like its reader's: float arrays for F32 / F16 / F64 / the integer types,
 byte rows for the quantized ones), so its `dequantize` takes them unchanged.  The tokenizer arrays, which only the
-one-time sidecar folder needs, are read there by transformers.
+one-time sidecar folder needs, are kept with `raw=True` (models/gguf_file.py hands them to transformers' GGUF
+tokenizer and config conversion in the shape of the gguf package's reader fields).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "
 _STRING, _ARRAY = 8, 9
 # most tensors, metadata entries and dimensions a header may declare (llama.cpp: GGML_MAX_DIMS = 4)
 MAX_COUNT, MAX_DIMS = 1 << 24, 4
+MAX_ARRAY = 1 << 28  # items of one metadata array (a vocabulary holds ~10^5; the file's size bounds them anyway)
 SMALL_ARRAY = 4096
 _PLAIN = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16, "I32": np.int32,
           "I64": np.int64}
@@ -50,7 +52,9 @@ class GGUFHeader:
     Raises ValueError on anything malformed: a bad magic or version, a length that runs past the end of the file,
     an unknown type, a duplicate tensor, tensor data outside the file."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, raw: bool = False):
+        """raw: also keep every metadata value as the gguf package's reader presents it to transformers, in
+        `raw_fields` (key -> (value types, parts: one per item)), arrays of any length and strings included."""
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         self.data = np.memmap(path, mode="r")
@@ -76,29 +80,42 @@ class GGUFHeader:
             off += n
             return s
 
-        def array() -> list | None:
+        def array(key: str) -> list | None:
             """A numeric array of up to SMALL_ARRAY items as a list (e.g. per-layer head counts); any other is
-            skipped (None)."""
+            skipped (None).  raw: every array of numbers or strings goes to raw_fields too."""
             nonlocal off
             kind, count = take("<I"), take("<Q")
-            if kind in _SCALAR and count <= SMALL_ARRAY:
-                return [take("<" + _SCALAR[kind]) for _ in range(count)]
+            if count > MAX_ARRAY:
+                raise ValueError(f"metadata {key!r} declares an array of {count} items")
             if kind == _STRING:
+                items = []
                 for _ in range(count):
                     n = take("<Q")
-                    off += n
-                    if off > size:
+                    if off + n > size:
                         raise ValueError("a string array runs past the end of the file")
-            elif kind in _SCALAR:
-                off += count * struct.calcsize(_SCALAR[kind])
-                if off > size:
+                    if raw:
+                        items.append(bytes(buf[off : off + n]))
+                    off += n
+                if raw:
+                    self.raw_fields[key] = ([_ARRAY, _STRING], items)
+                return None
+            if kind in _SCALAR:
+                n = count * struct.calcsize(_SCALAR[kind])
+                if off + n > size:
                     raise ValueError("an array runs past the end of the file")
-            elif kind == _ARRAY:
+                values = None
+                if raw or count <= SMALL_ARRAY:
+                    values = np.frombuffer(buf, dtype="<" + _SCALAR[kind], count=count, offset=off).tolist()
+                    if raw:
+                        self.raw_fields[key] = ([_ARRAY, kind], [(v,) for v in values])
+                off += n
+                return values if count <= SMALL_ARRAY else None
+            if kind == _ARRAY:  # (arrays of arrays: no Llama-family key has one; skipped)
                 for _ in range(count):
-                    array()
-            else:
-                raise ValueError(f"unknown metadata array type {kind}")
-            return None
+                    array(key)
+                self.raw_fields.pop(key, None)
+                return None
+            raise ValueError(f"unknown metadata array type {kind}")
 
         if bytes(buf[:4]) != MAGIC:
             raise ValueError("GGUF magic invalid")
@@ -110,15 +127,20 @@ class GGUFHeader:
         if n_tensors > MAX_COUNT or n_kv > MAX_COUNT:
             raise ValueError(f"the header declares {n_tensors} tensors and {n_kv} metadata entries")
         self.fields: dict[str, Any] = {}
+        self.raw_fields: dict[str, tuple[list[int], list]] = {}
         for _ in range(n_kv):
             key, kind = string(), take("<I")
             if kind == _STRING:
                 self.fields[key] = string()
+                if raw:
+                    self.raw_fields[key] = ([_STRING], [self.fields[key].encode()])
             elif kind == _ARRAY:
-                if (items := array()) is not None:
+                if (items := array(key)) is not None:
                     self.fields[key] = items
             elif kind in _SCALAR:
                 self.fields[key] = take("<" + _SCALAR[kind])
+                if raw:
+                    self.raw_fields[key] = ([kind], [(self.fields[key],)])
             else:
                 raise ValueError(f"metadata {key!r} has unknown type {kind}")
         infos = []
