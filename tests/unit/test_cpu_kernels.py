@@ -185,3 +185,30 @@ def test_quantize_rows_in_chunks_equals_the_whole_matrix(fn):
             a, b = getattr(got, f), getattr(whole, f)
             assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f
     assert torch.equal(dequantize(whole), deq)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_c_quantizer_equals_the_torch_quantizer(lib, fmt):
+    """kernels/csrc/quant_cpu.c (what a first start quantizes with where the kernels run) against models/quantize.py's
+    torch quantizers: the same packed codes, scales and minimums bit for bit, over groups of every kind: random at
+    different magnitudes, all zero, constant, tiny (a scale that rounds to zero in float16), one huge outlier,
+    values just below and above rounding ties, and through quantize_rows' chunks."""
+    from tokenspout.models.quantize import QUANTIZERS, quantize_rows, quantizer
+
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(70, 608, generator=g) * torch.logspace(-3, 2, 70)[:, None]
+    w[0, :32] = 0.0
+    w[1, 32:64] = 3.0
+    w[2, :32] = 1e-9
+    w[3, 5] = 1e6
+    w[4, :32] = torch.arange(32) * 0.5 - 8.0  # exact halves: ties in q = w / scale
+    w[5, 64:96] = -torch.arange(32) / 15.0
+    fast, ref = quantizer(fmt, lib), QUANTIZERS[fmt]
+    mine, want = fast(w)[0], ref(w)[0]
+    chunked = quantize_rows([w[:37], w[37:]], fast, chunk=8)
+    for got in (mine, chunked):
+        assert (got.n, got.k, got.wt) == (want.n, want.k, want.wt)
+        for f in ("codes", "scale", "min"):
+            a, b = getattr(got, f), getattr(want, f)
+            assert (a is None) == (b is None), f
+            assert a is None or torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f

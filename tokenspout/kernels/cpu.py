@@ -33,7 +33,7 @@ from tokenspout.platform import cpu_flags
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "decode_cpu.c", CSRC / "sample_cpu.c")
+SOURCES = (CSRC / "decode_cpu.c", CSRC / "sample_cpu.c", CSRC / "quant_cpu.c")
 HEADERS = (CSRC / "simd.h",)
 WT_F32, WT_Q8, WT_Q4, WT_BF16, WT_F16 = 0, 1, 2, 3, 4  # the kernels' weight types (ts_weight.wt in decode_cpu.c)
 # float weights the kernels read as they are (16-bit ones widened to float32 in registers): torch dtype -> C type
@@ -157,6 +157,10 @@ def _load(isa: str) -> ctypes.CDLL | None:
     lib.ts_sample_rows_warped.restype = None
     lib.ts_sample_rows_mirostat.argtypes = [vp, i64, i64, vp, i64, vp, vp, vp, i64, vp, vp, vp, vp]
     lib.ts_sample_rows_mirostat.restype = None
+    lib.ts_quantize_q8.argtypes = [vp, i64, i64, vp, vp]
+    lib.ts_quantize_q8.restype = None
+    lib.ts_quantize_q4.argtypes = [vp, i64, i64, vp, vp, vp]
+    lib.ts_quantize_q4.restype = None
     return lib
 
 
@@ -185,3 +189,26 @@ def linear(lib, x: torch.Tensor, w, bias: torch.Tensor | None = None, out: torch
         out = torch.empty(m, n, dtype=torch.float32)
     lib.ts_linear(x.data_ptr(), k, m, ctypes.byref(desc), _ptr(bias), n, k, out.data_ptr(), n, int(accumulate))
     return out
+
+
+def quantize_q8(lib, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float32 -> (codes [N, K/32, 32] int8, scales [N, K/32] float16): models/quantize.py's quantize_int8
+    values, computed in C (csrc/quant_cpu.c)."""
+    w = w.float().contiguous()
+    n, k = w.shape
+    q = torch.empty(n, k // 32, 32, dtype=torch.int8)
+    scale = torch.empty(n, k // 32, dtype=torch.float16)
+    lib.ts_quantize_q8(w.data_ptr(), n, k, q.data_ptr(), scale.data_ptr())
+    return q, scale
+
+
+def quantize_q4(lib, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] float32 -> (codes [N, K/32, 32] uint8 in 0..15, scales, minimums [N, K/32] float16): quantize_int4's
+    values, computed in C."""
+    w = w.float().contiguous()
+    n, k = w.shape
+    q = torch.empty(n, k // 32, 32, dtype=torch.uint8)
+    scale = torch.empty(n, k // 32, dtype=torch.float16)
+    lo = torch.empty(n, k // 32, dtype=torch.float16)
+    lib.ts_quantize_q4(w.data_ptr(), n, k, q.data_ptr(), scale.data_ptr(), lo.data_ptr())
+    return q, scale, lo

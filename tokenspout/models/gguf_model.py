@@ -128,14 +128,15 @@ class GGUFCheckpoint:
     def type_name(self, name: str) -> str:
         return self._tensor(name).tensor_type.name
 
-    def packed(self, names: list[str], method: str) -> PackedWeight | None:
+    def packed(self, names: list[str], method: str, lib=None) -> PackedWeight | None:
         """The tensors `names` (stacked rows, e.g. q, k, v) in the kernels' formats, following the file: blocks that
         convert directly keep their values whatever `method` asks (Q4_0 / Q4_1 / Q4_K -> int4, Q5_0 / Q8_0 -> int8:
         never re-rounded onto another grid); a tensor the file keeps at 5-8 bits in another type (Q5_1, Q5_K, Q6_K)
         becomes int8 when int4 is asked.  A fused layer of both kinds (a Q4_K_M file's Q4_K q / k with a Q6_K v)
         keeps each part's format when the 4-bit parts come first: one weight of two formats (PackedWeight.tail);
         otherwise it is int8 as a whole (forcing the 6-bit v onto int4 moved the 1.7B shape's logits 10x more
-        than int8 does); None: quantize the dequantized values as `method` asks."""
+        than int8 does); None: quantize the dequantized values as `method` asks.  lib: the C kernels, which then
+        quantize what is re-quantized here (quantize.quantizer)."""
         kinds = [self.type_name(n) for n in names]
         formats = {_EXACT.get(k) for k in kinds}
         if len(formats) != 1 or None in formats:  # not every part converts directly, or not to one format
@@ -144,14 +145,14 @@ class GGUFCheckpoint:
                 return None
             split = wide.index(True)
             if split and all(wide[split:]) and sum(self.shape(n)[0] for n in names[:split]) % 4 == 0:
-                head = self.packed(names[:split], "int4")  # exact int4 parts first, the wider ones after
-                tail = self.packed(names[split:], "int4")  # int8: exact, or re-rounded from 5-8 bits
+                head = self.packed(names[:split], "int4", lib)  # exact int4 parts first, the wider ones after
+                tail = self.packed(names[split:], "int4", lib)  # int8: exact, or re-rounded from 5-8 bits
                 if head is not None and head.wt == WT_Q4 and tail is not None:
                     head.tail, head.n = tail, head.n + tail.n
                     return head
-            from tokenspout.models.quantize import quantize_int8, quantize_rows
+            from tokenspout.models.quantize import quantize_rows, quantizer
 
-            return quantize_rows([self.rows(n) for n in names], quantize_int8)
+            return quantize_rows([self.rows(n) for n in names], quantizer("int8", lib))
         fmt = formats.pop()
         qs, scales, mins = [], [], []
         for n, kind in zip(names, kinds):

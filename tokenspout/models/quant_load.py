@@ -19,7 +19,7 @@ import torch
 from tokenspout.models.llama import LlamaForCausalLM
 from tokenspout.models.checkpoint import copy_rows, open_checkpoint, weight_plan
 from tokenspout.models.quant_linear import linear_shapes, replace_linears
-from tokenspout.models.quantize import QUANTIZERS, PackedWeight, check_quantizable, linear_format, quantize_rows
+from tokenspout.models.quantize import PackedWeight, check_quantizable, linear_format, quantize_rows, quantizer
 
 
 def build_quantized(meta: LlamaForCausalLM, path: Path, method: str, dtype: torch.dtype, lib,
@@ -41,10 +41,10 @@ def build_quantized(meta: LlamaForCausalLM, path: Path, method: str, dtype: torc
             shown = " + ".join(str(s) for s in shapes_in)
             raise ValueError(f"tensor {name}.weight has shape {shown}, expected {(n, k)}")
         fmt = linear_format(name, method)
-        pw = exact(keys, fmt) if exact is not None else None
+        pw = exact(keys, fmt, lib) if exact is not None else None
         if pw is None:
             rows = getattr(reader, "rows", reader.get)  # (a GGUF's: dequantized a chunk at a time)
-            pw = quantize_rows([rows(key) for key in keys], QUANTIZERS[fmt], dtype)
+            pw = quantize_rows([rows(key) for key in keys], quantizer(fmt, lib), dtype)
         packed[name] = pw
     replace_linears(meta, packed, lib)
     model = meta.to_empty(device="cpu")

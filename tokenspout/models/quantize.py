@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from tokenspout.kernels.cpu import WT_BF16, WT_F16, WT_Q4, WT_Q8
+from tokenspout.kernels.cpu import WT_BF16, WT_F16, WT_Q4, WT_Q8, quantize_q4, quantize_q8
 from tokenspout.models.llama import LlamaForCausalLM
 
 QUANTIZATIONS = ("int8", "int4", "bf16", "fp16")
@@ -126,6 +126,21 @@ def _half(fmt: str):
 QUANTIZERS = {"int4": quantize_int4, "int8": quantize_int8, "bf16": _half("bf16"), "fp16": _half("fp16")}
 
 
+def quantizer(fmt: str, lib=None):
+    """QUANTIZERS[fmt], computed by the C kernels where `lib` is given (kernels/csrc/quant_cpu.c: the same codes,
+    scales and minimums bit for bit, ~40x faster: a 1024 x 8192 chunk in ~3 ms instead of ~0.1-0.15 s); the C
+    version returns no dequantized copy (None), which only the torch path's quantize_model uses."""
+    if lib is None or fmt not in ("int8", "int4"):
+        return QUANTIZERS[fmt]
+
+    def fast(w: torch.Tensor) -> tuple[PackedWeight, None]:
+        if fmt == "int8":
+            return pack_int8(*quantize_q8(lib, w)), None
+        return pack_int4(*quantize_q4(lib, w)), None
+
+    return fast
+
+
 def linear_format(name: str, method: str) -> str:
     """The kernels' format of linear layer `name` under `--quantization method`: int4 keeps the LM head int8; the
     16-bit float formats hold every layer, the LM head too."""
@@ -151,7 +166,7 @@ class RowSource(Protocol):
 
 
 def quantize_rows(parts: Sequence[RowSource], fn, dtype: torch.dtype = torch.float32, chunk: int = 1024) -> PackedWeight:
-    """`fn` (quantize_int4 / quantize_int8) over the row-wise concatenation of `parts`, `chunk` rows (a multiple of
+    """`fn` (quantize_int4 / quantize_int8, or quantizer()'s) over the row-wise concatenation of `parts`, `chunk` rows (a multiple of
     4: whole blocks) at a time, so the float temporaries are a chunk's, not the matrix's (and where a part makes its
     rows on demand, a GGUF tensor's, not even the part's).  Rows are rounded to
     `dtype` first, as the model's own weights would be; the result equals `fn` of the whole matrix."""
