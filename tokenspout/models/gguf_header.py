@@ -28,7 +28,7 @@ _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "
 _STRING, _ARRAY = 8, 9
 # most tensors, metadata entries and dimensions a header may declare (llama.cpp: GGML_MAX_DIMS = 4)
 MAX_COUNT, MAX_DIMS = 1 << 24, 4
-MAX_ARRAY = 1 << 28  # items of one metadata array (a vocabulary holds ~10^5; the file's size bounds them anyway)
+MAX_ARRAY = 1 << 24  # items of one metadata array (vocabularies and merges hold ~10^5: a hostile count stops here)
 SMALL_ARRAY = 4096
 _PLAIN = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16, "I32": np.int32,
           "I64": np.int64}
