@@ -80,6 +80,16 @@ def _k_blocks(g, kind: str, rows: int, supers: int) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
+def test_q6_k_rows_equal_the_gguf_package():
+    """gguf_model.q6k_rows (the first start's Q6_K dequantization) against the gguf package's, bit for bit, on
+    random super-blocks (every code, scale sign and nibble pattern)."""
+    from tokenspout.models.gguf_model import q6k_rows
+
+    raw = _k_blocks(np.random.default_rng(5), "Q6_K", 9, 3)
+    ref = quants.dequantize(raw, GGMLQuantizationType.Q6_K).reshape(9, -1).astype(np.float32)
+    assert np.array_equal(q6k_rows(raw).numpy(), ref)
+
+
 def test_fused_layer_of_two_formats(tmp_path: Path):
     """Q4_K_M keeps v at Q6_K in half the layers: asked for int4, a fused q/k/v of Q4_K q / k and a Q6_K v keeps q / k
     as exact int4 and serves v as int8 (one weight of two formats, PackedWeight.tail), through the kernels and the

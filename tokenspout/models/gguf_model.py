@@ -184,6 +184,8 @@ class _Rows:
         """float32 [len(idx), K]: the file's rows idx, dequantized."""
         from gguf.quants import dequantize
 
+        if self.t.tensor_type.name == "Q6_K" and len(idx) >= 64:  # (a few rows: numpy's fixed cost is lower)
+            return q6k_rows(self.raw[idx])
         out = np.asarray(dequantize(self.raw[idx], self.t.tensor_type), dtype=np.float32)
         return torch.from_numpy(out.reshape(len(idx), self.shape[1]))
 
@@ -232,6 +234,22 @@ def _q4k_blocks(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     mins = (-dmin * mn6.astype(np.float32)).reshape(rows, -1)
     return (torch.from_numpy(q.reshape(rows, -1, 32).astype(np.uint8)), torch.from_numpy(scale).half(),
             torch.from_numpy(mins).half())
+
+
+def q6k_rows(raw: np.ndarray) -> torch.Tensor:
+    """Rows of Q6_K super-blocks (256 weights: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 sub-block
+    scales, a float16 d) -> float32 rows, W = (d * scale) * (q - 32): the gguf package's dequantization step for
+    step (bit-identical, tested) in torch, ~2x faster (a Q4_K_M file's Q6_K head, v and ffn_down tensors are
+    dequantized once at its first start, then quantized to int8)."""
+    rows = raw.shape[0]
+    b = torch.from_numpy(np.ascontiguousarray(raw)).view(-1, 210)
+    n = b.shape[0]
+    d = b[:, 208:210].contiguous().view(torch.float16).float()  # [n, 1]
+    scale = (d * b[:, 192:208].view(torch.int8).float()).view(n, 16, 1)
+    lo = (b[:, :128].reshape(n, 2, 1, 64) >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)) & 15
+    hi = (b[:, 128:192].reshape(n, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)) & 3
+    q = (lo.reshape(n, 8, 32) | (hi.reshape(n, 8, 32) << 4)).view(torch.int8) - 32
+    return (scale * q.view(n, 16, 16).float()).view(rows, -1)
 
 
 def _blocks_of(kind: str, raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
