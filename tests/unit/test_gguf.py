@@ -285,9 +285,9 @@ def test_transformers_reads_the_same_fields_through_the_fast_reader():
     from gguf import GGUFReader
     from transformers.integrations.ggml import _gguf_parse_value
 
-    from tokenspout.models.gguf_file import _TransformersReader
+    from tokenspout.models.gguf_file import _TransformersReader, open_reader
 
-    fast, ref = _TransformersReader(str(gguf_path())), GGUFReader(str(gguf_path()))
+    fast, ref = _TransformersReader(open_reader(gguf_path(), raw=True)), GGUFReader(str(gguf_path()))
     ref_fields = {k: f for k, f in ref.fields.items() if not k.startswith("GGUF.")}  # (the reader's own entries)
     assert fast.fields.keys() == ref_fields.keys()
     assert "tokenizer.ggml.tokens" in fast.fields and "tokenizer.ggml.merges" in fast.fields

@@ -91,14 +91,13 @@ class _Field:
 
 class _TransformersReader:
     """What transformers' GGUF conversion (load_gguf_checkpoint: the config and tokenizer of a GGUF file) reads of
-    the gguf package's GGUFReader, built from tokenspout's own header parser: every metadata field with its parts,
-    and the tensors (it reads their names).  GGUFReader builds a numpy view per part of every field: ~9 s per open
-    of the 1.7B shape's Q4_K_M file (a 49k-token vocabulary and its merges), and a sidecar opened it twice (the
-    tokenizer, the config): first start 40 s -> ~22 s there.  tests/unit/test_gguf.py checks that transformers reads
-    the same values from both."""
+    the gguf package's GGUFReader, built from tokenspout's own header parser (`header`: a GGUFHeader read with
+    raw=True): every metadata field with its parts, and the tensors (it reads their names).  GGUFReader builds a
+    numpy view per part of every field: ~9 s per open of the 1.7B shape's Q4_K_M file (a 49k-token vocabulary and
+    its merges), and a sidecar opened it twice (the tokenizer, the config): writing the sidecar took 19.2 s there,
+    now 6.5 s.  tests/unit/test_gguf.py checks that transformers reads the same values from both."""
 
-    def __init__(self, path, *args, **kwargs):
-        header = open_reader(Path(path), raw=True)
+    def __init__(self, header):
         self.fields = {k: _Field(k, types, parts, list(range(len(parts))))
                        for k, (types, parts) in header.raw_fields.items()}
         self.tensors = header.tensors
@@ -109,11 +108,13 @@ def _write_sidecar(gguf: Path, target: Path) -> None:
 
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
-    reader = open_reader(gguf)
+    reader = open_reader(gguf, raw=True)
     arch = architecture(reader)
     logger.info("reading the tokenizer and config of %s (once)", gguf.name)
-    # transformers imports GGUFReader from the gguf package at each call: the fast reader stands in for it here
-    with folder_written_whole(target) as tmp, mock.patch("gguf.GGUFReader", _TransformersReader):
+    # transformers imports GGUFReader from the gguf package at each call (the tokenizer's, the config's): the header
+    # read above, in the gguf reader's shape, stands in for it
+    fast = _TransformersReader(reader)
+    with folder_written_whole(target) as tmp, mock.patch("gguf.GGUFReader", lambda *args, **kwargs: fast):
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         tok.save_pretrained(tmp)
         config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()

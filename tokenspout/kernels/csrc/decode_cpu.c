@@ -273,6 +273,15 @@ static inline void widen_q8(const uint8_t *c, __m256i *lo, __m256i *hi) {
     *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + 16)));
 }
 
+/* Q4: quarter i (0..3) of a row's 32-byte pair of groups as sixteen int16 codes: 0, 1 = columns 0..15, 16..31 of the
+ * pair's first group, 2, 3 = those of its second (16-bit word j holds columns j, 16+j, 32+j, 48+j in its nibbles,
+ * low to high; see block_q).  i is a literal at every call: one or two instructions. */
+static inline __attribute__((always_inline)) __m256i q4_quarter(__m256i raw, const int i) {
+    const __m256i nib = _mm256_set1_epi16(0x000F);
+    if (i == 3) return _mm256_srli_epi16(raw, 12);
+    return _mm256_and_si256(i ? _mm256_srli_epi16(raw, 4 * i) : raw, nib);
+}
+
 #ifndef PF256
 #define PF256 2048 /* software prefetch distance of the AVX2 row path, bytes of codes ahead */
 #endif
@@ -329,15 +338,14 @@ static inline __attribute__((always_inline)) void block_q(const ts_weight *W, co
     } else {
         const int64_t P = (G + 1) / 2;
         const uint8_t *codes = (const uint8_t *)W->w + b * P * 4 * 32;
-        const __m256i nib = _mm256_set1_epi16(0x000F);
         for (int64_t p = 0; p < P; p++) {
             const uint8_t *c = codes + p * 4 * 32;
             prefetch2(c + PF256);
             __m256i raw[4];
             for (int r = 0; r < 4; r++) {
                 raw[r] = _mm256_loadu_si256((const __m256i *)(c + r * 32));
-                l[r] = _mm256_and_si256(raw[r], nib);
-                h[r] = _mm256_and_si256(_mm256_srli_epi16(raw[r], 4), nib);
+                l[r] = q4_quarter(raw[r], 0);
+                h[r] = q4_quarter(raw[r], 1);
             }
             int64_t g = 2 * p;
             /* the min term only in lanes 0..3: the sum4 result holds each row twice */
@@ -345,8 +353,8 @@ static inline __attribute__((always_inline)) void block_q(const ts_weight *W, co
             group_rows(acc, a, g, G, K, m0, mt, scales4(sc + g * 4), wm, wt, l, h);
             if (++g == G) break;
             for (int r = 0; r < 4; r++) {
-                l[r] = _mm256_and_si256(_mm256_srli_epi16(raw[r], 8), nib);
-                h[r] = _mm256_srli_epi16(raw[r], 12);
+                l[r] = q4_quarter(raw[r], 2);
+                h[r] = q4_quarter(raw[r], 3);
             }
             wm = _mm256_blend_ps(scales4(mn + g * 4), _mm256_setzero_ps(), 0xF0);
             group_rows(acc, a, g, G, K, m0, mt, scales4(sc + g * 4), wm, wt, l, h);
@@ -401,7 +409,6 @@ static inline __attribute__((always_inline)) void block_q1(const ts_weight *W, c
     const int16_t *xq = a->q + m * K;
     const float *dx = a->d + m * G, *sx = a->s + m * G;
     const uint8_t *codes = (const uint8_t *)W->w + b * block_bytes(wt, K);
-    const __m256i nib = _mm256_set1_epi16(0x000F);
     __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
     __m256i A[4], B[4];
     int64_t g = 0;
@@ -425,8 +432,8 @@ static inline __attribute__((always_inline)) void block_q1(const ts_weight *W, c
             prefetch2(c + PF256);
             for (int r = 0; r < 4; r++) {
                 const __m256i raw = _mm256_loadu_si256((const __m256i *)(c + r * 32));
-                A[r] = dot_rows(_mm256_and_si256(raw, nib), _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib), xa0, xa1);
-                B[r] = dot_rows(_mm256_and_si256(_mm256_srli_epi16(raw, 8), nib), _mm256_srli_epi16(raw, 12), xb0, xb1);
+                A[r] = dot_rows(q4_quarter(raw, 0), q4_quarter(raw, 1), xa0, xa1);
+                B[r] = dot_rows(q4_quarter(raw, 2), q4_quarter(raw, 3), xb0, xb1);
             }
             accm = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + g * 4))), pair_bcast(sx + g), accm);
         }
@@ -439,8 +446,8 @@ static inline __attribute__((always_inline)) void block_q1(const ts_weight *W, c
             if (wt == WT_Q8) widen_q8(codes + (g * 4 + r) * 32, &l[r], &h[r]);
             else {
                 const __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + (g / 2 * 4 + r) * 32));
-                l[r] = _mm256_and_si256(raw, nib);
-                h[r] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib);
+                l[r] = q4_quarter(raw, 0);
+                h[r] = q4_quarter(raw, 1);
             }
         }
         const __m256 wm = wt == WT_Q4 ? _mm256_blend_ps(scales4(mn + g * 4), _mm256_setzero_ps(), 0xF0) : _mm256_setzero_ps();
@@ -598,16 +605,15 @@ static void widen_codes(const ts_weight *W, const int wt, int64_t b, int64_t K, 
     }
     const int64_t P = (G + 1) / 2;
     const uint8_t *codes = (const uint8_t *)W->w + b * P * 4 * 32;
-    const __m256i nib = _mm256_set1_epi16(0x000F);
     for (int64_t p = g0 / 2; 2 * p < g1; p++)
         for (int r = 0; r < 4; r++) {
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + (p * 4 + r) * 32));
             int16_t *o = t->w + r * CW + (2 * p - g0) * 32;
-            _mm256_storeu_si256((__m256i *)o, _mm256_and_si256(raw, nib));
-            _mm256_storeu_si256((__m256i *)(o + 16), _mm256_and_si256(_mm256_srli_epi16(raw, 4), nib));
+            _mm256_storeu_si256((__m256i *)o, q4_quarter(raw, 0));
+            _mm256_storeu_si256((__m256i *)(o + 16), q4_quarter(raw, 1));
             if (2 * p + 1 == G) continue; /* odd last group: its pair's upper half is padding */
-            _mm256_storeu_si256((__m256i *)(o + 32), _mm256_and_si256(_mm256_srli_epi16(raw, 8), nib));
-            _mm256_storeu_si256((__m256i *)(o + 48), _mm256_srli_epi16(raw, 12));
+            _mm256_storeu_si256((__m256i *)(o + 32), q4_quarter(raw, 2));
+            _mm256_storeu_si256((__m256i *)(o + 48), q4_quarter(raw, 3));
         }
 }
 

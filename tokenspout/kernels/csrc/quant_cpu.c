@@ -21,10 +21,21 @@ static inline float hmin8(__m256 v) {
 /* float -> float16 bits, round to nearest even (torch's .half()) */
 static inline uint16_t to_half(float x) { return _cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 
-/* round((v - lo) / s) clamped to [cmin, cmax], as int32 lanes (torch.round: to nearest even) */
-static inline __m256i codes8(__m256 v, __m256 lo, __m256 s, __m256 cmin, __m256 cmax) {
-    const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_sub_ps(v, lo), s), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    return _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, cmin), cmax));
+/* o[t] = round((v[t] - lo) / s) clamped to [cmin, cmax] (torch.round: to nearest even) for the group's 32 values, as
+ * bytes (int8, or uint8 codes 0..15: the same byte); all 0 where s is not positive (torch.where(scale > 0, ...)). */
+static inline void group_codes(const __m256 v[4], float lo, float s, float cmin, float cmax, uint8_t *o) {
+    if (!(s > 0)) {
+        memset(o, 0, 32);
+        return;
+    }
+    int32_t c[32];
+    for (int j = 0; j < 4; j++) {
+        const __m256 r = _mm256_round_ps(_mm256_div_ps(_mm256_sub_ps(v[j], _mm256_set1_ps(lo)), _mm256_set1_ps(s)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256 clamped = _mm256_min_ps(_mm256_max_ps(r, _mm256_set1_ps(cmin)), _mm256_set1_ps(cmax));
+        _mm256_storeu_si256((__m256i *)(c + 8 * j), _mm256_cvtps_epi32(clamped));
+    }
+    for (int t = 0; t < 32; t++) o[t] = (uint8_t)(int8_t)c[t];
 }
 
 /* int8: scale = half(amax|w| / 127), q = round(w / scale) in [-127, 127] (0 where scale is 0) */
@@ -40,18 +51,8 @@ void ts_quantize_q8(const float *w, int64_t rows, int64_t k, int8_t *q, uint16_t
             mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
         }
         const uint16_t h = to_half(hmax8(mx) / 127.0f);
-        const float s = _cvtsh_ss(h);
-        int8_t *o = q + i * 32;
         scale[i] = h;
-        if (!(s > 0)) {
-            memset(o, 0, 32);
-            continue;
-        }
-        int32_t c[32];
-        for (int j = 0; j < 4; j++)
-            _mm256_storeu_si256((__m256i *)(c + 8 * j), codes8(v[j], _mm256_setzero_ps(), _mm256_set1_ps(s),
-                                                               _mm256_set1_ps(-127.0f), _mm256_set1_ps(127.0f)));
-        for (int t = 0; t < 32; t++) o[t] = (int8_t)c[t];
+        group_codes(v, 0.0f, _cvtsh_ss(h), -127.0f, 127.0f, (uint8_t *)(q + i * 32));
     }
 }
 
@@ -69,18 +70,8 @@ void ts_quantize_q4(const float *w, int64_t rows, int64_t k, uint8_t *q, uint16_
         const uint16_t hl = to_half(hmin8(mn));
         const float lo = _cvtsh_ss(hl);
         const uint16_t h = to_half((hmax8(mx) - lo) / 15.0f);
-        const float s = _cvtsh_ss(h);
-        uint8_t *o = q + i * 32;
         scale[i] = h;
         mins[i] = hl;
-        if (!(s > 0)) {
-            memset(o, 0, 32);
-            continue;
-        }
-        int32_t c[32];
-        for (int j = 0; j < 4; j++)
-            _mm256_storeu_si256((__m256i *)(c + 8 * j), codes8(v[j], _mm256_set1_ps(lo), _mm256_set1_ps(s),
-                                                               _mm256_setzero_ps(), _mm256_set1_ps(15.0f)));
-        for (int t = 0; t < 32; t++) o[t] = (uint8_t)c[t];
+        group_codes(v, lo, _cvtsh_ss(h), 0.0f, 15.0f, q + i * 32);
     }
 }
