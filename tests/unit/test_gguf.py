@@ -22,6 +22,13 @@ from tokenspout.models.loader import load_model
 from tokenspout.models.quantize import dequantize, pack_int4, pack_int8
 
 
+@pytest.fixture(params=cpu.available_isas())
+def lib(request):
+    if cpu.load() is None:
+        pytest.skip("C kernels unavailable on this machine")
+    return cpu.load(request.param)
+
+
 def test_q4_k_converts_to_int4_within_float16_rounding():
     """Q4_K super-blocks (random bytes: every scale/min bit pattern and code) become int4 groups of 32 whose values
     equal the gguf package's dequantization up to the float16 rounding of each group's scale (d x sc) and min."""
@@ -33,7 +40,7 @@ def test_q4_k_converts_to_int4_within_float16_rounding():
     raw[..., 0:4] = (g.standard_normal((rows, supers, 2)) * 0.01).astype(np.float16).view(np.uint8).reshape(rows, supers, 4)
     raw = raw.reshape(rows, -1)
     ref = quants.dequantize(raw, GGMLQuantizationType.Q4_K).reshape(rows, supers * 256)
-    q, d, m = _blocks_of("Q4_K", raw)
+    q, d, m = _blocks_of("Q4_K", raw, supers * 256)
     got = dequantize(pack_int4(q, d, m)).numpy()
     groups = np.abs(ref).reshape(rows, -1, 32).max(-1, keepdims=True)
     assert (np.abs(got - ref).reshape(rows, -1, 32) <= 2.0**-9 * groups + 1e-7).all()
@@ -49,7 +56,7 @@ def test_blocks_convert_exactly(kind):
     t = GGMLQuantizationType[kind]
     raw = quants.quantize(x, t)
     ref = torch.from_numpy(quants.dequantize(raw, t).reshape(x.shape).astype(np.float32))
-    q, d, m = _blocks_of(kind, raw)
+    q, d, m = _blocks_of(kind, raw, x.shape[1])
     packed = pack_int8(q, d) if kind in ("Q5_0", "Q8_0") else pack_int4(q.to(torch.uint8), d, m)
     assert torch.equal(dequantize(packed), ref)
 
@@ -90,7 +97,46 @@ def test_q6_k_rows_equal_the_gguf_package():
     assert np.array_equal(q6k_rows(raw).numpy(), ref)
 
 
-def test_fused_layer_of_two_formats(tmp_path: Path):
+def test_k_quant_conversions_in_c_equal_the_python_ones(lib):
+    """The first start's C conversions (csrc/quant_cpu.c) against the Python code they replace, byte for byte:
+    Q4_K -> int4 (_q4k_blocks + pack_int4), Q6_K -> dequantized (q6k_rows) then int8 (quantize_int8), and the
+    packed layout written from codes (pack_int4 / pack_int8 in torch), each part written at its row offset into one
+    weight (row counts that are not multiples of four, odd group counts, a row order as for llama.cpp's permuted
+    Q / K rows)."""
+    from tokenspout.models.gguf_model import _q4k_blocks, q6k_rows
+    from tokenspout.models.quantize import empty_packed, quantize_int8
+
+    def same(a, b) -> bool:
+        return (a.n, a.k, a.wt) == (b.n, b.k, b.wt) and all(torch.equal(x, y) for x, y in zip(a.tensors(), b.tensors()))
+
+    g = np.random.default_rng(3)
+    for parts, supers in (((6, 3), 3), ((1,), 1), ((9, 4, 7), 2)):
+        k4 = [_k_blocks(g, "Q4_K", r, supers) for r in parts]
+        k6 = [_k_blocks(g, "Q6_K", r, supers) for r in parts]
+        k6[0][0, 192:208] = 0  # a super-block of zero scales: all-zero groups
+        orders = [g.permutation(r) for r in parts]
+        n, k = sum(parts), supers * 256
+        ref4 = pack_int4(*(torch.cat(x) for x in zip(*(_q4k_blocks(raw[o]) for raw, o in zip(k4, orders)))))
+        ref8 = quantize_int8(torch.cat([q6k_rows(raw[o]) for raw, o in zip(k6, orders)]))[0]
+        got4, got8 = empty_packed(n, k, cpu.WT_Q4), empty_packed(n, k, cpu.WT_Q8)
+        r4 = r8 = 0
+        for raw4, raw6, o in zip(k4, k6, orders):
+            r4 += cpu.q4k_into(lib, raw4, o, k, r4, got4.codes, got4.scale, got4.min)
+            r8 += cpu.q6k_into(lib, raw6, o, k, r8, got8.codes, got8.scale)
+        assert r4 == r8 == n and same(got4, ref4) and same(got8, ref8)
+    for n, groups in ((5, 3), (8, 4), (3, 1), (12, 7)):
+        q = torch.from_numpy(g.integers(0, 16, size=(n, groups, 32), dtype=np.uint8))
+        d = torch.from_numpy(g.standard_normal((n, groups)).astype(np.float16))
+        m = torch.from_numpy(g.standard_normal((n, groups)).astype(np.float16))
+        assert same(pack_int4(q, d, m, lib), pack_int4(q, d, m))
+        q8 = q.view(torch.int8) - 8
+        assert same(pack_int8(q8, d, lib), pack_int8(q8, d))
+    with pytest.raises(ValueError, match="row order out of range"):
+        cpu.q4k_into(lib, k4[0], np.array([0, 99]), k, 0, got4.codes, got4.scale, got4.min)
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_fused_layer_of_two_formats(tmp_path: Path, kernels: bool):
     """Q4_K_M keeps v at Q6_K in half the layers: asked for int4, a fused q/k/v of Q4_K q / k and a Q6_K v keeps q / k
     as exact int4 and serves v as int8 (one weight of two formats, PackedWeight.tail), through the kernels and the
     quantized-weights cache alike; it went to int4 as a whole, re-fitted from the dequantized values, which moved
@@ -114,7 +160,10 @@ def test_fused_layer_of_two_formats(tmp_path: Path):
     ck = GGUFCheckpoint(path)
     names = [f"layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
     ref = torch.cat([ck.get(n) for n in names])
-    mixed = ck.packed(names, "int4")
+    lib = cpu.load() if kernels else None
+    if kernels and lib is None:
+        pytest.skip("C kernels unavailable on this machine")
+    mixed = ck.packed(names, "int4", lib)  # (with the kernels: converted in C, tested equal above)
     assert mixed is not None and (mixed.wt, mixed.n, mixed.tail.wt, mixed.tail.n) == (WT_Q4, 22, WT_Q8, 6)
     got = dequantize(mixed)
     groups = ref.abs().view(ref.shape[0], -1, 32).amax(-1, keepdim=True)
@@ -125,7 +174,7 @@ def test_fused_layer_of_two_formats(tmp_path: Path):
     for m in (1, 5):  # the row path, and (with the rows repeated) the tiled path
         xm = x[:m].repeat(4 if m == 5 else 1, 1)
         torch.testing.assert_close(cpu.linear(cpu.load(), xm, mixed), xm @ got.T, rtol=1e-3, atol=2e-3)
-    whole = ck.packed([names[2], names[0], names[1]], "int4")  # the wide part first: one format, int8
+    whole = ck.packed([names[2], names[0], names[1]], "int4", lib)  # the wide part first: one format, int8
     assert whole.wt == WT_Q8 and whole.tail is None
 
 

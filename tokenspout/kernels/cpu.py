@@ -161,6 +161,12 @@ def _load(isa: str) -> ctypes.CDLL | None:
     lib.ts_quantize_q8.restype = None
     lib.ts_quantize_q4.argtypes = [vp, i64, i64, vp, vp, vp]
     lib.ts_quantize_q4.restype = None
+    lib.ts_q4k_to_q4.argtypes = [vp, vp, i64, i64, i64, vp, vp, vp]
+    lib.ts_q6k_to_q8.argtypes = [vp, vp, i64, i64, i64, vp, vp]
+    lib.ts_pack_q8.argtypes = [vp, vp, i64, i64, i64, vp, vp]
+    lib.ts_pack_q4.argtypes = [vp, vp, vp, i64, i64, i64, vp, vp, vp]
+    for f in (lib.ts_q4k_to_q4, lib.ts_q6k_to_q8, lib.ts_pack_q8, lib.ts_pack_q4):
+        f.restype = None
     return lib
 
 
@@ -212,3 +218,54 @@ def quantize_q4(lib, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     lo = torch.empty(n, k // 32, dtype=torch.float16)
     lib.ts_quantize_q4(w.data_ptr(), n, k, q.data_ptr(), scale.data_ptr(), lo.data_ptr())
     return q, scale, lo
+
+
+
+def _rows_arg(raw, order, size: int, k: int):
+    """(GGUF rows [rows, k / 256 * size] as a C-contiguous uint8 array, the row order as int64 or None, rows out)"""
+    import numpy as np
+
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    if k % 256 or raw.ndim != 2 or raw.shape[1] != k // 256 * size:
+        raise ValueError(f"rows of {raw.shape[-1]} bytes are not {k} weights in blocks of {size} bytes")
+    if order is None:
+        return raw, None, raw.shape[0]
+    order = np.ascontiguousarray(order, dtype=np.int64)
+    if order.size and (order.min() < 0 or order.max() >= raw.shape[0]):
+        raise ValueError("row order out of range")
+    return raw, order, order.size
+
+
+def q4k_into(lib, raw, order, k: int, r0: int, codes: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> int:
+    """Q4_K super-blocks (numpy uint8 rows [R, k / 256 * 144]; output row i is raw row order[i], or i) -> rows r0..
+    of a packed int4 weight of K = k (codes / scale / mins: its tensors, quantize.PackedWeight's layout), with
+    gguf_model._q4k_blocks' values; in C (csrc/quant_cpu.c).  Returns the rows written."""
+    raw, order, n = _rows_arg(raw, order, 144, k)
+    lib.ts_q4k_to_q4(raw.ctypes.data, None if order is None else order.ctypes.data, n, k, r0, codes.data_ptr(),
+                     scale.data_ptr(), mins.data_ptr())
+    return n
+
+
+def q6k_into(lib, raw, order, k: int, r0: int, codes: torch.Tensor, scale: torch.Tensor) -> int:
+    """Q6_K super-blocks (rows [R, k / 256 * 210]) -> rows r0.. of a packed int8 weight: gguf_model.q6k_rows'
+    values quantized as quantize_q8, in one pass in C."""
+    raw, order, n = _rows_arg(raw, order, 210, k)
+    lib.ts_q6k_to_q8(raw.ctypes.data, None if order is None else order.ctypes.data, n, k, r0, codes.data_ptr(),
+                     scale.data_ptr())
+    return n
+
+
+def pack_into(lib, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor | None, r0: int, codes: torch.Tensor,
+              oscale: torch.Tensor, omin: torch.Tensor | None) -> None:
+    """Codes [n, G, 32] (int8; or uint8 0..15 with minimums `lo`: int4) and scales [n, G] float16 -> rows r0..
+    r0 + n of a packed weight (quantize.pack_int8 / pack_int4's layout), in C."""
+    n, groups = scale.shape
+    assert q.shape == (n, groups, 32) and q.element_size() == 1 and scale.dtype == torch.float16
+    q, scale = q.contiguous(), scale.contiguous()
+    if lo is None:
+        lib.ts_pack_q8(q.data_ptr(), scale.data_ptr(), n, groups, r0, codes.data_ptr(), oscale.data_ptr())
+    else:
+        assert omin is not None
+        lo = lo.contiguous()
+        lib.ts_pack_q4(q.data_ptr(), scale.data_ptr(), lo.data_ptr(), n, groups, r0, codes.data_ptr(),
+                       oscale.data_ptr(), omin.data_ptr())

@@ -23,9 +23,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tokenspout.kernels.cpu import WT_Q4
+from tokenspout.kernels.cpu import WT_Q4, WT_Q8, pack_into, q4k_into, q6k_into
 from tokenspout.models.gguf_file import architecture, field, open_reader
-from tokenspout.models.quantize import GROUP, PackedWeight, pack_int4, pack_int8
+from tokenspout.models.quantize import GROUP, PackedWeight, empty_packed, pack_int4, pack_int8
 
 _PERMUTED = ("llama", "mistral")  # llama.cpp's converter permutes Q/K rows for these
 # GGUF tensor types by name (gguf.GGMLQuantizationType); what converts exactly to which kernel format
@@ -138,6 +138,8 @@ class GGUFCheckpoint:
         than int8 does); None: quantize the dequantized values as `method` asks.  lib: the C kernels, which then
         quantize what is re-quantized here (quantize.quantizer)."""
         kinds = [self.type_name(n) for n in names]
+        if lib is not None and all(k == "Q6_K" for k in kinds):  # (a Q4_K_M file's head, half its v and ffn_down)
+            return self._convert(names, "int8", lib)
         formats = {_EXACT.get(k) for k in kinds}
         if len(formats) != 1 or None in formats:  # not every part converts directly, or not to one format
             wide = [k in _WIDER or _EXACT.get(k) == "int8" for k in kinds]
@@ -153,21 +155,42 @@ class GGUFCheckpoint:
             from tokenspout.models.quantize import quantize_rows, quantizer
 
             return quantize_rows([self.rows(n) for n in names], quantizer("int8", lib))
-        fmt = formats.pop()
-        qs, scales, mins = [], [], []
-        for n, kind in zip(names, kinds):
-            t = self._tensor(n)
-            rows = int(t.shape[1]) if len(t.shape) > 1 else 1
-            blocks = self._unpermute(n, np.asarray(t.data).reshape(rows, -1))  # [rows, bytes]
-            q, d, m = _blocks_of(kind, blocks)
+        return self._convert(names, formats.pop(), lib)
+
+    def _blocks(self, name: str) -> tuple[object, np.ndarray, np.ndarray | None]:
+        """(tensor, its rows of blocks [rows, bytes] as the file holds them, HF's row order or None)"""
+        t = self._tensor(name)
+        rows = int(t.shape[1]) if len(t.shape) > 1 else 1
+        order = self._unpermute(name, np.arange(rows))
+        return t, np.asarray(t.data).reshape(rows, -1), None if np.array_equal(order, np.arange(rows)) else order
+
+    def _convert(self, names: list[str], fmt: str, lib) -> PackedWeight:
+        """The tensors `names` (rows stacked) in the kernels' `fmt`: each part's blocks converted (Q6_K: to int8)
+        and, with the C kernels, written at its row offset straight into the packed weight."""
+        k = self.shape(names[0])[1]
+        if lib is None:
+            parts = []
+            for n in names:
+                t, raw, order = self._blocks(n)
+                parts.append(_blocks_of(t.tensor_type.name, raw if order is None else raw[order], k))
+                self._release(t)
+            q, d, m = (torch.cat(x) for x in zip(*parts))
+            return pack_int8(q, d) if fmt == "int8" else pack_int4(q, d, m)
+        pw = empty_packed(sum(self.shape(n)[0] for n in names), k, WT_Q8 if fmt == "int8" else WT_Q4)
+        r0 = 0
+        for n in names:
+            t, raw, order = self._blocks(n)
+            kind = t.tensor_type.name
+            if kind == "Q4_K":
+                r0 += q4k_into(lib, raw, order, k, r0, pw.codes, pw.scale, pw.min)
+            elif kind == "Q6_K":
+                r0 += q6k_into(lib, raw, order, k, r0, pw.codes, pw.scale)
+            else:
+                q, d, m = _blocks_of(kind, raw if order is None else raw[order], k)
+                pack_into(lib, q, d, m if fmt == "int4" else None, r0, pw.codes, pw.scale, pw.min)
+                r0 += q.shape[0]
             self._release(t)
-            qs.append(q)
-            scales.append(d)
-            mins.append(m)
-        q, d = torch.cat(qs), torch.cat(scales)
-        if fmt == "int8":
-            return pack_int8(q, d)
-        return pack_int4(q, d, torch.cat(mins))
+        return pw
 
 
 class _Rows:
@@ -252,9 +275,9 @@ def q6k_rows(raw: np.ndarray) -> torch.Tensor:
     return (scale * q.view(n, 16, 16).float()).view(rows, -1)
 
 
-def _blocks_of(kind: str, raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows of GGUF blocks [rows, G * block bytes] -> (codes [rows, G, 32], scale [rows, G] float16, min [rows, G]
-    float16) in the kernels' terms: W = scale * q (+ min)."""
+def _blocks_of(kind: str, raw: np.ndarray, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of GGUF blocks [rows, G * block bytes] of K = k weights -> (codes [rows, G, 32], scale [rows, G] float16,
+    min [rows, G] float16) in the kernels' terms: W = scale * q (+ min)."""
     if kind == "Q4_K":
         return _q4k_blocks(raw)
     size = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}[kind]

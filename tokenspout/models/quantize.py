@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from tokenspout.kernels.cpu import WT_BF16, WT_F16, WT_Q4, WT_Q8, quantize_q4, quantize_q8
+from tokenspout.kernels.cpu import WT_BF16, WT_F16, WT_Q4, WT_Q8, pack_into, quantize_q4, quantize_q8
 from tokenspout.models.llama import LlamaForCausalLM
 
 QUANTIZATIONS = ("int8", "int4", "bf16", "fp16")
@@ -70,6 +70,20 @@ def _blocks(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1, 4, *t.shape[1:]).transpose(1, 2).contiguous()
 
 
+def empty_packed(n: int, k: int, wt: int) -> PackedWeight:
+    """An int8 / int4 weight of n x k to be written row by row (kernels.cpu.pack_into and the GGUF converters: any
+    rows, at any offset): uninitialised but for the padding rows of its last block of four, which are zero."""
+    nb, groups = -(-n // 4), k // GROUP
+    codes = torch.empty(nb, groups if wt == WT_Q8 else -(-groups // 2), 4, 32,
+                        dtype=torch.int8 if wt == WT_Q8 else torch.uint8)
+    scale = torch.empty(nb, groups, 4, dtype=torch.float16)
+    mins = torch.empty(nb, groups, 4, dtype=torch.float16) if wt == WT_Q4 else None
+    for t in (codes, scale, mins):
+        if t is not None and n % 4:
+            t[-1, :, n % 4 :] = 0
+    return PackedWeight(codes.view(-1), scale.view(-1), None if mins is None else mins.view(-1), n, k, wt)
+
+
 def quantize_int8(w: torch.Tensor) -> tuple[PackedWeight, torch.Tensor]:
     """(packed weight, dequantized float32 [N, K])."""
     n, k = w.shape
@@ -80,9 +94,14 @@ def quantize_int8(w: torch.Tensor) -> tuple[PackedWeight, torch.Tensor]:
     return pack_int8(q.to(torch.int8), scale.half()), deq
 
 
-def pack_int8(q: torch.Tensor, scale: torch.Tensor) -> PackedWeight:
-    """Codes q [N, K/32, 32] int8 and scales [N, K/32] float16 (Q8_0's blocks) -> the kernels' layout."""
+def pack_int8(q: torch.Tensor, scale: torch.Tensor, lib=None) -> PackedWeight:
+    """Codes q [N, K/32, 32] int8 and scales [N, K/32] float16 (Q8_0's blocks) -> the kernels' layout (by the C
+    kernels `lib` where given: the same bytes, ~10x faster)."""
     n, groups = scale.shape
+    if lib is not None:
+        pw = empty_packed(n, groups * GROUP, WT_Q8)
+        pack_into(lib, q, scale, None, 0, pw.codes, pw.scale, None)
+        return pw
     return PackedWeight(_blocks(q).view(-1), _blocks(scale).view(-1), None, n, groups * GROUP, WT_Q8)
 
 
@@ -97,10 +116,14 @@ def quantize_int4(w: torch.Tensor) -> tuple[PackedWeight, torch.Tensor]:
     return pack_int4(q.to(torch.uint8), scale.half(), lo.half()), deq
 
 
-def pack_int4(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor) -> PackedWeight:
+def pack_int4(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, lib=None) -> PackedWeight:
     """Codes q [N, K/32, 32] uint8 in 0..15, scales and mins [N, K/32] float16 (Q4_1's blocks: W = scale * q + min)
-    -> the kernels' layout."""
+    -> the kernels' layout (by the C kernels `lib` where given)."""
     n, groups = scale.shape
+    if lib is not None:
+        pw = empty_packed(n, groups * GROUP, WT_Q4)
+        pack_into(lib, q, scale, lo, 0, pw.codes, pw.scale, pw.min)
+        return pw
     if groups % 2:
         q = torch.cat([q, q.new_zeros(n, 1, GROUP)], 1)
     qb = q.view(n, -1, 4, 16)  # [N, pairs, quarter, j]: column 16 * quarter + j of the pair
@@ -135,8 +158,8 @@ def quantizer(fmt: str, lib=None):
 
     def fast(w: torch.Tensor) -> tuple[PackedWeight, None]:
         if fmt == "int8":
-            return pack_int8(*quantize_q8(lib, w)), None
-        return pack_int4(*quantize_q4(lib, w)), None
+            return pack_int8(*quantize_q8(lib, w), lib=lib), None
+        return pack_int4(*quantize_q4(lib, w), lib=lib), None
 
     return fast
 

@@ -1,11 +1,12 @@
-/* Weight quantization for the kernels' formats: models/quantize.py's quantize_int8 / quantize_int4 in C, with the same
- * float32 arithmetic step for step (so the same codes, scales and minimums bit for bit; tests/unit/test_cpu_kernels.py
- * compares them).  Why: torch spends ~11-13 ns a weight on those few ops (reductions over 32 elements, broadcast
- * divisions, a where, the dequantized copy), so a first start that quantizes a 1.7B checkpoint spent ~20 s there;
- * one pass in C per group of 32 takes ~1 ns a weight.
- *
- * Output: codes [rows, K/32, 32] (int8, or uint8 0..15), scales (and int4's minimums) [rows, K/32] float16; the
- * kernels' block layout is made from them by models/quantize.py's pack_int8 / pack_int4. */
+/* Weights into the kernels' formats, where numpy / torch took most of a first start:
+ * - quantization: models/quantize.py's quantize_int8 / quantize_int4 in C, with the same float32 arithmetic step for
+ *   step (so the same codes, scales and minimums bit for bit).  torch spends ~11-13 ns a weight on those few ops
+ *   (reductions over 32 elements, broadcast divisions, a where, the dequantized copy), so a first start that
+ *   quantizes a 1.7B checkpoint spent ~20 s there; one pass in C per group of 32 takes ~1 ns a weight.
+ *   Output: codes [rows, K/32, 32] (int8, or uint8 0..15), scales (and int4's minimums) [rows, K/32] float16.
+ * - the kernels' packed layout written from those terms (quantize.py's pack_int8 / pack_int4), and a GGUF file's
+ *   Q4_K / Q6_K blocks converted straight into it.
+ * tests/unit/test_cpu_kernels.py compares each with the Python code it replaces. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -38,22 +39,23 @@ static inline void group_codes(const __m256 v[4], float lo, float s, float cmin,
     for (int t = 0; t < 32; t++) o[t] = (uint8_t)(int8_t)c[t];
 }
 
-/* int8: scale = half(amax|w| / 127), q = round(w / scale) in [-127, 127] (0 where scale is 0) */
+/* int8 of one group of 32: scale = half(amax|w| / 127), q = round(w / scale) in [-127, 127] (0 where scale is 0) */
+static inline void q8_group(const float *p, int8_t *q, uint16_t *scale) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], mx = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) {
+        v[j] = _mm256_loadu_ps(p + 8 * j);
+        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
+    }
+    const uint16_t h = to_half(hmax8(mx) / 127.0f);
+    *scale = h;
+    group_codes(v, 0.0f, _cvtsh_ss(h), -127.0f, 127.0f, (uint8_t *)q);
+}
+
 void ts_quantize_q8(const float *w, int64_t rows, int64_t k, int8_t *q, uint16_t *scale) {
     const int64_t groups = rows * (k / 32);
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < groups; i++) {
-        const float *p = w + i * 32;
-        const __m256 sign = _mm256_set1_ps(-0.0f);
-        __m256 v[4], mx = _mm256_setzero_ps();
-        for (int j = 0; j < 4; j++) {
-            v[j] = _mm256_loadu_ps(p + 8 * j);
-            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
-        }
-        const uint16_t h = to_half(hmax8(mx) / 127.0f);
-        scale[i] = h;
-        group_codes(v, 0.0f, _cvtsh_ss(h), -127.0f, 127.0f, (uint8_t *)(q + i * 32));
-    }
+    for (int64_t i = 0; i < groups; i++) q8_group(w + i * 32, q + i * 32, scale + i);
 }
 
 /* int4: lo = half(min w), scale = half((max w - lo) / 15), q = round((w - lo) / scale) in [0, 15] (0 where scale is
@@ -74,4 +76,109 @@ void ts_quantize_q4(const float *w, int64_t rows, int64_t k, uint8_t *q, uint16_
         mins[i] = hl;
         group_codes(v, lo, _cvtsh_ss(h), 0.0f, 15.0f, q + i * 32);
     }
+}
+
+/* ---- writers of the kernels' packed layout (models/quantize.py's PackedWeight) ----
+ * Row `row`, group g of a weight with G groups of 32 per row: per block of four rows (row / 4), per group (int8) or
+ * pair of groups (int4), lane row % 4.  Every row is independent, so a fused weight's parts (q, k, v) are written at
+ * their row offsets straight into the one packed tensor, with no intermediate codes or concatenation: on a 2-core VM
+ * each fresh page costs a fault and a clear, and the 8B shape's first start spent ~25 s of ~60 there. */
+
+static inline int64_t lane(int64_t row, int64_t g, int64_t G) { return ((row / 4) * G + g) * 4 + row % 4; }
+
+static inline void put_q8(int8_t *codes, uint16_t *scale, int64_t row, int64_t g, int64_t G, const int8_t *c,
+                          uint16_t s) {
+    memcpy(codes + lane(row, g, G) * 32, c, 32);
+    scale[lane(row, g, G)] = s;
+}
+
+/* int4: 16-bit word j of the pair's 32 bytes holds columns j, 16 + j (low byte: the pair's even group) and 32 + j,
+ * 48 + j (high byte: its odd group), low nibble first; an odd last group's high bytes are zero. */
+static inline void put_q4(uint8_t *codes, uint16_t *scale, uint16_t *mins, int64_t row, int64_t g, int64_t G,
+                          const uint8_t *c, uint16_t s, uint16_t m) {
+    const int64_t P = (G + 1) / 2;
+    uint8_t *o = codes + (((row / 4) * P + g / 2) * 4 + row % 4) * 32 + g % 2;
+    for (int j = 0; j < 16; j++) o[2 * j] = (uint8_t)(c[j] | (c[16 + j] << 4));
+    if (g == G - 1 && g % 2 == 0)
+        for (int j = 0; j < 16; j++) o[2 * j + 1] = 0;
+    scale[lane(row, g, G)] = s;
+    mins[lane(row, g, G)] = m;
+}
+
+/* codes [rows, G, 32] and scales [rows, G] (int8) -> rows r0.. of the packed weight (pack_int8's layout) */
+void ts_pack_q8(const int8_t *q, const uint16_t *scale, int64_t rows, int64_t G, int64_t r0, int8_t *codes,
+                uint16_t *oscale) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t g = 0; g < G; g++) put_q8(codes, oscale, r0 + i, g, G, q + (i * G + g) * 32, scale[i * G + g]);
+}
+
+/* codes [rows, G, 32] in 0..15, scales and minimums [rows, G] -> rows r0.. of the packed int4 weight (pack_int4's) */
+void ts_pack_q4(const uint8_t *q, const uint16_t *scale, const uint16_t *mins, int64_t rows, int64_t G, int64_t r0,
+                uint8_t *codes, uint16_t *oscale, uint16_t *omin) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t g = 0; g < G; g++)
+            put_q4(codes, oscale, omin, r0 + i, g, G, q + (i * G + g) * 32, scale[i * G + g], mins[i * G + g]);
+}
+
+/* ---- a GGUF file's K-quant blocks -> the packed layout (models/gguf_model.py) ----
+ * What a Q4_K_M file holds, converted at its first start with the values of the Python steps they replace, bit for
+ * bit (tests/unit/test_gguf.py).  raw: the tensor's rows of super-blocks; order: output row i is raw row order[i]
+ * (llama.cpp's Q / K row permutation undone without a copy), or NULL. */
+
+static inline float half_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+/* Q4_K (144 bytes: float16 d and dmin, twelve bytes of 6-bit scales and mins, 128 bytes of nibbles) -> int4 groups
+ * of 32 with the file's codes, scale = half(d * sc) and min = half(-dmin * m) (gguf_model._q4k_blocks). */
+void ts_q4k_to_q4(const uint8_t *raw, const int64_t *order, int64_t rows, int64_t k, int64_t r0, uint8_t *codes,
+                  uint16_t *scale, uint16_t *mins) {
+    const int64_t S = k / 256, G = k / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t s = 0; s < S; s++) {
+            const uint8_t *b = raw + ((order ? order[i] : i) * S + s) * 144, *sc = b + 4, *qs = b + 16;
+            const float d = half_at(b), dmin = half_at(b + 2);
+            for (int j = 0; j < 8; j++) {
+                const int s6 = j < 4 ? sc[j] & 63 : (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4);
+                const int m6 = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+                /* sub-block j: the low (j even) or high nibbles of the 32 bytes of chunk j / 2 */
+                uint8_t c[32];
+                for (int t = 0; t < 32; t++) c[t] = j % 2 ? qs[(j / 2) * 32 + t] >> 4 : qs[(j / 2) * 32 + t] & 15;
+                put_q4(codes, scale, mins, r0 + i, s * 8 + j, G, c, to_half(d * (float)s6), to_half(-dmin * (float)m6));
+            }
+        }
+}
+
+/* Q6_K (210 bytes: 128 bytes of low nibbles, 64 of high 2-bit pairs, sixteen int8 scales, float16 d) -> dequantized
+ * as gguf_model.q6k_rows ((d * scale) * (q - 32), float32), then int8 per group of 32 as ts_quantize_q8. */
+void ts_q6k_to_q8(const uint8_t *raw, const int64_t *order, int64_t rows, int64_t k, int64_t r0, int8_t *codes,
+                  uint16_t *scale) {
+    const int64_t S = k / 256, G = k / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t s = 0; s < S; s++) {
+            const uint8_t *b = raw + ((order ? order[i] : i) * S + s) * 210, *ql = b, *qh = b + 128;
+            const int8_t *sc = (const int8_t *)(b + 192);
+            const float d = half_at(b + 208);
+            float w[256];
+            for (int h = 0; h < 2; h++)     /* halves of 128 weights */
+                for (int c = 0; c < 4; c++) /* chunks of 32: low nibbles of ql 0..31 / 32..63, then the high ones */
+                    for (int l = 0; l < 32; l++) {
+                        const int lo = (ql[h * 64 + (c % 2) * 32 + l] >> (4 * (c / 2))) & 15;
+                        const int hi = (qh[h * 32 + l] >> (2 * c)) & 3;
+                        const int e = h * 128 + c * 32 + l;
+                        w[e] = (d * (float)sc[e / 16]) * (float)((lo | (hi << 4)) - 32);
+                    }
+            for (int g = 0; g < 8; g++) {
+                int8_t c[32];
+                uint16_t h;
+                q8_group(w + g * 32, c, &h);
+                put_q8(codes, scale, r0 + i, s * 8 + g, G, c, h);
+            }
+        }
 }
