@@ -80,9 +80,9 @@ def test_rows_on_demand_equal_the_whole_tensor():
 
 def _k_blocks(g, kind: str, rows: int, supers: int) -> np.ndarray:
     """Random K-quant super-blocks with small finite float16 scales ([rows, supers * block bytes] uint8)."""
-    size = {"Q4_K": 144, "Q6_K": 210}[kind]
+    size = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[kind]
     raw = g.integers(0, 256, size=(rows, supers, size), dtype=np.uint8)
-    at, n = {"Q4_K": (0, 2), "Q6_K": (208, 1)}[kind]  # where the float16 d (and dmin) sit
+    at, n = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208, 1)}[kind]  # where the float16 d (and dmin) sit
     raw[..., at : at + 2 * n] = (g.standard_normal((rows, supers, n)) * 0.01).astype(np.float16).view(np.uint8)
     return raw.reshape(rows, -1)
 
@@ -99,10 +99,10 @@ def test_q6_k_rows_equal_the_gguf_package():
 
 def test_k_quant_conversions_in_c_equal_the_python_ones(lib):
     """The first start's C conversions (csrc/quant_cpu.c) against the Python code they replace, byte for byte:
-    Q4_K -> int4 (_q4k_blocks + pack_int4), Q6_K -> dequantized (q6k_rows) then int8 (quantize_int8), and the
-    packed layout written from codes (pack_int4 / pack_int8 in torch), each part written at its row offset into one
-    weight (row counts that are not multiples of four, odd group counts, a row order as for llama.cpp's permuted
-    Q / K rows)."""
+    Q4_K -> int4 (_q4k_blocks + pack_int4), Q6_K / Q5_K -> dequantized (q6k_rows / the gguf package) then int8
+    (quantize_int8), and the packed layout written from codes (pack_int4 / pack_int8 in torch), each part written
+    at its row offset into one weight (row counts that are not multiples of four, odd group counts, a row order as
+    for llama.cpp's permuted Q / K rows)."""
     from tokenspout.models.gguf_model import _q4k_blocks, q6k_rows
     from tokenspout.models.quantize import empty_packed, quantize_int8
 
@@ -114,16 +114,21 @@ def test_k_quant_conversions_in_c_equal_the_python_ones(lib):
         k4 = [_k_blocks(g, "Q4_K", r, supers) for r in parts]
         k6 = [_k_blocks(g, "Q6_K", r, supers) for r in parts]
         k6[0][0, 192:208] = 0  # a super-block of zero scales: all-zero groups
+        k5 = [_k_blocks(g, "Q5_K", r, supers) for r in parts]
+        k5[0][0, 4:16] = 0  # zero scales and mins
         orders = [g.permutation(r) for r in parts]
         n, k = sum(parts), supers * 256
         ref4 = pack_int4(*(torch.cat(x) for x in zip(*(_q4k_blocks(raw[o]) for raw, o in zip(k4, orders)))))
-        ref8 = quantize_int8(torch.cat([q6k_rows(raw[o]) for raw, o in zip(k6, orders)]))[0]
-        got4, got8 = empty_packed(n, k, cpu.WT_Q4), empty_packed(n, k, cpu.WT_Q8)
-        r4 = r8 = 0
-        for raw4, raw6, o in zip(k4, k6, orders):
+        ref6 = quantize_int8(torch.cat([q6k_rows(raw[o]) for raw, o in zip(k6, orders)]))[0]
+        ref5 = quantize_int8(torch.cat([torch.from_numpy(quants.dequantize(raw[o], GGMLQuantizationType.Q5_K))
+                                        for raw, o in zip(k5, orders)]).view(n, k))[0]
+        got4, got6, got5 = (empty_packed(n, k, wt) for wt in (cpu.WT_Q4, cpu.WT_Q8, cpu.WT_Q8))
+        r4 = r6 = r5 = 0
+        for raw4, raw6, raw5, o in zip(k4, k6, k5, orders):
             r4 += cpu.q4k_into(lib, raw4, o, k, r4, got4.codes, got4.scale, got4.min)
-            r8 += cpu.q6k_into(lib, raw6, o, k, r8, got8.codes, got8.scale)
-        assert r4 == r8 == n and same(got4, ref4) and same(got8, ref8)
+            r6 += cpu.k_int8_into(lib, "Q6_K", raw6, o, k, r6, got6.codes, got6.scale)
+            r5 += cpu.k_int8_into(lib, "Q5_K", raw5, o, k, r5, got5.codes, got5.scale)
+        assert r4 == r6 == r5 == n and same(got4, ref4) and same(got6, ref6) and same(got5, ref5)
     for n, groups in ((5, 3), (8, 4), (3, 1), (12, 7)):
         q = torch.from_numpy(g.integers(0, 16, size=(n, groups, 32), dtype=np.uint8))
         d = torch.from_numpy(g.standard_normal((n, groups)).astype(np.float16))
@@ -133,6 +138,44 @@ def test_k_quant_conversions_in_c_equal_the_python_ones(lib):
         assert same(pack_int8(q8, d, lib), pack_int8(q8, d))
     with pytest.raises(ValueError, match="row order out of range"):
         cpu.q4k_into(lib, k4[0], np.array([0, 99]), k, 0, got4.codes, got4.scale, got4.min)
+
+
+def test_int8_layer_of_exact_and_k_quant_parts(tmp_path: Path, lib):
+    """Where the kernels run, a fused layer of exact int8 parts and Q5_K / Q6_K parts (a Q5_K_M file's Q8_0 / Q5_0 q,
+    Q5_K k, Q6_K v) is int8 part by part, with int4 or int8 asked: the exact part keeps the file's values, the
+    K-quant parts are their dequantized values quantized to int8 (they were all re-quantized from floats, the exact
+    part too)."""
+    from tokenspout.models.gguf_model import q6k_rows
+    from tokenspout.models.quantize import quantize_int8
+
+    g = np.random.default_rng(8)
+    path = tmp_path / "int8.gguf"
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_head_count(2)
+    w.add_head_count_kv(2)
+    x = (g.standard_normal((8, 512)) * 0.05).astype(np.float32)
+    raws = {"q": (quants.quantize(x, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0),
+            "k": (_k_blocks(g, "Q5_K", 8, 2), GGMLQuantizationType.Q5_K),
+            "v": (_k_blocks(g, "Q6_K", 4, 2), GGMLQuantizationType.Q6_K)}
+    for name, (raw, kind) in raws.items():
+        w.add_tensor(f"blk.0.attn_{name}.weight", raw, raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ck = GGUFCheckpoint(path)
+    names = [f"layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
+    q_vals = ck.get(names[0])  # the file's values (un-permuted)
+    k_vals = ck.get(names[1])
+    v_vals = q6k_rows(raws["v"][0])
+    for method in ("int4", "int8"):
+        pw = ck.packed(names, method, lib)
+        assert pw is not None and pw.wt == cpu.WT_Q8 and pw.tail is None and pw.n == 20
+        got = dequantize(pw)
+        assert torch.equal(got[:8], q_vals)
+        assert torch.equal(got[8:16], dequantize(quantize_int8(k_vals)[0]))
+        assert torch.equal(got[16:], dequantize(quantize_int8(v_vals)[0]))
 
 
 @pytest.mark.parametrize("kernels", [False, True])

@@ -106,6 +106,24 @@ def test_cached_load_is_bit_identical(tiny_model, cache, method, dtype, monkeypa
     assert all(p % 64 == 0 for p in ptrs)
 
 
+def test_deferred_cache_write(tiny_model, cache, monkeypatch):
+    """A server's first start (load_model(defer_cache_write=True)) returns before the cache file is written: the
+    write is LoadedModel.write_cache, which the engine runs once it is ready; a temporary file a killed writer left
+    is removed by it; the next start maps the file (nothing left to write) with the same weights."""
+    cfg = ModelConfig(model=str(tiny_model), quantization="int4")
+    fresh = load_model(cfg, defer_cache_write=True)
+    assert fresh.write_cache is not None and _cache_files(cache) == []
+    prefix = next(cache.glob(".*lock")).name.removeprefix(".").removesuffix("lock")
+    stale = cache / f".{prefix}{'0' * 16}.safetensors.4242.tmp"
+    stale.write_bytes(b"half a file")
+    fresh.write_cache()
+    assert len(_cache_files(cache)) == 1 and not stale.exists()
+    _no_quantizing(monkeypatch)
+    cached = load_model(cfg, defer_cache_write=True)
+    assert cached.write_cache is None
+    _assert_identical(fresh, cached)
+
+
 @pytest.mark.skipif(cpu.load() is None, reason="a weight of two formats exists only where the kernels run")
 def test_weight_of_two_formats_round_trips_the_cache(tiny_model, cache, monkeypatch):
     """A fused weight of two formats (int4 rows, then an int8 tail: a GGUF file's Q4_K q / k and Q6_K v) is cached

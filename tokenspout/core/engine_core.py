@@ -27,14 +27,17 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, defer_cache_write: bool = False):
+        """defer_cache_write: see load_model (EngineCoreProc writes the file once it is ready)."""
         config.validate()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        self.loaded = loaded or load_model(config.model)
-        self.max_model_len = self.loaded.max_model_len
         spec = config.speculative
+        # (not with a separate draft model: one of the same folder would wait on the cache lock the write holds)
+        defer = defer_cache_write and not (spec.method == "draft" and spec.draft_model)
+        self.loaded = loaded or load_model(config.model, defer)
+        self.max_model_len = self.loaded.max_model_len
         self._tokenizer = None  # the HF tokenizer, for grammars: loaded by warm_up() or the first grammar request
         self._tokenizer_lock = threading.Lock()
         # The grammar manager is made on the first grammar request; its tokenizer is loaded by warm_up().

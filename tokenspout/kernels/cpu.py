@@ -163,9 +163,10 @@ def _load(isa: str) -> ctypes.CDLL | None:
     lib.ts_quantize_q4.restype = None
     lib.ts_q4k_to_q4.argtypes = [vp, vp, i64, i64, i64, vp, vp, vp]
     lib.ts_q6k_to_q8.argtypes = [vp, vp, i64, i64, i64, vp, vp]
+    lib.ts_q5k_to_q8.argtypes = [vp, vp, i64, i64, i64, vp, vp]
     lib.ts_pack_q8.argtypes = [vp, vp, i64, i64, i64, vp, vp]
     lib.ts_pack_q4.argtypes = [vp, vp, vp, i64, i64, i64, vp, vp, vp]
-    for f in (lib.ts_q4k_to_q4, lib.ts_q6k_to_q8, lib.ts_pack_q8, lib.ts_pack_q4):
+    for f in (lib.ts_q4k_to_q4, lib.ts_q6k_to_q8, lib.ts_q5k_to_q8, lib.ts_pack_q8, lib.ts_pack_q4):
         f.restype = None
     return lib
 
@@ -246,12 +247,13 @@ def q4k_into(lib, raw, order, k: int, r0: int, codes: torch.Tensor, scale: torch
     return n
 
 
-def q6k_into(lib, raw, order, k: int, r0: int, codes: torch.Tensor, scale: torch.Tensor) -> int:
-    """Q6_K super-blocks (rows [R, k / 256 * 210]) -> rows r0.. of a packed int8 weight: gguf_model.q6k_rows'
-    values quantized as quantize_q8, in one pass in C."""
-    raw, order, n = _rows_arg(raw, order, 210, k)
-    lib.ts_q6k_to_q8(raw.ctypes.data, None if order is None else order.ctypes.data, n, k, r0, codes.data_ptr(),
-                     scale.data_ptr())
+def k_int8_into(lib, kind: str, raw, order, k: int, r0: int, codes: torch.Tensor, scale: torch.Tensor) -> int:
+    """Q6_K or Q5_K super-blocks (rows [R, k / 256 * 210 or 176]) -> rows r0.. of a packed int8 weight: the values
+    the gguf package's dequantization gives (gguf_model.q6k_rows: its Q6_K steps), quantized as quantize_q8, in one
+    pass in C.  Returns the rows written."""
+    size, fn = {"Q6_K": (210, lib.ts_q6k_to_q8), "Q5_K": (176, lib.ts_q5k_to_q8)}[kind]
+    raw, order, n = _rows_arg(raw, order, size, k)
+    fn(raw.ctypes.data, None if order is None else order.ctypes.data, n, k, r0, codes.data_ptr(), scale.data_ptr())
     return n
 
 

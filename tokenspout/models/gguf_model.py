@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import mmap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
-from tokenspout.kernels.cpu import WT_Q4, WT_Q8, pack_into, q4k_into, q6k_into
+from tokenspout.kernels.cpu import WT_Q4, WT_Q8, k_int8_into, pack_into, q4k_into
 from tokenspout.models.gguf_file import architecture, field, open_reader
 from tokenspout.models.quantize import GROUP, PackedWeight, empty_packed, pack_int4, pack_int8
 
@@ -33,6 +34,10 @@ _EXACT = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q5_0": "int8", "Q8_0"
 # Types kept at more than 4 bits (llama.cpp's _M / _L mixes keep some tensors at Q5 / Q6 / Q8 on purpose): asked for
 # int4, such a tensor is served as int8 instead, re-quantized from its dequantized values.
 _WIDER = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_K")
+# Types the C kernels dequantize and quantize to int8 in one pass (csrc/quant_cpu.c), with the values of the gguf
+# package's dequantization quantized by quantize_int8: a layer of these and exact int8 types is converted part by
+# part (the exact parts keep their values), no float rows in between
+_C_INT8 = ("Q5_K", "Q6_K")
 
 
 def _gguf_name(name: str) -> str:
@@ -136,10 +141,12 @@ class GGUFCheckpoint:
         keeps each part's format when the 4-bit parts come first: one weight of two formats (PackedWeight.tail);
         otherwise it is int8 as a whole (forcing the 6-bit v onto int4 moved the 1.7B shape's logits 10x more
         than int8 does); None: quantize the dequantized values as `method` asks.  lib: the C kernels, which then
-        quantize what is re-quantized here (quantize.quantizer)."""
+        quantize what is re-quantized here (quantize.quantizer), and convert a layer of Q5_K / Q6_K and exact int8
+        parts to int8 part by part when int4 or int8 is asked (_C_INT8)."""
         kinds = [self.type_name(n) for n in names]
-        if lib is not None and all(k == "Q6_K" for k in kinds):  # (a Q4_K_M file's head, half its v and ffn_down)
-            return self._convert(names, "int8", lib)
+        if lib is not None and method in ("int4", "int8") and all(k in _C_INT8 or _EXACT.get(k) == "int8"
+                                                                  for k in kinds):
+            return self._convert(names, "int8", lib)  # (a Q4_K_M file's head, half its v and ffn_down; Q5_K_M's)
         formats = {_EXACT.get(k) for k in kinds}
         if len(formats) != 1 or None in formats:  # not every part converts directly, or not to one format
             wide = [k in _WIDER or _EXACT.get(k) == "int8" for k in kinds]
@@ -155,9 +162,11 @@ class GGUFCheckpoint:
             from tokenspout.models.quantize import quantize_rows, quantizer
 
             return quantize_rows([self.rows(n) for n in names], quantizer("int8", lib))
-        return self._convert(names, formats.pop(), lib)
+        fmt = formats.pop()
+        assert fmt is not None  # (checked above)
+        return self._convert(names, fmt, lib)
 
-    def _blocks(self, name: str) -> tuple[object, np.ndarray, np.ndarray | None]:
+    def _blocks(self, name: str) -> tuple[Any, np.ndarray, np.ndarray | None]:
         """(tensor, its rows of blocks [rows, bytes] as the file holds them, HF's row order or None)"""
         t = self._tensor(name)
         rows = int(t.shape[1]) if len(t.shape) > 1 else 1
@@ -182,9 +191,10 @@ class GGUFCheckpoint:
             t, raw, order = self._blocks(n)
             kind = t.tensor_type.name
             if kind == "Q4_K":
+                assert pw.min is not None  # (an int4 weight's)
                 r0 += q4k_into(lib, raw, order, k, r0, pw.codes, pw.scale, pw.min)
-            elif kind == "Q6_K":
-                r0 += q6k_into(lib, raw, order, k, r0, pw.codes, pw.scale)
+            elif kind in _C_INT8:
+                r0 += k_int8_into(lib, kind, raw, order, k, r0, pw.codes, pw.scale)
             else:
                 q, d, m = _blocks_of(kind, raw if order is None else raw[order], k)
                 pack_into(lib, q, d, m if fmt == "int4" else None, r0, pw.codes, pw.scale, pw.min)

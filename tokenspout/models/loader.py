@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,6 +39,8 @@ class LoadedModel:
     # packed codes for the kernels when ModelConfig.quantization is set (the model's linear layers are then
     # QuantLinear modules over them where the kernels run, else hold the dequantized weights)
     quantized: dict | None = None  # module name -> models.quantize.PackedWeight
+    # load_model(defer_cache_write=True): the quantized-weights cache file still to write (quant_cache), or None
+    write_cache: Callable[[], None] | None = None
 
 
 def resolve_dtype(dtype: str) -> torch.dtype:
@@ -117,7 +120,9 @@ def rope_inv_freq(hf, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv_freq, float(scaling)
 
 
-def load_model(cfg: ModelConfig) -> LoadedModel:
+def load_model(cfg: ModelConfig, defer_cache_write: bool = False) -> LoadedModel:
+    """defer_cache_write: a first start's quantized-weights cache file is left to LoadedModel.write_cache (the
+    engine process writes it once it is ready) instead of being written before this returns."""
     path, name = resolve_model_path(cfg.model)
     hf = load_hf_config(path)
     arch = LlamaArch.from_hf(hf)
@@ -145,7 +150,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         load_weights(model, read_state_dict(path, arch))
         return finish(model)
 
-    quantized = None
+    quantized, write_cache = None, None
     if cfg.quantization is None:
         model = fresh()
     else:
@@ -164,7 +169,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
             # 16-bit weights only pay through the kernels; without them the float model computes with the same
             # values (a bf16 / fp16 checkpoint's weights are exact in float32)
             logger.info("--quantization %s needs the C kernels (off here): float weights", method)
-            return load_model(dataclasses.replace(cfg, quantization=None))
+            return load_model(dataclasses.replace(cfg, quantization=None), defer_cache_write)
 
         def build() -> tuple[LlamaForCausalLM, dict]:
             """Where the kernels run: linear layers that keep only their packed weights, quantized one at a time
@@ -175,8 +180,9 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
             return m, quantize_model(m, method)
 
         files = [*weight_files(path), path / "config.json"]
-        model, quantized = load_or_quantize(meta_model, path, files, method, dtype, build, lib)
+        model, quantized, write_cache = load_or_quantize(meta_model, path, files, method, dtype, build, lib,
+                                                         defer_write=defer_cache_write)
         if model.rotary is None:  # loaded from the cache
             model = finish(model)
     return LoadedModel(model=model, path=path, name=cfg.served_model_name or name, arch=arch,
-                       hf_config=hf, max_model_len=max_len, dtype=dtype, quantized=quantized)
+                       hf_config=hf, max_model_len=max_len, dtype=dtype, quantized=quantized, write_cache=write_cache)

@@ -11,7 +11,9 @@ writer aligns to 8): the model reads misaligned weights slower (48-token prefill
 misaligned, 227 ms aligned).
 
 Writers quantize under a file lock and write a temporary file that is renamed into place, so a reader never sees
-half a file and two processes starting at once quantize once.  A file that cannot be read or does not match the
+half a file and two processes starting at once quantize once.  A server writes the file after it is ready
+(load_or_quantize's defer_write): on this VM buffered writes run at ~0.4 GB/s, so writing the 8B shape's 4.7 GB
+took 20-23 s of its first start, the 1.7B's 1.2 GB 3.5 s.  A file that cannot be read or does not match the
 model (truncated, foreign, stale) is deleted and rebuilt; any failure to write the cache only costs the next start
 its time.  Deleting the folder is always safe.
 """
@@ -152,6 +154,8 @@ def save(file: Path, key: dict, model: LlamaForCausalLM, packed: dict[str, Packe
     # [n, k, wt] (+ [tail rows, tail wt] for a weight of two formats)
     meta = {"key": json.dumps(key), "packed": json.dumps({
         n: [pw.n, pw.k, pw.wt] + ([pw.tail.n, pw.tail.wt] if pw.tail is not None else []) for n, pw in packed.items()})}
+    for stale in file.parent.glob(f".{_prefix(file)}*.tmp"):  # a writer killed mid-way (we hold the lock now)
+        stale.unlink(missing_ok=True)
     tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")  # unique: writers hold the lock
     try:
         write_aligned(tmp, tensors, meta)
@@ -196,31 +200,47 @@ def _prefix(file: Path) -> str:
 
 
 def load_or_quantize(model: LlamaForCausalLM, model_dir: Path, files: list[Path], method: str, dtype: torch.dtype,
-                     build: Callable[[], tuple[LlamaForCausalLM, dict[str, PackedWeight]]],
-                     lib=None) -> tuple[LlamaForCausalLM, dict[str, PackedWeight]]:
-    """The quantized model and its packed weights: from the cache, else `build()` (the model quantized from the
-    folder's weights in `dtype`), then cached.  `model`: the model built on the meta device; `lib`: the C kernels,
-    when they run here (the linear layers then hold only their packed weights)."""
+                     build: Callable[[], tuple[LlamaForCausalLM, dict[str, PackedWeight]]], lib=None,
+                     defer_write: bool = False
+                     ) -> tuple[LlamaForCausalLM, dict[str, PackedWeight], Callable[[], None] | None]:
+    """The quantized model, its packed weights and the cache write still to do: from the cache, else `build()` (the
+    model quantized from the folder's weights in `dtype`), then cached.  `model`: the model built on the meta
+    device; `lib`: the C kernels, when they run here (the linear layers then hold only their packed weights).
+    defer_write: return the write of a fresh cache file as a callable (None when there is none) instead of doing
+    it; the lock stays held until it has run, so a second process starting meanwhile waits, then maps the file."""
     key = cache_key(files, method, dtype, packed_only=lib is not None)
     file = cache_file(model_dir, key)
     hit = load(file, key, model, dtype, lib)
     if hit is not None:
-        return hit
+        return *hit, None
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         lock = open(file.parent / f".{_prefix(file)}lock", "w")  # noqa: SIM115 - held across the quantization
     except OSError as e:
         logger.warning("cannot use the quantized-weights cache in %s (%s): quantizing without it", file.parent, e)
-        return build()
-    with lock:
+        return *build(), None
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits here, then finds the file written
         hit = load(file, key, model, dtype, lib, discard=True)
-        if hit is not None:
-            return hit
-        m, packed = build()
+        built = build() if hit is None else hit
+    except BaseException:
+        lock.close()
+        raise
+    if hit is not None:
+        lock.close()
+        return *hit, None
+    m, packed = built
+
+    def write() -> None:
         try:
             save(file, key, m, packed)
             logger.info("cached the %s weights in %s", method, file)
         except OSError as e:
             logger.warning("could not write the quantized-weights cache %s: %s", file, e)
-    return m, packed
+        finally:
+            lock.close()
+
+    if defer_write:
+        return m, packed, write
+    write()
+    return m, packed, None

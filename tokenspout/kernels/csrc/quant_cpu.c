@@ -133,6 +133,12 @@ static inline float half_at(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
+/* The 6-bit scale and min of sub-block j (0..7) from Q4_K's / Q5_K's twelve bytes (the gguf package's get_scale_min) */
+static inline void scale_min_k4(const uint8_t *sc, int j, int *s6, int *m6) {
+    *s6 = j < 4 ? sc[j] & 63 : (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4);
+    *m6 = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+}
+
 /* Q4_K (144 bytes: float16 d and dmin, twelve bytes of 6-bit scales and mins, 128 bytes of nibbles) -> int4 groups
  * of 32 with the file's codes, scale = half(d * sc) and min = half(-dmin * m) (gguf_model._q4k_blocks). */
 void ts_q4k_to_q4(const uint8_t *raw, const int64_t *order, int64_t rows, int64_t k, int64_t r0, uint8_t *codes,
@@ -144,8 +150,8 @@ void ts_q4k_to_q4(const uint8_t *raw, const int64_t *order, int64_t rows, int64_
             const uint8_t *b = raw + ((order ? order[i] : i) * S + s) * 144, *sc = b + 4, *qs = b + 16;
             const float d = half_at(b), dmin = half_at(b + 2);
             for (int j = 0; j < 8; j++) {
-                const int s6 = j < 4 ? sc[j] & 63 : (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4);
-                const int m6 = j < 4 ? sc[j + 4] & 63 : (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+                int s6, m6;
+                scale_min_k4(sc, j, &s6, &m6);
                 /* sub-block j: the low (j even) or high nibbles of the 32 bytes of chunk j / 2 */
                 uint8_t c[32];
                 for (int t = 0; t < 32; t++) c[t] = j % 2 ? qs[(j / 2) * 32 + t] >> 4 : qs[(j / 2) * 32 + t] & 15;
@@ -179,6 +185,36 @@ void ts_q6k_to_q8(const uint8_t *raw, const int64_t *order, int64_t rows, int64_
                 uint16_t h;
                 q8_group(w + g * 32, c, &h);
                 put_q8(codes, scale, r0 + i, s * 8 + g, G, c, h);
+            }
+        }
+}
+
+/* Q5_K (176 bytes: float16 d and dmin, twelve bytes of 6-bit scales and mins, 32 bytes of fifth bits, 128 bytes of
+ * nibbles) -> dequantized as the gguf package does ((d * sc) * q - dmin * m, float32, no fused multiply-add: hence
+ * fp-contract off), then int8 per group of 32 as ts_quantize_q8 (a Q5_K_M file's tensors). */
+__attribute__((optimize("fp-contract=off")))
+void ts_q5k_to_q8(const uint8_t *raw, const int64_t *order, int64_t rows, int64_t k, int64_t r0, int8_t *codes,
+                  uint16_t *scale) {
+    const int64_t S = k / 256, G = k / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t s = 0; s < S; s++) {
+            const uint8_t *b = raw + ((order ? order[i] : i) * S + s) * 176, *sc = b + 4, *qh = b + 16, *qs = b + 48;
+            const float d = half_at(b), dmin = half_at(b + 2);
+            for (int j = 0; j < 8; j++) { /* sub-block j: nibbles (low: j even) of bytes 32 (j / 2).., bit j of qh */
+                int s6, m6;
+                scale_min_k4(sc, j, &s6, &m6);
+                const float ds = d * (float)s6, dm = dmin * (float)m6;
+                float w[32];
+                for (int l = 0; l < 32; l++) {
+                    const int q = ((qs[(j / 2) * 32 + l] >> (4 * (j % 2))) & 15) | (((qh[l] >> j) & 1) << 4);
+                    const float p = ds * (float)q;
+                    w[l] = p - dm;
+                }
+                int8_t c[32];
+                uint16_t h;
+                q8_group(w, c, &h);
+                put_q8(codes, scale, r0 + i, s * 8 + j, G, c, h);
             }
         }
 }
