@@ -140,6 +140,21 @@ def test_k_quant_conversions_in_c_equal_the_python_ones(lib):
         cpu.q4k_into(lib, k4[0], np.array([0, 99]), k, 0, got4.codes, got4.scale, got4.min)
 
 
+def _attention_gguf(path: Path, raws: dict) -> Path:
+    """A one-layer llama GGUF (two heads) holding blk.0.attn_{q,k,v}.weight as raws[name] = (rows of blocks, type)."""
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_head_count(2)
+    w.add_head_count_kv(2)
+    for name, (raw, kind) in raws.items():
+        w.add_tensor(f"blk.0.attn_{name}.weight", raw, raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
 def test_int8_layer_of_exact_and_k_quant_parts(tmp_path: Path, lib):
     """Where the kernels run, a fused layer of exact int8 parts and Q5_K / Q6_K parts (a Q5_K_M file's Q8_0 / Q5_0 q,
     Q5_K k, Q6_K v) is int8 part by part, with int4 or int8 asked: the exact part keeps the file's values, the
@@ -149,22 +164,11 @@ def test_int8_layer_of_exact_and_k_quant_parts(tmp_path: Path, lib):
     from tokenspout.models.quantize import quantize_int8
 
     g = np.random.default_rng(8)
-    path = tmp_path / "int8.gguf"
-    w = GGUFWriter(str(path), "llama")
-    w.add_block_count(1)
-    w.add_head_count(2)
-    w.add_head_count_kv(2)
     x = (g.standard_normal((8, 512)) * 0.05).astype(np.float32)
     raws = {"q": (quants.quantize(x, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0),
             "k": (_k_blocks(g, "Q5_K", 8, 2), GGMLQuantizationType.Q5_K),
             "v": (_k_blocks(g, "Q6_K", 4, 2), GGMLQuantizationType.Q6_K)}
-    for name, (raw, kind) in raws.items():
-        w.add_tensor(f"blk.0.attn_{name}.weight", raw, raw_dtype=kind)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    ck = GGUFCheckpoint(path)
+    ck = GGUFCheckpoint(_attention_gguf(tmp_path / "int8.gguf", raws))
     names = [f"layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
     q_vals = ck.get(names[0])  # the file's values (un-permuted)
     k_vals = ck.get(names[1])
@@ -187,20 +191,10 @@ def test_fused_layer_of_two_formats(tmp_path: Path, kernels: bool):
     from tokenspout.kernels.cpu import WT_Q4, WT_Q8
 
     g = np.random.default_rng(5)
-    path = tmp_path / "mixed.gguf"
-    w = GGUFWriter(str(path), "llama")
-    w.add_block_count(1)
-    w.add_head_count(2)
-    w.add_head_count_kv(2)
-    raws = {"q": _k_blocks(g, "Q4_K", 8, 2), "k": _k_blocks(g, "Q4_K", 8, 2), "v": _k_blocks(g, "Q6_K", 6, 2)}
-    for name, raw in raws.items():
-        w.add_tensor(f"blk.0.attn_{name}.weight", raw, raw_dtype=GGMLQuantizationType.Q6_K if name == "v"
-                     else GGMLQuantizationType.Q4_K)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    ck = GGUFCheckpoint(path)
+    q4k, q6k = GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K
+    raws = {"q": (_k_blocks(g, "Q4_K", 8, 2), q4k), "k": (_k_blocks(g, "Q4_K", 8, 2), q4k),
+            "v": (_k_blocks(g, "Q6_K", 6, 2), q6k)}
+    ck = GGUFCheckpoint(_attention_gguf(tmp_path / "mixed.gguf", raws))
     names = [f"layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
     ref = torch.cat([ck.get(n) for n in names])
     lib = cpu.load() if kernels else None

@@ -160,26 +160,49 @@ void ts_q4k_to_q4(const uint8_t *raw, const int64_t *order, int64_t rows, int64_
         }
 }
 
-/* Q6_K (210 bytes: 128 bytes of low nibbles, 64 of high 2-bit pairs, sixteen int8 scales, float16 d) -> dequantized
- * as gguf_model.q6k_rows ((d * scale) * (q - 32), float32), then int8 per group of 32 as ts_quantize_q8. */
-void ts_q6k_to_q8(const uint8_t *raw, const int64_t *order, int64_t rows, int64_t k, int64_t r0, int8_t *codes,
-                  uint16_t *scale) {
+/* Q6_K (210 bytes: 128 bytes of low nibbles, 64 of high 2-bit pairs, sixteen int8 scales, float16 d) -> its 256
+ * values as gguf_model.q6k_rows computes them: (d * scale) * (q - 32) in float32. */
+static void q6k_values(const uint8_t *b, float *w) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = half_at(b + 208);
+    for (int h = 0; h < 2; h++)     /* halves of 128 weights */
+        for (int c = 0; c < 4; c++) /* chunks of 32: low nibbles of ql 0..31 / 32..63, then the high ones */
+            for (int l = 0; l < 32; l++) {
+                const int lo = (ql[h * 64 + (c % 2) * 32 + l] >> (4 * (c / 2))) & 15;
+                const int hi = (qh[h * 32 + l] >> (2 * c)) & 3;
+                const int e = h * 128 + c * 32 + l;
+                w[e] = (d * (float)sc[e / 16]) * (float)((lo | (hi << 4)) - 32);
+            }
+}
+
+/* Q5_K (176 bytes: float16 d and dmin, twelve bytes of 6-bit scales and mins, 32 bytes of fifth bits, 128 bytes of
+ * nibbles) -> its 256 values as the gguf package computes them: (d * sc) * q - dmin * m in float32, the product
+ * rounded before the subtraction (no fused multiply-add: hence fp-contract off). */
+__attribute__((optimize("fp-contract=off"))) static void q5k_values(const uint8_t *b, float *w) {
+    const uint8_t *sc = b + 4, *qh = b + 16, *qs = b + 48;
+    const float d = half_at(b), dmin = half_at(b + 2);
+    for (int j = 0; j < 8; j++) { /* sub-block j: nibbles (low: j even) of bytes 32 (j / 2).., bit j of qh */
+        int s6, m6;
+        scale_min_k4(sc, j, &s6, &m6);
+        const float ds = d * (float)s6, dm = dmin * (float)m6;
+        for (int l = 0; l < 32; l++) {
+            const int q = ((qs[(j / 2) * 32 + l] >> (4 * (j % 2))) & 15) | (((qh[l] >> j) & 1) << 4);
+            const float p = ds * (float)q;
+            w[j * 32 + l] = p - dm;
+        }
+    }
+}
+
+/* Super-blocks of `size` bytes -> their values (`values`), then int8 per group of 32 as ts_quantize_q8. */
+static void k_to_q8(const uint8_t *raw, const int64_t *order, int64_t rows, int64_t k, int64_t r0, int8_t *codes,
+                    uint16_t *scale, int64_t size, void (*values)(const uint8_t *, float *)) {
     const int64_t S = k / 256, G = k / 32;
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < rows; i++)
         for (int64_t s = 0; s < S; s++) {
-            const uint8_t *b = raw + ((order ? order[i] : i) * S + s) * 210, *ql = b, *qh = b + 128;
-            const int8_t *sc = (const int8_t *)(b + 192);
-            const float d = half_at(b + 208);
             float w[256];
-            for (int h = 0; h < 2; h++)     /* halves of 128 weights */
-                for (int c = 0; c < 4; c++) /* chunks of 32: low nibbles of ql 0..31 / 32..63, then the high ones */
-                    for (int l = 0; l < 32; l++) {
-                        const int lo = (ql[h * 64 + (c % 2) * 32 + l] >> (4 * (c / 2))) & 15;
-                        const int hi = (qh[h * 32 + l] >> (2 * c)) & 3;
-                        const int e = h * 128 + c * 32 + l;
-                        w[e] = (d * (float)sc[e / 16]) * (float)((lo | (hi << 4)) - 32);
-                    }
+            values(raw + ((order ? order[i] : i) * S + s) * size, w);
             for (int g = 0; g < 8; g++) {
                 int8_t c[32];
                 uint16_t h;
@@ -189,32 +212,13 @@ void ts_q6k_to_q8(const uint8_t *raw, const int64_t *order, int64_t rows, int64_
         }
 }
 
-/* Q5_K (176 bytes: float16 d and dmin, twelve bytes of 6-bit scales and mins, 32 bytes of fifth bits, 128 bytes of
- * nibbles) -> dequantized as the gguf package does ((d * sc) * q - dmin * m, float32, no fused multiply-add: hence
- * fp-contract off), then int8 per group of 32 as ts_quantize_q8 (a Q5_K_M file's tensors). */
-__attribute__((optimize("fp-contract=off")))
+/* Q6_K / Q5_K (a Q4_K_M file's head, half its v and ffn_down; most of a Q5_K_M file) -> int8 */
+void ts_q6k_to_q8(const uint8_t *raw, const int64_t *order, int64_t rows, int64_t k, int64_t r0, int8_t *codes,
+                  uint16_t *scale) {
+    k_to_q8(raw, order, rows, k, r0, codes, scale, 210, q6k_values);
+}
+
 void ts_q5k_to_q8(const uint8_t *raw, const int64_t *order, int64_t rows, int64_t k, int64_t r0, int8_t *codes,
                   uint16_t *scale) {
-    const int64_t S = k / 256, G = k / 32;
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < rows; i++)
-        for (int64_t s = 0; s < S; s++) {
-            const uint8_t *b = raw + ((order ? order[i] : i) * S + s) * 176, *sc = b + 4, *qh = b + 16, *qs = b + 48;
-            const float d = half_at(b), dmin = half_at(b + 2);
-            for (int j = 0; j < 8; j++) { /* sub-block j: nibbles (low: j even) of bytes 32 (j / 2).., bit j of qh */
-                int s6, m6;
-                scale_min_k4(sc, j, &s6, &m6);
-                const float ds = d * (float)s6, dm = dmin * (float)m6;
-                float w[32];
-                for (int l = 0; l < 32; l++) {
-                    const int q = ((qs[(j / 2) * 32 + l] >> (4 * (j % 2))) & 15) | (((qh[l] >> j) & 1) << 4);
-                    const float p = ds * (float)q;
-                    w[l] = p - dm;
-                }
-                int8_t c[32];
-                uint16_t h;
-                q8_group(w, c, &h);
-                put_q8(codes, scale, r0 + i, s * 8 + j, G, c, h);
-            }
-        }
+    k_to_q8(raw, order, rows, k, r0, codes, scale, 176, q5k_values);
 }
