@@ -204,9 +204,10 @@ def test_c_quantizer_equals_the_torch_quantizer(lib, fmt):
     w[4, :32] = torch.arange(32) * 0.5 - 8.0  # exact halves: ties in q = w / scale
     w[5, 64:96] = -torch.arange(32) / 15.0
     fast, ref = quantizer(fmt, lib), QUANTIZERS[fmt]
-    mine, want = fast(w)[0], ref(w)[0]
-    chunked = quantize_rows([w[:37], w[37:]], fast, chunk=8)
-    for got in (mine, chunked):
+    wb = w.bfloat16()  # a bf16 checkpoint's rows: the C quantizers read them without a float32 copy
+    cases = [(fast(w)[0], ref(w)[0]), (quantize_rows([w[:37], w[37:]], fast, chunk=8), ref(w)[0]),
+             (fast(wb)[0], ref(wb.float())[0]), (quantize_rows([wb[:37], wb[37:]], fast, chunk=8), ref(wb.float())[0])]
+    for got, want in cases:
         assert (got.n, got.k, got.wt) == (want.n, want.k, want.wt)
         for f in ("codes", "scale", "min"):
             a, b = getattr(got, f), getattr(want, f)

@@ -169,9 +169,9 @@ def _load(isa: str) -> ctypes.CDLL | None:
     lib.ts_sample_rows_warped.restype = None
     lib.ts_sample_rows_mirostat.argtypes = [vp, i64, i64, vp, i64, vp, vp, vp, i64, vp, vp, vp, vp]
     lib.ts_sample_rows_mirostat.restype = None
-    lib.ts_quantize_q8.argtypes = [vp, i64, i64, vp, vp]
+    lib.ts_quantize_q8.argtypes = [vp, i64, i64, ctypes.c_int, vp, vp]
     lib.ts_quantize_q8.restype = None
-    lib.ts_quantize_q4.argtypes = [vp, i64, i64, vp, vp, vp]
+    lib.ts_quantize_q4.argtypes = [vp, i64, i64, ctypes.c_int, vp, vp, vp]
     lib.ts_quantize_q4.restype = None
     lib.ts_q4k_to_q4.argtypes = [vp, vp, i64, i64, i64, vp, vp, vp]
     lib.ts_q6k_to_q8.argtypes = [vp, vp, i64, i64, i64, vp, vp]
@@ -210,29 +210,33 @@ def linear(lib, x: torch.Tensor, w, bias: torch.Tensor | None = None, out: torch
     return out
 
 
+def _rows_in(w: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(w as the C quantizers read it: bfloat16 as it is, anything else float32; contiguous, whether bfloat16)"""
+    bf16 = w.dtype == torch.bfloat16
+    return (w if bf16 else w.float()).contiguous(), int(bf16)
+
+
 def quantize_q8(lib, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] float32 -> (codes [N, K/32, 32] int8, scales [N, K/32] float16): models/quantize.py's quantize_int8
-    values, computed in C (csrc/quant_cpu.c)."""
-    w = w.float().contiguous()
+    """w [N, K] (float32, or bfloat16 read as it is) -> (codes [N, K/32, 32] int8, scales [N, K/32] float16):
+    models/quantize.py's quantize_int8 values, computed in C (csrc/quant_cpu.c)."""
+    w, bf16 = _rows_in(w)
     n, k = w.shape
     q = torch.empty(n, k // 32, 32, dtype=torch.int8)
     scale = torch.empty(n, k // 32, dtype=torch.float16)
-    lib.ts_quantize_q8(w.data_ptr(), n, k, q.data_ptr(), scale.data_ptr())
+    lib.ts_quantize_q8(w.data_ptr(), n, k, bf16, q.data_ptr(), scale.data_ptr())
     return q, scale
 
 
 def quantize_q4(lib, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w [N, K] float32 -> (codes [N, K/32, 32] uint8 in 0..15, scales, minimums [N, K/32] float16): quantize_int4's
+    """w [N, K] -> (codes [N, K/32, 32] uint8 in 0..15, scales, minimums [N, K/32] float16): quantize_int4's
     values, computed in C."""
-    w = w.float().contiguous()
+    w, bf16 = _rows_in(w)
     n, k = w.shape
     q = torch.empty(n, k // 32, 32, dtype=torch.uint8)
     scale = torch.empty(n, k // 32, dtype=torch.float16)
     lo = torch.empty(n, k // 32, dtype=torch.float16)
-    lib.ts_quantize_q4(w.data_ptr(), n, k, q.data_ptr(), scale.data_ptr(), lo.data_ptr())
+    lib.ts_quantize_q4(w.data_ptr(), n, k, bf16, q.data_ptr(), scale.data_ptr(), lo.data_ptr())
     return q, scale, lo
-
-
 
 def _rows_arg(raw, order, size: int, k: int):
     """(GGUF rows [rows, k / 256 * size] as a C-contiguous uint8 array, the row order as int64 or None, rows out)"""

@@ -206,7 +206,10 @@ def quantize_rows(parts: Sequence[RowSource], fn, dtype: torch.dtype = torch.flo
             if off == parts[i].shape[0]:
                 i, off = i + 1, 0
         w = torch.cat(rows) if len(rows) > 1 else rows[0]
-        pieces.append(fn(w.to(dtype).float())[0])
+        # bfloat16 rows in a float32 or bfloat16 model are what rounding them to the model dtype gives: every
+        # quantizer takes them as they are (the C ones read bfloat16 directly, with no float32 copy of the chunk)
+        exact = w.dtype == torch.bfloat16 and dtype in (torch.float32, torch.bfloat16)
+        pieces.append(fn(w if exact else w.to(dtype).float())[0])
     first = pieces[0]
     mins = None if first.min is None else torch.cat([p.min for p in pieces if p.min is not None])
     return PackedWeight(torch.cat([p.codes for p in pieces]), torch.cat([p.scale for p in pieces]), mins, n, k,

@@ -39,34 +39,45 @@ static inline void group_codes(const __m256 v[4], float lo, float s, float cmin,
     for (int t = 0; t < 32; t++) o[t] = (uint8_t)(int8_t)c[t];
 }
 
+/* A group's 32 weights as float32 from float32 or (bf16) bfloat16 input: a bfloat16 is the top half of its float32,
+ * so a checkpoint's bf16 rows are quantized as they are, with no float32 copy of each chunk (which cost ~5 s of the
+ * 1.7B shape's first start: fresh pages to fault in). */
+static inline void load_group(const void *w, int64_t i, int bf16, __m256 v[4]) {
+    for (int j = 0; j < 4; j++)
+        v[j] = bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(
+                          _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)w + i * 32 + 8 * j))), 16))
+                    : _mm256_loadu_ps((const float *)w + i * 32 + 8 * j);
+}
+
 /* int8 of one group of 32: scale = half(amax|w| / 127), q = round(w / scale) in [-127, 127] (0 where scale is 0) */
-static inline void q8_group(const float *p, int8_t *q, uint16_t *scale) {
+static inline void q8_group(const __m256 v[4], int8_t *q, uint16_t *scale) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    __m256 v[4], mx = _mm256_setzero_ps();
-    for (int j = 0; j < 4; j++) {
-        v[j] = _mm256_loadu_ps(p + 8 * j);
-        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
-    }
+    __m256 mx = _mm256_setzero_ps();
+    for (int j = 0; j < 4; j++) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
     const uint16_t h = to_half(hmax8(mx) / 127.0f);
     *scale = h;
     group_codes(v, 0.0f, _cvtsh_ss(h), -127.0f, 127.0f, (uint8_t *)q);
 }
 
-void ts_quantize_q8(const float *w, int64_t rows, int64_t k, int8_t *q, uint16_t *scale) {
+/* w: [rows, k] float32, or bfloat16 where bf16 is set */
+void ts_quantize_q8(const void *w, int64_t rows, int64_t k, int bf16, int8_t *q, uint16_t *scale) {
     const int64_t groups = rows * (k / 32);
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < groups; i++) q8_group(w + i * 32, q + i * 32, scale + i);
+    for (int64_t i = 0; i < groups; i++) {
+        __m256 v[4];
+        load_group(w, i, bf16, v);
+        q8_group(v, q + i * 32, scale + i);
+    }
 }
 
 /* int4: lo = half(min w), scale = half((max w - lo) / 15), q = round((w - lo) / scale) in [0, 15] (0 where scale is
  * 0); W = scale * q + lo */
-void ts_quantize_q4(const float *w, int64_t rows, int64_t k, uint8_t *q, uint16_t *scale, uint16_t *mins) {
+void ts_quantize_q4(const void *w, int64_t rows, int64_t k, int bf16, uint8_t *q, uint16_t *scale, uint16_t *mins) {
     const int64_t groups = rows * (k / 32);
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < groups; i++) {
-        const float *p = w + i * 32;
         __m256 v[4], mx, mn;
-        for (int j = 0; j < 4; j++) v[j] = _mm256_loadu_ps(p + 8 * j);
+        load_group(w, i, bf16, v);
         mx = _mm256_max_ps(_mm256_max_ps(v[0], v[1]), _mm256_max_ps(v[2], v[3]));
         mn = _mm256_min_ps(_mm256_min_ps(v[0], v[1]), _mm256_min_ps(v[2], v[3]));
         const uint16_t hl = to_half(hmin8(mn));
@@ -206,7 +217,9 @@ static void k_to_q8(const uint8_t *raw, const int64_t *order, int64_t rows, int6
             for (int g = 0; g < 8; g++) {
                 int8_t c[32];
                 uint16_t h;
-                q8_group(w + g * 32, c, &h);
+                __m256 v[4];
+                load_group(w, g, 0, v);
+                q8_group(v, c, &h);
                 put_q8(codes, scale, r0 + i, s * 8 + g, G, c, h);
             }
         }
