@@ -138,6 +138,8 @@ def test_k_quant_conversions_in_c_equal_the_python_ones(lib):
         assert same(pack_int8(q8, d, lib), pack_int8(q8, d))
     with pytest.raises(ValueError, match="row order out of range"):
         cpu.q4k_into(lib, k4[0], np.array([0, 99]), k, 0, got4.codes, got4.scale, got4.min)
+    with pytest.raises(ValueError, match="do not fit the packed weight"):  # (never a write past its end)
+        cpu.k_int8_into(lib, "Q6_K", k6[0], None, k, n, got6.codes, got6.scale)
 
 
 def _attention_gguf(path: Path, raws: dict) -> Path:

@@ -253,11 +253,19 @@ def _rows_arg(raw, order, size: int, k: int):
     return raw, order, order.size
 
 
+def _check_room(codes: torch.Tensor, r0: int, n: int, row_bytes: int) -> None:
+    """The packed weight whose codes are `codes` (row_bytes a row) has rows r0..r0 + n: the C writers store into raw
+    memory and must never pass its end."""
+    if r0 < 0 or (r0 + n + 3) // 4 * 4 * row_bytes > codes.numel() * codes.element_size():
+        raise ValueError(f"rows {r0}..{r0 + n} do not fit the packed weight")
+
+
 def q4k_into(lib, raw, order, k: int, r0: int, codes: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor) -> int:
     """Q4_K super-blocks (numpy uint8 rows [R, k / 256 * 144]; output row i is raw row order[i], or i) -> rows r0..
     of a packed int4 weight of K = k (codes / scale / mins: its tensors, quantize.PackedWeight's layout), with
     gguf_model._q4k_blocks' values; in C (csrc/quant_cpu.c).  Returns the rows written."""
     raw, order, n = _rows_arg(raw, order, 144, k)
+    _check_room(codes, r0, n, -(-k // 64) * 32)
     lib.ts_q4k_to_q4(raw.ctypes.data, None if order is None else order.ctypes.data, n, k, r0, codes.data_ptr(),
                      scale.data_ptr(), mins.data_ptr())
     return n
@@ -269,6 +277,7 @@ def k_int8_into(lib, kind: str, raw, order, k: int, r0: int, codes: torch.Tensor
     pass in C.  Returns the rows written."""
     size, fn = {"Q6_K": (210, lib.ts_q6k_to_q8), "Q5_K": (176, lib.ts_q5k_to_q8)}[kind]
     raw, order, n = _rows_arg(raw, order, size, k)
+    _check_room(codes, r0, n, k)
     fn(raw.ctypes.data, None if order is None else order.ctypes.data, n, k, r0, codes.data_ptr(), scale.data_ptr())
     return n
 
@@ -280,6 +289,7 @@ def pack_into(lib, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor | None
     n, groups = scale.shape
     assert q.shape == (n, groups, 32) and q.element_size() == 1 and scale.dtype == torch.float16
     q, scale = q.contiguous(), scale.contiguous()
+    _check_room(codes, r0, n, groups * 32 if lo is None else -(-groups // 2) * 32)
     if lo is None:
         lib.ts_pack_q8(q.data_ptr(), scale.data_ptr(), n, groups, r0, codes.data_ptr(), oscale.data_ptr())
     else:

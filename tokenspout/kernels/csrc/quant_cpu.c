@@ -5,8 +5,8 @@
  *   quantizes a 1.7B checkpoint spent ~20 s there; one pass in C per group of 32 takes ~1 ns a weight.
  *   Output: codes [rows, K/32, 32] (int8, or uint8 0..15), scales (and int4's minimums) [rows, K/32] float16.
  * - the kernels' packed layout written from those terms (quantize.py's pack_int8 / pack_int4), and a GGUF file's
- *   Q4_K / Q6_K blocks converted straight into it.
- * tests/unit/test_cpu_kernels.py compares each with the Python code it replaces. */
+ *   Q4_K / Q5_K / Q6_K blocks converted straight into it.
+ * tests/unit/test_cpu_kernels.py and test_gguf.py compare each with the Python code it replaces. */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
