@@ -40,7 +40,7 @@ def test_q4_k_converts_to_int4_within_float16_rounding():
     raw[..., 0:4] = (g.standard_normal((rows, supers, 2)) * 0.01).astype(np.float16).view(np.uint8).reshape(rows, supers, 4)
     raw = raw.reshape(rows, -1)
     ref = quants.dequantize(raw, GGMLQuantizationType.Q4_K).reshape(rows, supers * 256)
-    q, d, m = _blocks_of("Q4_K", raw, supers * 256)
+    q, d, m = _blocks_of("Q4_K", raw)
     got = dequantize(pack_int4(q, d, m)).numpy()
     groups = np.abs(ref).reshape(rows, -1, 32).max(-1, keepdims=True)
     assert (np.abs(got - ref).reshape(rows, -1, 32) <= 2.0**-9 * groups + 1e-7).all()
@@ -56,7 +56,7 @@ def test_blocks_convert_exactly(kind):
     t = GGMLQuantizationType[kind]
     raw = quants.quantize(x, t)
     ref = torch.from_numpy(quants.dequantize(raw, t).reshape(x.shape).astype(np.float32))
-    q, d, m = _blocks_of(kind, raw, x.shape[1])
+    q, d, m = _blocks_of(kind, raw)
     packed = pack_int8(q, d) if kind in ("Q5_0", "Q8_0") else pack_int4(q.to(torch.uint8), d, m)
     assert torch.equal(dequantize(packed), ref)
 

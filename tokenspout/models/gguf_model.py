@@ -9,8 +9,11 @@ Weights, per GGUF tensor type:
 * Q4_0, Q4_1 (4-bit, blocks of 32) become the kernels' int4 format and Q8_0 their int8 format exactly (block for
   block: same codes, the same float16 scale and minimum; Q4_0's minimum is -8 x its scale), so
   `--quantization int4` of a Q4_0 / Q4_1 file (int8 of a Q8_0 file) computes with the file's own weight values;
-* every other type (F32, F16, BF16, the K-quants Q4_K, Q5_K, Q6_K, ...) is dequantized by the gguf package and then
-  quantized by tokenspout like any float checkpoint (lossy for the K-quants: their sub-block scales are re-fitted).
+* Q4_K becomes int4 with the file's codes (each group's scale d x sc and min dmin x m rounded to float16);
+* where the C kernels run, Q5_K and Q6_K are dequantized and quantized to int8 in one C pass (csrc/quant_cpu.c,
+  the values of the steps below); every other type (F32, F16, BF16, Q5_1, ...), and Q5_K / Q6_K elsewhere, is
+  dequantized by the gguf package (Q6_K by q6k_rows) and then quantized like any float checkpoint (lossy for the
+  K-quants: their 16- and 32-weight sub-block scales are re-fitted per group of 32).
 llama.cpp's converter permutes the rows of Q and K of Llama / Mistral models (its RoPE pairs interleaved dimensions);
 they are permuted back here, on whole rows, so the packed blocks need no dequantization for it.
 """
@@ -93,9 +96,13 @@ class GGUFCheckpoint:
             raise ValueError(f"weights are missing tensor {name!r} ({g} in {self.path.name})")
         return self.tensors[g]
 
+    def _permuted(self, name: str) -> bool:
+        """Whether llama.cpp's converter permuted this tensor's rows (Q and K of Llama / Mistral files)."""
+        return self.arch in _PERMUTED and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight"))
+
     def _unpermute(self, name: str, rows: np.ndarray) -> np.ndarray:
         """Undoes llama.cpp's Q/K row permutation (on whole rows: float rows or rows of quantized blocks)."""
-        if self.arch not in _PERMUTED or not (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
+        if not self._permuted(name):
             return rows
         heads = self.n_head if name.endswith("q_proj.weight") else self.n_kv
         n = rows.shape[0]
@@ -170,8 +177,8 @@ class GGUFCheckpoint:
         """(tensor, its rows of blocks [rows, bytes] as the file holds them, HF's row order or None)"""
         t = self._tensor(name)
         rows = int(t.shape[1]) if len(t.shape) > 1 else 1
-        order = self._unpermute(name, np.arange(rows))
-        return t, np.asarray(t.data).reshape(rows, -1), None if np.array_equal(order, np.arange(rows)) else order
+        order = self._unpermute(name, np.arange(rows)) if self._permuted(name) else None
+        return t, np.asarray(t.data).reshape(rows, -1), order
 
     def _convert(self, names: list[str], fmt: str, lib) -> PackedWeight:
         """The tensors `names` (rows stacked) in the kernels' `fmt`: each part's blocks converted (Q6_K: to int8)
@@ -181,7 +188,7 @@ class GGUFCheckpoint:
             parts = []
             for n in names:
                 t, raw, order = self._blocks(n)
-                parts.append(_blocks_of(t.tensor_type.name, raw if order is None else raw[order], k))
+                parts.append(_blocks_of(t.tensor_type.name, raw if order is None else raw[order]))
                 self._release(t)
             q, d, m = (torch.cat(x) for x in zip(*parts))
             return pack_int8(q, d) if fmt == "int8" else pack_int4(q, d, m)
@@ -196,7 +203,7 @@ class GGUFCheckpoint:
             elif kind in _C_INT8:
                 r0 += k_int8_into(lib, kind, raw, order, k, r0, pw.codes, pw.scale)
             else:
-                q, d, m = _blocks_of(kind, raw if order is None else raw[order], k)
+                q, d, m = _blocks_of(kind, raw if order is None else raw[order])
                 pack_into(lib, q, d, m if fmt == "int4" else None, r0, pw.codes, pw.scale, pw.min)
                 r0 += q.shape[0]
             self._release(t)
@@ -272,8 +279,8 @@ def _q4k_blocks(raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
 def q6k_rows(raw: np.ndarray) -> torch.Tensor:
     """Rows of Q6_K super-blocks (256 weights: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 sub-block
     scales, a float16 d) -> float32 rows, W = (d * scale) * (q - 32): the gguf package's dequantization step for
-    step (bit-identical, tested) in torch, ~2x faster (a Q4_K_M file's Q6_K head, v and ffn_down tensors are
-    dequantized once at its first start, then quantized to int8)."""
+    step (bit-identical, tested) in torch, ~2x faster (rows read by quantize_rows or the embedding where the C
+    kernels do not convert them: ts_q6k_to_q8 computes the same values)."""
     rows = raw.shape[0]
     b = torch.from_numpy(np.ascontiguousarray(raw)).view(-1, 210)
     n = b.shape[0]
@@ -285,9 +292,9 @@ def q6k_rows(raw: np.ndarray) -> torch.Tensor:
     return (scale * q.view(n, 16, 16).float()).view(rows, -1)
 
 
-def _blocks_of(kind: str, raw: np.ndarray, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rows of GGUF blocks [rows, G * block bytes] of K = k weights -> (codes [rows, G, 32], scale [rows, G] float16,
-    min [rows, G] float16) in the kernels' terms: W = scale * q (+ min)."""
+def _blocks_of(kind: str, raw: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of GGUF blocks [rows, G * block bytes] -> (codes [rows, G, 32], scale [rows, G] float16, min [rows, G]
+    float16) in the kernels' terms: W = scale * q (+ min)."""
     if kind == "Q4_K":
         return _q4k_blocks(raw)
     size = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}[kind]

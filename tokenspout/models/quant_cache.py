@@ -222,14 +222,14 @@ def load_or_quantize(model: LlamaForCausalLM, model_dir: Path, files: list[Path]
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits here, then finds the file written
         hit = load(file, key, model, dtype, lib, discard=True)
-        built = build() if hit is None else hit
+        if hit is None:
+            m, packed = build()
     except BaseException:
         lock.close()
         raise
     if hit is not None:
         lock.close()
         return *hit, None
-    m, packed = built
 
     def write() -> None:
         try:

@@ -107,8 +107,7 @@ static inline void put_q8(int8_t *codes, uint16_t *scale, int64_t row, int64_t g
  * 48 + j (high byte: its odd group), low nibble first; an odd last group's high bytes are zero. */
 static inline void put_q4(uint8_t *codes, uint16_t *scale, uint16_t *mins, int64_t row, int64_t g, int64_t G,
                           const uint8_t *c, uint16_t s, uint16_t m) {
-    const int64_t P = (G + 1) / 2;
-    uint8_t *o = codes + (((row / 4) * P + g / 2) * 4 + row % 4) * 32 + g % 2;
+    uint8_t *o = codes + lane(row, g / 2, (G + 1) / 2) * 32 + g % 2; /* (pairs take the place of groups) */
     for (int j = 0; j < 16; j++) o[2 * j] = (uint8_t)(c[j] | (c[16 + j] << 4));
     if (g == G - 1 && g % 2 == 0)
         for (int j = 0; j < 16; j++) o[2 * j + 1] = 0;
