@@ -1,6 +1,6 @@
 """How close one decode step of the default model comes to the machine's memory read bandwidth, measured in one run.
 
-    python -m bench.bandwidth [--quantization int4] [--threads 2] [--steps 200]
+    python -m bench.bandwidth [--quantization int4] [--threads 2] [--steps 200] [--out bandwidth.json]
 
 * `read GB/s`: a 1 GiB float32 buffer summed by torch with the engine's threads (median of repeated sums): what
   this VM's memory delivers to a streaming reader today (it drifts ~2x from day to day, hence the same run).
@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--quantization", default="int4", choices=["int4", "int8"])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--out", default="bandwidth.json", help="file name under bench/results/")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -94,7 +95,7 @@ def main() -> None:
     for isa in cpu.available_isas():
         m = med[isa]
         print(f"{isa:7s} step {m['step_ms']:.2f} ms  {m['gb_s']:.1f} GB/s  = {m['ratio']:.2f}x read bandwidth")
-    print("wrote", write_json("bandwidth.json", report))
+    print("wrote", write_json(args.out, report))
 
 
 if __name__ == "__main__":

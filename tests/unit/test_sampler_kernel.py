@@ -370,3 +370,33 @@ def test_mirostat_1_ties_wider_than_the_candidates() -> None:
     assert torch.equal(kernel, ref)
     assert int((kernel >= 40).sum()) >= 8  # the draws do land among the ties
     assert [s.mu for s in metas[0].mirostat.states] == pytest.approx([s.mu for s in metas[1].mirostat.states], abs=1e-4)
+
+
+@pytest.mark.parametrize("width", [V, 1, 7, 8, 13, 64])
+def test_greedy_rows_take_torch_argmax(width: int) -> None:
+    """The kernel's argmax (all-greedy batches and the greedy rows of mixed ones) is torch.argmax: the first of
+    tied maxima (-0.0 ties 0.0), the first NaN where a row holds one, index 0 of an all -inf row; any width."""
+    g = torch.Generator().manual_seed(11)
+    rows = []
+    for trial in range(8):
+        x = torch.randn(9, width, generator=g)
+        if trial % 4 == 1:
+            x = torch.randint(-2, 3, (9, width), generator=g).float()  # ties at the maximum
+            x[0] = torch.where(x[0] == 0, torch.tensor(-0.0), x[0])
+        elif trial % 4 == 2:
+            x[2, int(torch.randint(0, width, (1,), generator=g))] = float("nan")
+            x[3] = float("nan")
+        elif trial % 4 == 3:
+            x[4] = NEG_INF
+            x[5, width - 1] = 1e30
+        rows.append(x)
+    x = torch.cat(rows)
+    greedy = [SamplingParams(temperature=0.0)] * x.shape[0]
+    kernel, ref = both(x, greedy)
+    assert torch.equal(kernel, x.argmax(-1)) and torch.equal(ref, x.argmax(-1))
+    # greedy rows among random ones: the same argmax on the selected rows
+    mixed = [SamplingParams(temperature=0.0) if i % 3 else SamplingParams(temperature=0.7, seed=i)
+             for i in range(x.shape[0])]
+    kernel, ref = both(x.nan_to_num(nan=0.0), mixed)
+    sel = torch.tensor([i for i in range(x.shape[0]) if i % 3])
+    assert torch.equal(kernel[sel], x.nan_to_num(nan=0.0)[sel].argmax(-1)) and torch.equal(kernel[sel], ref[sel])

@@ -165,6 +165,8 @@ def _load(isa: str) -> ctypes.CDLL | None:
     lib.ts_decode_layers.restype = None
     lib.ts_sample_rows.argtypes = [vp, i64, i64, vp, i64, vp, vp, vp, vp, vp, vp, i64, vp]
     lib.ts_sample_rows.restype = None
+    lib.ts_argmax_rows.argtypes = [vp, i64, i64, i64, vp]
+    lib.ts_argmax_rows.restype = None
     lib.ts_sample_rows_warped.argtypes = [vp, i64, i64, vp, i64, vp, vp, vp, vp, vp, vp, i64, vp, vp]
     lib.ts_sample_rows_warped.restype = None
     lib.ts_sample_rows_mirostat.argtypes = [vp, i64, i64, vp, i64, vp, vp, vp, i64, vp, vp, vp, vp]

@@ -248,12 +248,12 @@ class Sampler(torch.nn.Module):
 
         kept = None
         if meta.all_greedy:
-            sampled = x.argmax(-1)
+            sampled = rows_cpu.argmax_rows(self._lib, x)
         else:
             greedy = None
             if meta.any_greedy:  # argmax of the greedy rows only, before anything below touches x
                 greedy_rows = long_tensor(meta.greedy_rows, x.device)
-                greedy = (greedy_rows, x.index_select(0, greedy_rows).argmax(-1))
+                greedy = (greedy_rows, rows_cpu.argmax_rows(self._lib, x.index_select(0, greedy_rows)))
             plain, warp, miro, others = self._kernel_split(x, meta)
             done: list[tuple[torch.Tensor, torch.Tensor]] = []
             if others is not None:

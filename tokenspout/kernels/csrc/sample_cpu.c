@@ -1596,3 +1596,42 @@ void ts_sample_rows(const float *x, int64_t ldx, int64_t V, const int64_t *rows,
                               : sample_dense(xr, V, temperature[r], top_p[r], min_p[r], key, block_size);
     }
 }
+
+/* torch.argmax(x, -1) of one row: the first index of its largest value, or of its first NaN (torch orders NaN
+ * above every number).  Two passes over the row, both vectorised: the maximum (and whether a NaN is present),
+ * then the first lane equal to it.  torch's CPU argmax is a scalar reduction: 1.3 ms for [64, 49152] on 2
+ * threads, ~2% of a 64-row greedy step of the default model. */
+static int64_t argmax_row(const float *x, int64_t V) {
+    __m256 m = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= V; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        m = _mm256_max_ps(m, v);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    float best = -INFINITY;
+    int has_nan = !_mm256_testz_ps(nan, nan);
+    for (int64_t j = i; j < V; j++) has_nan |= x[j] != x[j];
+    if (has_nan) {
+        for (int64_t j = 0; j < V; j++)
+            if (x[j] != x[j]) return j;
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, m);
+    for (int l = 0; l < 8; l++) best = lanes[l] > best ? lanes[l] : best;
+    for (int64_t j = i; j < V; j++) best = x[j] > best ? x[j] : best;
+    const __m256 b = _mm256_set1_ps(best);
+    for (i = 0; i + 8 <= V; i += 8) {
+        const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), b, _CMP_EQ_OQ));
+        if (mask) return i + __builtin_ctz((unsigned)mask);
+    }
+    for (; i < V; i++)
+        if (x[i] == best) return i;
+    return 0; /* V == 0: unreachable for a vocabulary */
+}
+
+/* out[r] = torch.argmax(x[r, :V]) for the n rows of x (row stride ldx): the greedy rows' tokens. */
+void ts_argmax_rows(const float *x, int64_t ldx, int64_t V, int64_t n, int64_t *out) {
+#pragma omp parallel for schedule(static) if (n >= 4)
+    for (int64_t r = 0; r < n; r++) out[r] = argmax_row(x + r * ldx, V);
+}
