@@ -1609,16 +1609,13 @@ static int64_t argmax_row(const float *x, int64_t V) {
         m = _mm256_max_ps(m, v);
         nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     }
-    float best = -INFINITY;
     int has_nan = !_mm256_testz_ps(nan, nan);
     for (int64_t j = i; j < V; j++) has_nan |= x[j] != x[j];
     if (has_nan) {
         for (int64_t j = 0; j < V; j++)
             if (x[j] != x[j]) return j;
     }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, m);
-    for (int l = 0; l < 8; l++) best = lanes[l] > best ? lanes[l] : best;
+    float best = hmax8(m); /* no NaN left: hmax8's precondition */
     for (int64_t j = i; j < V; j++) best = x[j] > best ? x[j] : best;
     const __m256 b = _mm256_set1_ps(best);
     for (i = 0; i + 8 <= V; i += 8) {
