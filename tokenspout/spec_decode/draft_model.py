@@ -35,6 +35,7 @@ from tokenspout.config import SpeculativeConfig
 from tokenspout.core.request import Request
 from tokenspout.models.llama import LlamaForCausalLM
 from tokenspout.models.loader import LoadedModel, load_model
+from tokenspout.sample.ops import rows_cpu
 from tokenspout.sample.ops.draw import DEFAULT_BLOCK_SIZE, block_mass, draw_dense
 from tokenspout.sample.ops.noise import row_keys
 from tokenspout.sample.rejection_sampler import draft_seeds, probs_from_logits
@@ -207,7 +208,7 @@ class DraftProposer:
         md = self.runner.input_batch.sampling.metadata(rows)
         md.positions = md.positions + j
         processed = compute_processed_logits(logits, md)
-        argmax = processed.argmax(-1)
+        argmax = rows_cpu.argmax_rows(rows_cpu.load(), processed)
         if md.all_greedy:
             return argmax
         q = probs_from_logits(processed)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from tokenspout.sample.ops import rows_cpu
 from tokenspout.sample.rejection_sampler import pack_drafts, pad_positions, probs_from_logits, rejection_sample
 from tokenspout.sample.sampler import compute_processed_logits
 from tokenspout.worker.sampling_state import SamplingState
@@ -66,7 +67,7 @@ def verify_drafts(logits: torch.Tensor, rows: list[int], drafts: list[list[int]]
     processed = compute_processed_logits(logits, md)
     draft_ids, num_draft = pack_drafts(drafts, k)
     target = pad_positions(probs_from_logits(processed), num_draft, k)
-    argmax = pad_positions(processed.argmax(-1, keepdim=True), num_draft, k).squeeze(-1)
+    argmax = pad_positions(rows_cpu.argmax_rows(rows_cpu.load(), processed).unsqueeze(-1), num_draft, k).squeeze(-1)
     out, num_emitted = rejection_sample(target, draft_ids, draft_probs, num_draft, md.is_greedy[first],
                                         (md.seeds[first], base_positions), any_greedy=md.any_greedy,
                                         all_greedy=md.all_greedy, target_argmax=argmax)
