@@ -215,12 +215,9 @@ class ModelRunner:
             if scored is not None:  # prefill chunks only: their scores are the step's one transfer
                 result.prompt_logprobs = prompt_logprobs.unpack(scored[0], scored[1].reshape(-1).tolist())
             return result
-        if hidden.shape[0] == len(sample_idx):
-            # one token per request and every request samples (a decode step): the rows are the hidden states as
-            # they are (skips three small torch ops, ~2% of a batch-1 step's host time)
-            logits = self._logits(hidden)
-        else:
-            logits = self._logits(hidden[qsl[1:][long_tensor(sample_idx)] - 1])
+        sel = long_tensor(sample_idx)
+        logits_indices = qsl[1:][sel] - 1
+        logits = self._logits(hidden[logits_indices])
         guidance.combine(logits, entries, sample_idx, qsl, hidden, self._logits)
         sample_rows = [rows[i] for i in sample_idx]
         req_ids = [entries[i].request.request_id for i in sample_idx]
