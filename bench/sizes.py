@@ -136,6 +136,8 @@ def main() -> None:
     ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES),
                     help="llama.cpp types to make and serve, each with its tokenspout counterparts (default: all)")
     ap.add_argument("--peers-dir", type=Path, default=ROOT.parent / "shared" / "peers")
+    ap.add_argument("--activation-quant", nargs="+", default=["int16"], choices=["int16", "int8"],
+                    help="tokenspout's --activation-quant values to serve (int8 rows are named ...-a8)")
     args = ap.parse_args()
     from tokenspout.models.default_model import cache_dir
 
@@ -156,13 +158,15 @@ def main() -> None:
                 [str(peers_dir / "llama-build" / "bin" / "llama-server"), "-m", str(files[kind]), "--alias", "bench",
                  "--host", "127.0.0.1", "--port", "8301", "-t", "2", "-tb", "2", "-np", str(SLOTS), "-c",
                  str(SLOTS * SLOT_TOKENS), "--no-kv-unified", "-cb"], 8301, ["--extra-body", '{"repeat_penalty": 1.0}'])
-            if ours is not None:  # (Q4_K_M has no folder counterpart: its family is the file served directly)
-                runs[f"tokenspout-{ours}"] = ([ts, "serve", str(folder), "--port", "8302", "--quantization", ours,
-                                              "--kv-cache-memory", kv, "--kv-cache-dtype", "float16",
-                                              "--served-model-name", "bench"], 8302, [])
-            runs[f"tokenspout-gguf-{kind}"] = ([ts, "serve", str(files[kind]), "--port", "8303", "--kv-cache-memory",
-                                               kv, "--kv-cache-dtype", "float16", "--served-model-name", "bench"],
-                                              8303, [])
+            for aq in args.activation_quant:
+                suffix, aq_flag = ("-a8", ["--activation-quant", "int8"]) if aq == "int8" else ("", [])
+                if ours is not None:  # (Q4_K_M has no folder counterpart: its family is the file served directly)
+                    runs[f"tokenspout-{ours}{suffix}"] = (
+                        [ts, "serve", str(folder), "--port", "8302", "--quantization", ours, "--kv-cache-memory", kv,
+                         "--kv-cache-dtype", "float16", "--served-model-name", "bench", *aq_flag], 8302, [])
+                runs[f"tokenspout-gguf-{kind}{suffix}"] = (
+                    [ts, "serve", str(files[kind]), "--port", "8303", "--kv-cache-memory", kv, "--kv-cache-dtype",
+                     "float16", "--served-model-name", "bench", *aq_flag], 8303, [])
         report["shapes"][shape] = {}
         for name, (cmd, port, extra) in runs.items():
             if args.servers and name not in args.servers:

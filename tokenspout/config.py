@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 KV_CACHE_DTYPES = ("auto", "float16")
+ACTIVATION_QUANTS = ("int16", "int8")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
@@ -24,6 +25,11 @@ class ModelConfig:
     generation_config: str = "auto"
     chat_template: str | None = None  # Jinja text replacing the tokenizer's (--chat-template); None: the model's
     tokenizer: str | None = None  # a folder whose tokenizer (and its chat template) replaces the model's (--tokenizer)
+    # How the C kernels round the activations of int4 / int8 linear layers (not the LM head) before the integer dot
+    # products: "int16" (65535 levels per group of 32: float32-level results, the default) or "int8" (255 levels,
+    # llama.cpp's numerics: ~1.7x the multiply-add rate of the tiled path, i.e. prefill and 16+ rows, at ~1 logit of
+    # error on the default model).  Without the kernels (or with float weights) it changes nothing.
+    activation_quant: str = "int16"
 
     def folder(self) -> str:
         """The local model folder.  The frontend needs it resolved (build_engine_config converts the default model
@@ -44,6 +50,9 @@ class ModelConfig:
         if self.quantization not in (None, "int8", "int4", "bf16", "fp16"):
             raise ValueError(f"quantization must be 'int8', 'int4', 'bf16' or 'fp16' (or None), "
                              f"got {self.quantization!r}")
+        if self.activation_quant not in ACTIVATION_QUANTS:
+            raise ValueError(f"activation_quant must be one of {', '.join(ACTIVATION_QUANTS)}, "
+                             f"got {self.activation_quant!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
 

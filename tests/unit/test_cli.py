@@ -29,6 +29,18 @@ def test_bad_quantization_flag_is_refused():
         kwargs("--quantization", "int3")
 
 
+def test_activation_quant_flag():
+    """int16 by default (float32-level results); int8 only when asked; anything else refused, also by the config."""
+    from tokenspout.config import ModelConfig
+
+    assert kwargs()["activation_quant"] == "int16"
+    assert kwargs("--activation-quant", "int8")["activation_quant"] == "int8"
+    with pytest.raises(SystemExit):
+        kwargs("--activation-quant", "int4")
+    with pytest.raises(ValueError, match="activation_quant"):
+        ModelConfig(activation_quant="fp8").validate()
+
+
 def test_prefix_caching_is_on_by_default_and_can_be_turned_off():
     assert kwargs()["enable_prefix_caching"] is True
     assert kwargs("--no-enable-prefix-caching")["enable_prefix_caching"] is False

@@ -4,6 +4,7 @@ loaded on its own, as TOKENSPOUT_ISA would force it); skipped where the CPU or c
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 
 import pytest
 import torch
@@ -65,12 +66,13 @@ def test_linear_float_weights_row_and_tiled_paths_match_torch(lib, dtype, m, n):
     torch.testing.assert_close(got.double(), y.double() + ref, **tol)
 
 
-def int16_activations(x: torch.Tensor) -> torch.Tensor:
-    """The kernels' activation quantization: per group of 32, codes round(x * 32767 / amax) times amax / 32767."""
+def int16_activations(x: torch.Tensor, levels: float = 32767.0) -> torch.Tensor:
+    """The kernels' activation quantization: per group of 32, codes round(x * L / amax) times amax / L (L = 32767,
+    or 127 for int8 activations)."""
     g = x.view(x.shape[0], -1, 32)
     amax = g.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 32767.0 / amax, torch.zeros_like(amax))
-    return (torch.round(g * inv) * (amax / 32767.0)).view_as(x)
+    inv = torch.where(amax > 0, levels / amax, torch.zeros_like(amax))
+    return (torch.round(g * inv) * (amax / levels)).view_as(x)
 
 
 def unpack_min(packed) -> torch.Tensor:
@@ -213,3 +215,53 @@ def test_c_quantizer_equals_the_torch_quantizer(lib, fmt):
             a, b = getattr(got, f), getattr(want, f)
             assert (a is None) == (b is None), f
             assert a is None or torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f
+
+
+def quantized_reference(x: torch.Tensor, packed, deq: torch.Tensor, xq: torch.Tensor) -> torch.Tensor:
+    """The kernels' result for activations rounded to xq: integer dots of the codes scaled, plus Q4's min term
+    over the exact float group sums of x."""
+    if packed.min is None:
+        return xq @ deq.T
+    m, k = x.shape
+    mins = unpack_min(packed)
+    return xq @ (deq - mins.repeat_interleave(32, 1)).T + x.view(m, k // 32, 32).sum(-1) @ mins.T
+
+
+@pytest.mark.parametrize("fn", [quantize_int8, quantize_int4])
+@pytest.mark.parametrize("m", [1, 7, 15, 16, 17, 40, 70])
+@pytest.mark.parametrize("n, k", [(5, 96), (130, 608), (64, 128)])
+def test_linear_int8_activations_match_their_reference(lib, fn, m, n, k):
+    """act8 (--activation-quant int8): activations rounded to 255 levels per group on every path, the row path (int16
+    kernels over int8 values), the int8 tiled path for int4 codes (vpmaddubsw; m >= 16, with padding rows at 17
+    and 70, a lone last group at k = 96) and the int16 tile for int8 codes: each equals the rounded activations'
+    product within float32 rounding."""
+    g = torch.Generator().manual_seed(m * 7919 + n + k)
+    x, w = torch.randn(m, k, generator=g) * 3, torch.randn(n, k, generator=g)
+    x[0, 32:64] = 0.0  # an all-zero activation group
+    x[-1, :32] *= 1000.0  # a group of large values: its codes still reach +-127, the pair sums stay in int16
+    packed, deq = fn(w)
+    packed.act8 = True
+    ref = quantized_reference(x, packed, deq, int16_activations(x, 127.0))
+    got = cpu.linear(lib, x, packed)
+    torch.testing.assert_close(got, ref, atol=1e-3 * float(ref.abs().max()) * 1e-2 + 5e-4, rtol=1e-4)
+    # the int16 activations are another computation: int8 ones move the result by about 1/255 of a group's range
+    packed.act8 = False
+    exact = cpu.linear(lib, x, packed)
+    assert (got - exact).abs().max() > 1e-4 * exact.abs().max()
+
+
+def test_int8_activations_with_a_fused_tail(lib):
+    """A fused weight of int4 rows and an int8 tail (a GGUF file's q / k with a Q6_K v) shares one rounding of the
+    activations: both halves see the int8 values, on the row and on the tiled path."""
+    g = torch.Generator().manual_seed(5)
+    n_head, n_tail, k = 24, 12, 256
+    w = torch.randn(n_head + n_tail, k, generator=g)
+    head, deq_h = quantize_int4(w[:n_head])
+    tail, deq_t = quantize_int8(w[n_head:])
+    fused = dataclasses.replace(head, n=n_head + n_tail, tail=tail, act8=True)
+    tail.act8 = True
+    for m in (3, 33):
+        x = torch.randn(m, k, generator=g)
+        xq = int16_activations(x, 127.0)
+        ref = torch.cat([quantized_reference(x, head, deq_h, xq), quantized_reference(x, tail, deq_t, xq)], 1)
+        torch.testing.assert_close(cpu.linear(lib, x, fused), ref, atol=5e-4, rtol=1e-4)

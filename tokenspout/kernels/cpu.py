@@ -49,8 +49,9 @@ class Weight(ctypes.Structure):
 
 
 # tail: a second Weight for rows [n_head, N) in another quantized format (csrc ts_weight); NULL for one format
+# act8: int8 activations (csrc ts_weight.act8; PackedWeight.act8)
 Weight._fields_ = [("w", vp), ("scale", vp), ("min", vp), ("wt", i64), ("tail", ctypes.POINTER(Weight)),
-                   ("n_head", i64)]
+                   ("n_head", i64), ("act8", i64)]
 
 
 class Layer(ctypes.Structure):
@@ -194,7 +195,7 @@ def weight(w) -> tuple[Weight, int]:
     if isinstance(w, torch.Tensor):
         assert w.dtype in FLOAT_WEIGHT_TYPES and w.is_contiguous() and w.dim() == 2
         return Weight(w.data_ptr(), None, None, FLOAT_WEIGHT_TYPES[w.dtype]), w.shape[0]
-    desc = Weight(w.codes.data_ptr(), w.scale.data_ptr(), _ptr(w.min), w.wt)
+    desc = Weight(w.codes.data_ptr(), w.scale.data_ptr(), _ptr(w.min), w.wt, act8=int(w.act8))
     if w.tail is not None:
         tail, _ = weight(w.tail)
         desc.tail, desc.n_head = ctypes.pointer(tail), w.n - w.tail.n  # (the pointer object keeps `tail` alive)

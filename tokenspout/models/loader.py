@@ -43,6 +43,14 @@ class LoadedModel:
     write_cache: Callable[[], None] | None = None
 
 
+def mark_act8(quantized: dict) -> None:
+    """int8 activations (ModelConfig.activation_quant) for every quantized linear layer but the LM head, whose
+    logits the sampler and logprobs read: it keeps int16.  A fused weight's tail shares its activations."""
+    for name, pw in quantized.items():
+        while name != "lm_head" and pw is not None:
+            pw.act8, pw = True, pw.tail
+
+
 def resolve_dtype(dtype: str) -> torch.dtype:
     if dtype == "float32":
         return torch.float32
@@ -184,5 +192,7 @@ def load_model(cfg: ModelConfig, defer_cache_write: bool = False) -> LoadedModel
                                                          defer_write=defer_cache_write)
         if model.rotary is None:  # loaded from the cache
             model = finish(model)
+        if cfg.activation_quant == "int8" and lib is not None:
+            mark_act8(quantized)
     return LoadedModel(model=model, path=path, name=cfg.served_model_name or name, arch=arch,
                        hf_config=hf, max_model_len=max_len, dtype=dtype, quantized=quantized, write_cache=write_cache)

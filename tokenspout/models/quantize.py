@@ -55,6 +55,9 @@ class PackedWeight:
     # a fused weight of two quantized formats: codes / scale / min hold rows [0, n - tail.n) (a multiple of 4),
     # `tail` the last tail.n rows (a GGUF file's Q4_K q / k as int4, its Q6_K v as int8)
     tail: PackedWeight | None = None
+    # the kernels round the activations to int8 for this weight (ModelConfig.activation_quant; set after loading, not
+    # part of the quantized-weights cache)
+    act8: bool = False
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the weight holds (its tail's included): what must stay alive while the kernels read it."""

@@ -52,6 +52,10 @@ typedef struct ts_weight {
      * activations. */
     const struct ts_weight *tail;
     int64_t n_head;
+    /* Quantized weights: 1 = int8 activations (llama.cpp's numerics, `--activation-quant int8`): the activations are
+     * rounded to 255 levels per group of 32 instead of 65535, and the tiled path multiplies int4 codes by them
+     * with vpmaddubsw (tile_group8).  A fused weight and its tail share one setting (they share the activations). */
+    int64_t act8;
 } ts_weight;
 
 /* ---- the barrier between the steps of a layer ------------------------------------------------------------------
@@ -190,6 +194,9 @@ typedef struct {
     float *s;    /* [M, G] sum of the float values; tiled: [G][mp] */
     int64_t mp;  /* 0: row layout; > 0: tiled layout, M rounded up to a multiple of TW (padding rows are zero) */
     float *xt;   /* float weights' tiled path: the activations transposed, [K][mp] (see transpose_act) */
+    int8_t *q8;  /* int8 activations, tiled only: quad t (columns 4t..4t+3) of group g of row m at int32 index
+                  * (g * 8 + t) * mp + m (tiled8); q then holds the same int8 values as int16 */
+    int64_t act8;
 } ts_qact;
 
 /* Batch rows from which the quantized linears take the tiled path (blocks_tile).  bench.linear: AVX2's row path
@@ -217,15 +224,26 @@ static inline int64_t tiled(int64_t g, int t, int64_t m, int64_t mp) {
     return g * 16 * mp + (m / TW) * (16 * TW) + t * TW + (m % TW);
 }
 
-static void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, ts_qact *a) {
+/* int8 tiled layout: quad t (0..7: columns 4t..4t+3) of group g of batch row m, as an int32 index into q8.  Per
+ * group and quad, every batch row's four bytes in a row: the eight rows of a tile's vector are 32 contiguous bytes. */
+static inline int64_t tiled8(int64_t g, int t, int64_t m, int64_t mp) { return (g * 8 + t) * mp + m; }
+
+/* x [M, K] -> a: per row and group of 32 columns, a scale d, the float sum s and codes round(x / d), |code| <= L
+ * (L = 32767, or 127 with act8).  Tiled (M >= TILE_MIN) the codes go to the tiled layouts (int16, and with act8
+ * also the int8 one). */
+static void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, ts_qact *a, int64_t act8) {
     const int64_t G = K / 32, mp = M >= TILE_MIN ? (M + TW - 1) / TW * TW : 0;
     const __m256 sign = _mm256_set1_ps(-0.0f);
+    const float L = act8 ? 127.0f : 32767.0f;
     a->mp = mp;
+    a->act8 = act8;
     for (int64_t m = 0; m < (mp ? mp : M); m++)
         for (int64_t g = 0; g < G; g++) {
             if (m >= M) { /* tiled padding row */
                 a->d[g * mp + m] = a->s[g * mp + m] = 0.0f;
                 for (int t = 0; t < 16; t++) ((int32_t *)a->q)[tiled(g, t, m, mp)] = 0;
+                if (act8)
+                    for (int t = 0; t < 8; t++) ((int32_t *)a->q8)[tiled8(g, t, m, mp)] = 0;
                 continue;
             }
             const float *p = x + m * ldx + g * 32;
@@ -237,9 +255,9 @@ static void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, ts_q
             }
             const float amax = hmax8(mx);
             const int64_t i = mp ? g * mp + m : m * G + g;
-            a->d[i] = amax / 32767.0f;
+            a->d[i] = amax / L;
             a->s[i] = hsum8(sm);
-            const __m256 mul = _mm256_set1_ps(amax > 0 ? 32767.0f / amax : 0.0f);
+            const __m256 mul = _mm256_set1_ps(amax > 0 ? L / amax : 0.0f);
             int16_t row[32], *q = mp ? row : a->q + m * K + g * 32;
             for (int j = 0; j < 4; j += 2) {
                 const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], mul));
@@ -250,6 +268,11 @@ static void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, ts_q
             }
             if (mp) /* the group's 16 pairs of columns to their places in the tiled layout */
                 for (int t = 0; t < 16; t++) memcpy((int32_t *)a->q + tiled(g, t, m, mp), row + 2 * t, 4);
+            if (mp && act8) /* and its 8 quads as bytes (|code| <= 127: the int16 -> int8 narrowing is exact) */
+                for (int t = 0; t < 8; t++) {
+                    int8_t b[4] = {(int8_t)row[4 * t], (int8_t)row[4 * t + 1], (int8_t)row[4 * t + 2], (int8_t)row[4 * t + 3]};
+                    memcpy((int32_t *)a->q8 + tiled8(g, t, m, mp), b, 4);
+                }
         }
 }
 
@@ -617,6 +640,27 @@ static void widen_codes(const ts_weight *W, const int wt, int64_t b, int64_t K, 
         }
 }
 
+/* f[r * mp + m0 + 8j + i] += lane i of c[j][r] (the int32 dots of weight row r and eight batch rows over group g)
+ * scaled: the group's scaling, once per (weight row, eight batch rows).  Locals, so that the stores to f do not make
+ * gcc reload every pointer (f could alias them). */
+static inline __attribute__((always_inline)) void tile_scale(const ts_wtile *t, const int wt, int64_t g, const ts_qact *a,
+                                                             int64_t m0, const int NV, const __m256i c[2][4], float *f) {
+    const int64_t mp = a->mp;
+    const float *restrict sc = t->sc + g * 4, *restrict mn = t->mn + g * 4;
+    const float *restrict d = a->d + g * mp + m0, *restrict sm = a->s + g * mp + m0;
+    float *restrict o = f + m0;
+    for (int j = 0; j < NV; j++) {
+        const __m256 dx = _mm256_loadu_ps(d + 8 * j), sx = _mm256_loadu_ps(sm + 8 * j);
+        for (int r = 0; r < 4; r++) {
+            float *restrict fo = o + r * mp + 8 * j;
+            __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c[j][r]), _mm256_mul_ps(dx, _mm256_set1_ps(sc[r])),
+                                       _mm256_loadu_ps(fo));
+            if (wt == WT_Q4) v = _mm256_fmadd_ps(sx, _mm256_set1_ps(mn[r]), v);
+            _mm256_storeu_ps(fo, v);
+        }
+    }
+}
+
 /* f[r * mp + m0 + m] += row r of the block . batch row m0 + m over group g, for m < 8 * NV (NV = 1 or 2). */
 static inline __attribute__((always_inline)) void tile_group(const ts_wtile *t, const int wt, int64_t gl, int64_t g,
                                                              const ts_qact *a, int64_t m0, const int NV, float *f) {
@@ -640,22 +684,64 @@ static inline __attribute__((always_inline)) void tile_group(const ts_wtile *t, 
         /* keeps the sums in registers: unrolled, gcc otherwise reassociates them into all 128 products first */
         __asm__("" : "+x"(c00), "+x"(c01), "+x"(c10), "+x"(c11), "+x"(c20), "+x"(c21), "+x"(c30), "+x"(c31));
     }
-    /* the group's scaling, once per (weight row, eight batch rows): locals, so that the stores to f do not make
-     * gcc reload every pointer (f could alias them) */
-    const float *restrict sc = t->sc + g * 4, *restrict mn = t->mn + g * 4;
-    const float *restrict d = a->d + g * mp + m0, *restrict sm = a->s + g * mp + m0;
-    float *restrict o = f + m0;
     const __m256i c[2][4] = {{c00, c10, c20, c30}, {c01, c11, c21, c31}};
-    for (int j = 0; j < NV; j++) {
-        const __m256 dx = _mm256_loadu_ps(d + 8 * j), sx = _mm256_loadu_ps(sm + 8 * j);
+    tile_scale(t, wt, g, a, m0, NV, c, f);
+}
+
+/* ---- int8 activations (act8) on the tiled path, int4 weights ----
+ * vpmaddubsw multiplies unsigned bytes by signed ones and adds adjacent pairs into int16: int4 codes (0..15) by
+ * int8 activations (|x| <= 127) give pair sums of at most 3810, so a group's eight quads add up in int16 (at most
+ * 30480) and one vpmaddwd by ones per group widens them to int32.  A tile of 4 weight rows x 16 batch rows and one
+ * group is then 32 vpmaddubsw + 32 vpaddw + 8 vpmaddwd where the int16 tile takes 64 vpmaddwd + 64 vpaddd: about
+ * half the multiply-port work.  What it costs is the activations' precision (see ts_qact). */
+
+/* Groups g0..g1 (g0 even) of an int4 block's codes as bytes in column order: row r's group g at
+ * t->w (as bytes) + r * CG * 32 + (g - g0) * 32. */
+static void widen_codes8(const ts_weight *W, int64_t b, int64_t K, int64_t g0, int64_t g1, ts_wtile *t) {
+    const int64_t G = K / 32, P = (G + 1) / 2, CW = CG * 32;
+    const uint8_t *codes = (const uint8_t *)W->w + b * P * 4 * 32;
+    uint8_t *w8 = (uint8_t *)t->w;
+    for (int64_t p = g0 / 2; 2 * p < g1; p++)
         for (int r = 0; r < 4; r++) {
-            float *restrict fo = o + r * mp + 8 * j;
-            __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c[j][r]), _mm256_mul_ps(dx, _mm256_set1_ps(sc[r])),
-                                       _mm256_loadu_ps(fo));
-            if (wt == WT_Q4) v = _mm256_fmadd_ps(sx, _mm256_set1_ps(mn[r]), v);
-            _mm256_storeu_ps(fo, v);
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + (p * 4 + r) * 32));
+            uint8_t *o = w8 + r * CW + (2 * p - g0) * 32;
+            /* vpackuswb packs per 128-bit lane: the permute restores column order */
+            _mm256_storeu_si256((__m256i *)o, _mm256_permute4x64_epi64(
+                                                  _mm256_packus_epi16(q4_quarter(raw, 0), q4_quarter(raw, 1)), 0xD8));
+            if (2 * p + 1 == G) continue;
+            _mm256_storeu_si256((__m256i *)(o + 32), _mm256_permute4x64_epi64(
+                                                         _mm256_packus_epi16(q4_quarter(raw, 2), q4_quarter(raw, 3)), 0xD8));
         }
+}
+
+/* tile_group for int4 codes (widen_codes8) and int8 activations: the same f update. */
+static inline __attribute__((always_inline)) void tile_group8(const ts_wtile *t, int64_t gl, int64_t g, const ts_qact *a,
+                                                              int64_t m0, const int NV, float *f) {
+    const int64_t mp = a->mp;
+    const uint8_t *w8 = (const uint8_t *)t->w + gl * 32;
+    const int32_t *w0 = (const int32_t *)w8, *w1 = (const int32_t *)(w8 + CG * 32);
+    const int32_t *w2 = (const int32_t *)(w8 + 2 * CG * 32), *w3 = (const int32_t *)(w8 + 3 * CG * 32);
+    const int32_t *xq = (const int32_t *)a->q8 + tiled8(g, 0, m0, mp);
+    __m256i c00 = _mm256_setzero_si256(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; k++) {
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + k * mp));
+        const __m256i x1 = NV > 1 ? _mm256_loadu_si256((const __m256i *)(xq + k * mp + 8)) : x0;
+#define TAP(cr0, cr1, wr)                                                          \
+    {                                                                              \
+        const __m256i b = _mm256_set1_epi32(wr[k]);                                \
+        cr0 = _mm256_add_epi16(cr0, _mm256_maddubs_epi16(b, x0));                  \
+        if (NV > 1) cr1 = _mm256_add_epi16(cr1, _mm256_maddubs_epi16(b, x1));      \
     }
+        TAP(c00, c01, w0) TAP(c10, c11, w1) TAP(c20, c21, w2) TAP(c30, c31, w3)
+#undef TAP
+        __asm__("" : "+x"(c00), "+x"(c01), "+x"(c10), "+x"(c11), "+x"(c20), "+x"(c21), "+x"(c30), "+x"(c31));
+    }
+    const __m256i one = _mm256_set1_epi16(1);
+#define W32(v) _mm256_madd_epi16(v, one)
+    const __m256i c[2][4] = {{W32(c00), W32(c10), W32(c20), W32(c30)}, {W32(c01), W32(c11), W32(c21), W32(c31)}};
+#undef W32
+    tile_scale(t, WT_Q4, g, a, m0, NV, c, f);
 }
 
 #if TS_AVX512
@@ -713,6 +799,10 @@ TILE_FN(tile_q4x1, WT_Q4, 1)
 TILE_FN(tile_q8x2, WT_Q8, 2)
 TILE_FN(tile_q8x1, WT_Q8, 1)
 #undef TILE_FN
+static __attribute__((noinline)) void tile_q4a8x2(const ts_wtile *t, int64_t gl, int64_t g, const ts_qact *a, int64_t m0,
+                                                  float *f) { tile_group8(t, gl, g, a, m0, 2, f); }
+static __attribute__((noinline)) void tile_q4a8x1(const ts_wtile *t, int64_t gl, int64_t g, const ts_qact *a, int64_t m0,
+                                                  float *f) { tile_group8(t, gl, g, a, m0, 1, f); }
 
 /* Blocks of four weight rows per pass of the tiled path: each pass reads the activations once (from L2) and every
  * block after the first reuses each tile of them from L1; 8 blocks = 32 output columns, 128 bytes of every batch
@@ -732,12 +822,23 @@ static void blocks_tile(const ts_weight *W, int64_t b, ts_wtile *t, int nb, cons
     memset(f, 0, sizeof(float) * (size_t)(4 * nb * mp));
     for (int64_t g0 = 0; g0 < G; g0 += CG) {
         const int64_t g1 = g0 + CG < G ? g0 + CG : G;
-        for (int i = 0; i < nb; i++) widen_codes(W, wt, b + i, K, g0, g1, t + i);
+        const int a8 = a->act8 && wt == WT_Q4; /* int8 activations x int4 codes (tile_group8) */
+        for (int i = 0; i < nb; i++) {
+            if (a8) widen_codes8(W, b + i, K, g0, g1, t + i);
+            else widen_codes(W, wt, b + i, K, g0, g1, t + i);
+        }
         for (int64_t g = g0; g < g1; g++) {
             /* the next pass's codes into L2 while this one computes: widen_codes then reads them from cache instead
              * of waiting on memory (its loads are the step's only reads of the weights from DRAM) */
             for (int64_t o = g * pf_step; pf && o < (g + 1) * pf_step && o < pf_bytes; o += 64) _mm_prefetch(pf + o, _MM_HINT_T1);
             int64_t m0 = 0;
+            if (a8) { /* eight-row vectors on every ISA level (AVX2 code in the AVX-512 build too) */
+                for (; m0 + 16 <= mp; m0 += 16)
+                    for (int i = 0; i < nb; i++) tile_q4a8x2(t + i, g - g0, g, a, m0, f + 4 * i * mp);
+                if (m0 < mp)
+                    for (int i = 0; i < nb; i++) tile_q4a8x1(t + i, g - g0, g, a, m0, f + 4 * i * mp);
+                continue;
+            }
             for (; m0 + 2 * TW <= mp; m0 += 2 * TW)
                 for (int i = 0; i < nb; i++) (wt == WT_Q4 ? tile_q4x2 : tile_q8x2)(t + i, g - g0, g, a, m0, f + 4 * i * mp);
             if (m0 < mp)
@@ -812,7 +913,7 @@ static void store_pass(const float *f, int64_t mp, int64_t M, int64_t n, float *
  * float weights (used from FTILE_MIN rows). */
 static ts_qact qact_alloc(int64_t M, int64_t K, int64_t wt) {
     M = (M + TW - 1) / TW * TW; /* room for the tiled layout's padding rows */
-    ts_qact a = {NULL, NULL, NULL, 0, NULL};
+    ts_qact a = {NULL, NULL, NULL, 0, NULL, NULL, 0};
     if (IS_FLOAT(wt)) {
         if (M >= FTILE_MIN) a.xt = (float *)malloc(sizeof(float) * (size_t)(M * K));
         return a;
@@ -820,10 +921,11 @@ static ts_qact qact_alloc(int64_t M, int64_t K, int64_t wt) {
     a.q = (int16_t *)malloc(sizeof(int16_t) * (size_t)(M * K));
     a.d = (float *)malloc(sizeof(float) * (size_t)(M * K / 32));
     a.s = (float *)malloc(sizeof(float) * (size_t)(M * K / 32));
+    if (M >= TILE_MIN) a.q8 = (int8_t *)malloc((size_t)(M * K)); /* (written only with act8) */
     return a;
 }
 
-static void qact_free(ts_qact *a) { free(a->q); free(a->d); free(a->s); free(a->xt); }
+static void qact_free(ts_qact *a) { free(a->q); free(a->d); free(a->s); free(a->xt); free(a->q8); }
 
 /* ---- float weights, many batch rows: the float tiled path ----
  * The row path above re-reads each block of four weight rows (and re-widens 16-bit ones) for every pair of batch
@@ -951,9 +1053,9 @@ static void float_tiled(const ts_weight *W, const float *bias, int64_t M, int64_
 
 /* The activations of a linear with weights of type wt: int16-quantized (quantized weights) or transposed (float
  * weights, from FTILE_MIN rows). */
-static inline void prep_act(int64_t wt, const float *x, int64_t ldx, int64_t M, int64_t K, ts_qact *a) {
-    if (IS_FLOAT(wt)) transpose_act(x, ldx, M, K, a);
-    else quantize_act(x, ldx, M, K, a);
+static inline void prep_act(const ts_weight *W, const float *x, int64_t ldx, int64_t M, int64_t K, ts_qact *a) {
+    if (IS_FLOAT(W->wt)) transpose_act(x, ldx, M, K, a);
+    else quantize_act(x, ldx, M, K, a, W->act8);
 }
 
 /* The float row path: blocks of four weight rows shared out among the threads, two batch rows per pass over them. */
@@ -1048,8 +1150,7 @@ static void linear_body(const float *x, int64_t ldx, int64_t M, const ts_weight 
 void ts_linear(const float *x, int64_t ldx, int64_t M, const ts_weight *W, const float *bias, int64_t N, int64_t K,
                float *y, int64_t ldy, int accumulate) {
     ts_qact a = qact_alloc(M, K, W->wt);
-    if (IS_FLOAT(W->wt)) transpose_act(x, ldx, M, K, &a);
-    else quantize_act(x, ldx, M, K, &a);
+    prep_act(W, x, ldx, M, K, &a);
     ts_barrier bar = {0};
 #pragma omp parallel
     {
@@ -1347,7 +1448,7 @@ void ts_decode_layers(const ts_model *md, float *x, int64_t M, const int64_t *po
         for (int64_t l = 0; l < md->num_layers; l++) {
             const ts_layer *L = md->layers + l;
             ts_rmsnorm(x, M, E, L->ln1, md->eps, h);
-            prep_act(wt, h, E, M, E, &a);
+            prep_act(&L->qkv, h, E, M, E, &a);
             linear_body(h, E, M, &L->qkv, L->qkv_bias, nqkv, E, qkv, nqkv, 0, &a, &bar);
 #pragma omp for schedule(static) nowait
             for (int64_t m = 0; m < M; m++) {
@@ -1362,15 +1463,15 @@ void ts_decode_layers(const ts_model *md, float *x, int64_t M, const int64_t *po
             bar_wait(&bar);
             attn_body(qkv, nqkv, L->kv, md->slots, block_ids, nb, seq_lens, md->block_size, M, H, Hkv, D,
                       md->scale, att, H * D, &bar, md->kv_half);
-            prep_act(wt, att, H * D, M, H * D, &a);
+            prep_act(&L->o, att, H * D, M, H * D, &a);
             linear_body(att, H * D, M, &L->o, NULL, E, H * D, x, E, 1, &a, &bar);
             ts_rmsnorm(x, M, E, L->ln2, md->eps, h);
-            prep_act(wt, h, E, M, E, &a);
+            prep_act(&L->gate_up, h, E, M, E, &a);
             linear_body(h, E, M, &L->gate_up, NULL, 2 * I, E, gu, 2 * I, 0, &a, &bar);
 #pragma omp for schedule(static) nowait
             for (int64_t m = 0; m < M; m++) silu_mul(gu + m * 2 * I, 1, I, act + m * I);
             bar_wait(&bar);
-            prep_act(wt, act, I, M, I, &a);
+            prep_act(&L->down, act, I, M, I, &a);
             linear_body(act, I, M, &L->down, NULL, E, I, x, E, 1, &a, &bar);
         }
         free(h);
