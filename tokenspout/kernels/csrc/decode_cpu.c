@@ -196,7 +196,7 @@ typedef struct {
     float *xt;   /* float weights' tiled path: the activations transposed, [K][mp] (see transpose_act) */
     int8_t *q8;  /* int8 activations (act8; q then holds the same values as int16).  Tiled: quad t (columns
                   * 4t..4t+3) of group g of row m at int32 index (g * 8 + t) * mp + m (tiled8).  Rows: row m's pair
-                  * of groups p at byte (m * P + p) * 64 (P = pairs per row), in block_q1_a8's order (row8_pos) */
+                  * of groups p at byte (m * P + p) * 64 (P = pairs per row), in the row8 layout */
     int64_t act8;
 } ts_qact;
 
@@ -241,13 +241,11 @@ static inline int64_t tiled(int64_t g, int t, int64_t m, int64_t mp) {
  * group and quad, every batch row's four bytes in a row: the eight rows of a tile's vector are 32 contiguous bytes. */
 static inline int64_t tiled8(int64_t g, int t, int64_t m, int64_t mp) { return (g * 8 + t) * mp + m; }
 
-/* Byte of column c (0..63) of a pair of groups in the one-row int8 layout: what block_q1_a8's byte shuffles make of
- * an int4 row's 32 bytes (low nibbles [c0..7, c32..39 | c8..15, c40..47], high nibbles [c16..23, c48..55 |
- * c24..31, c56..63]), so that each product pairs a code with its own column. */
-static inline int row8_pos(int c) {
-    const int h = c / 32, j = c % 32, q = j / 8;
-    return (q / 2) * 32 + (q % 2) * 16 + h * 8 + j % 8;
-}
+/* The row8 layout of int8 activations (one batch row, block_q1_a8): a pair of groups' 64 bytes in the order
+ * block_q1_a8's byte shuffles make of an int4 row's 32 bytes, low nibbles [c0..7, c32..39 | c8..15, c40..47]
+ * then high nibbles [c16..23, c48..55 | c24..31, c56..63], so that each product pairs a code with its own
+ * column: column c of the pair (group c / 32) at byte (q / 2) * 32 + (q % 2) * 16 + (c / 32) * 8 + c % 8,
+ * q = (c % 32) / 8. */
 
 /* x [M, K] -> a: per row and group of 32 columns, a scale d, the float sum s and codes round(x / d), |code| <= L
  * (L = 32767, or 127 with act8).  Tiled (M >= tile_min) the codes go to the tiled layouts (int16, and with act8
@@ -290,17 +288,25 @@ static void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, ts_q
             }
             if (mp) /* the group's 16 pairs of columns to their places in the tiled layout */
                 for (int t = 0; t < 16; t++) memcpy((int32_t *)a->q + tiled(g, t, m, mp), row + 2 * t, 4);
-            if (!mp && act8) { /* and as bytes in block_q1_a8's order (|code| <= 127: the narrowing is exact) */
-                int8_t *o = a->q8 + (m * ((G + 1) / 2) + g / 2) * 64;
-                for (int j = 0; j < 32; j++) o[row8_pos((int)(g % 2) * 32 + j)] = (int8_t)q[j];
-                if (g % 2 == 0 && g + 1 == G)
-                    for (int j = 32; j < 64; j++) o[row8_pos(j)] = 0; /* a lone last group: its pair's other half */
-            }
-            if (mp && act8) /* and its 8 quads as bytes (|code| <= 127: the int16 -> int8 narrowing is exact) */
-                for (int t = 0; t < 8; t++) {
-                    int8_t b[4] = {(int8_t)row[4 * t], (int8_t)row[4 * t + 1], (int8_t)row[4 * t + 2], (int8_t)row[4 * t + 3]};
-                    memcpy((int32_t *)a->q8 + tiled8(g, t, m, mp), b, 4);
+            if (act8) { /* and as bytes (|code| <= 127: the narrowing is exact) */
+                /* per 128-bit lane: [columns 0..7, 16..23 | 8..15, 24..31] */
+                const __m256i b = _mm256_packs_epi16(_mm256_loadu_si256((const __m256i *)q),
+                                                     _mm256_loadu_si256((const __m256i *)(q + 16)));
+                const __m128i b0 = _mm256_castsi256_si128(b), b1 = _mm256_extracti128_si256(b, 1);
+                if (!mp) { /* the row8 layout: eight columns of this group every 16 bytes */
+                    int8_t *o = a->q8 + (m * ((G + 1) / 2) + g / 2) * 64 + (g % 2) * 8;
+                    _mm_storel_epi64((__m128i *)o, b0);                              /* columns 0..7 */
+                    _mm_storel_epi64((__m128i *)(o + 16), b1);                       /* 8..15 */
+                    _mm_storel_epi64((__m128i *)(o + 32), _mm_unpackhi_epi64(b0, b0)); /* 16..23 */
+                    _mm_storel_epi64((__m128i *)(o + 48), _mm_unpackhi_epi64(b1, b1)); /* 24..31 */
+                    if (g % 2 == 0 && g + 1 == G) /* a lone last group: its pair's other half is zero */
+                        for (int j = 0; j < 4; j++) memset(o + 16 * j + 8, 0, 8);
+                } else { /* the tiled layout: quad t (columns 4t..4t+3) of each group */
+                    int32_t cols[8];
+                    _mm256_storeu_si256((__m256i *)cols, _mm256_permute4x64_epi64(b, 0xD8)); /* columns in order */
+                    for (int t = 0; t < 8; t++) ((int32_t *)a->q8)[tiled8(g, t, m, mp)] = cols[t];
                 }
+            }
         }
 }
 
@@ -510,9 +516,9 @@ static inline __attribute__((always_inline)) void block_q1(const ts_weight *W, c
 
 /* block_q1 for int4 codes and int8 activations (act8), AVX2: per row and pair of groups, the nibbles are masked
  * in place and their bytes shuffled so that each 128-bit lane holds eight columns of group g and eight of g + 1
- * (row8_pos); vpmaddubsw multiplies them by the activations (in that order, quantize_act) and adds column pairs
- * into int16 (at most 2 x 15 x 127, twice), one vpmaddwd widens to [g, g, g+1, g+1] per lane, and four rows reduce
- * to [r0: g, g+1, r1: g, g+1 | r2 ... r3 ...] for one conversion and one FMA.  ~0.24 vector instructions a
+ * (the row8 layout); vpmaddubsw multiplies them by the activations (quantize_act lays them out to match) and adds
+ * column pairs into int16 (at most 2 x 15 x 127, twice), one vpmaddwd widens to [g, g, g+1, g+1] per lane, and
+ * four rows reduce to [r0: g, g+1, r1: g, g+1 | r2 ... r3 ...] for one conversion and one FMA.  ~0.24 vector instructions a
  * weight where block_q1 takes ~0.33 (no int16 widening of the codes, one multiply per 32 products). */
 static inline __attribute__((always_inline)) void block_q1_a8(const ts_weight *W, int64_t b, int64_t K, const ts_qact *a,
                                                               int64_t m, float *out) {
