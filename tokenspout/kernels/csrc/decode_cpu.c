@@ -917,7 +917,14 @@ static void blocks_tile(const ts_weight *W, int64_t b, ts_wtile *t, int nb, cons
     memset(f, 0, sizeof(float) * (size_t)(4 * nb * mp));
     for (int64_t g0 = 0; g0 < G; g0 += CG) {
         const int64_t g1 = g0 + CG < G ? g0 + CG : G;
-        const int a8 = a->act8 && wt == WT_Q4; /* int8 activations x int4 codes (tile_group8) */
+        /* int8 activations x int4 codes (tile_group8).  Not in the AVX-512 build: its int16 tile (vpdpwssd, 32
+         * multiply-adds per instruction on 16 rows) already does what vpmaddubsw + vpaddw do in two on 8, so
+         * there int8 activations run the int16 kernels over the int8 values (a vpdpbusd tile is not written) */
+#if TS_AVX512
+        const int a8 = 0;
+#else
+        const int a8 = a->act8 && wt == WT_Q4;
+#endif
         for (int i = 0; i < nb; i++) {
             if (a8) widen_codes8(W, b + i, K, g0, g1, t + i);
             else widen_codes(W, wt, b + i, K, g0, g1, t + i);
@@ -927,7 +934,7 @@ static void blocks_tile(const ts_weight *W, int64_t b, ts_wtile *t, int nb, cons
              * of waiting on memory (its loads are the step's only reads of the weights from DRAM) */
             for (int64_t o = g * pf_step; pf && o < (g + 1) * pf_step && o < pf_bytes; o += 64) _mm_prefetch(pf + o, _MM_HINT_T1);
             int64_t m0 = 0;
-            if (a8) { /* eight-row vectors on every ISA level (AVX2 code in the AVX-512 build too) */
+            if (a8) {
                 for (; m0 + 16 <= mp; m0 += 16)
                     for (int i = 0; i < nb; i++) tile_q4a8x2(t + i, g - g0, g, a, m0, f + 4 * i * mp);
                 if (m0 < mp)
