@@ -161,6 +161,8 @@ def load_model(cfg: ModelConfig, defer_cache_write: bool = False) -> LoadedModel
     quantized, write_cache = None, None
     if cfg.quantization is None:
         model = fresh()
+        if cfg.activation_quant == "int8":
+            logger.info("--activation-quant int8 applies to int4 / int8 weights only: float weights here")
     else:
         from tokenspout.kernels import cpu
         from tokenspout.models.quant_cache import load_or_quantize
@@ -194,5 +196,7 @@ def load_model(cfg: ModelConfig, defer_cache_write: bool = False) -> LoadedModel
             model = finish(model)
         if cfg.activation_quant == "int8" and lib is not None:
             mark_act8(quantized)
+        elif cfg.activation_quant == "int8":
+            logger.info("--activation-quant int8 needs the C kernels (off here): int16-level results")
     return LoadedModel(model=model, path=path, name=cfg.served_model_name or name, arch=arch,
                        hf_config=hf, max_model_len=max_len, dtype=dtype, quantized=quantized, write_cache=write_cache)
