@@ -18,7 +18,10 @@
  *   KV cache of a layer: [2, slots, Hkv, D] float32 or float16; slot of position p = block_ids[p / bs] * bs + p % bs.
  * Quantized weights take one of two paths by batch size: the row path (block_q, up to TILE_MIN - 1 rows: streams
  * the codes, bound by weight bytes) and the tiled path (blocks_tile, TILE_MIN rows and more: bound by integer
- * multiply-adds, so it widens each block's codes once and reuses them across the batch).
+ * multiply-adds, so it widens each block's codes once and reuses them across the batch).  Both multiply the codes
+ * by the activations rounded to int16 per group of 32 (ts_qact), or, where a weight asks for it (ts_weight.act8,
+ * `--activation-quant int8`), to int8: then int4 codes take byte kernels (tile_group8 from TILE_MIN8 rows,
+ * block_q1_a8 at one row) and every other case the int16 kernels over the int8 values.
  */
 #include <immintrin.h>
 #include <limits.h>
