@@ -39,6 +39,13 @@ def test_activation_quant_flag():
         kwargs("--activation-quant", "int4")
     with pytest.raises(ValueError, match="activation_quant"):
         ModelConfig(activation_quant="fp8").validate()
+    from tokenspout.engine.llm import build_engine_config
+
+    cfg = build_engine_config(**{k: v for k, v in kwargs("--activation-quant", "int8").items()
+                                 if k in ("quantization", "activation_quant")})
+    assert (cfg.model.quantization, cfg.model.activation_quant) == ("int4", "int8")
+    with pytest.raises(ValueError, match="activation_quant"):
+        build_engine_config(activation_quant="int4")
 
 
 def test_prefix_caching_is_on_by_default_and_can_be_turned_off():
