@@ -34,6 +34,7 @@ from pathlib import Path
 from bench import serve
 from bench.common import write_json
 from bench.shapes import SHAPES, make
+from tokenspout.config import ACTIVATION_QUANTS
 
 ROOT = Path(__file__).resolve().parent.parent
 SLOTS, SLOT_TOKENS = 16, 512
@@ -136,7 +137,7 @@ def main() -> None:
     ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES),
                     help="llama.cpp types to make and serve, each with its tokenspout counterparts (default: all)")
     ap.add_argument("--peers-dir", type=Path, default=ROOT.parent / "shared" / "peers")
-    ap.add_argument("--activation-quant", nargs="+", default=["int16"], choices=["int16", "int8"],
+    ap.add_argument("--activation-quant", nargs="+", default=["int16"], choices=list(ACTIVATION_QUANTS),
                     help="tokenspout's --activation-quant values to serve (int8 rows are named ...-a8)")
     args = ap.parse_args()
     from tokenspout.models.default_model import cache_dir

@@ -27,8 +27,9 @@ class ModelConfig:
     tokenizer: str | None = None  # a folder whose tokenizer (and its chat template) replaces the model's (--tokenizer)
     # How the C kernels round the activations of int4 / int8 linear layers (not the LM head) before the integer dot
     # products: "int16" (65535 levels per group of 32: float32-level results, the default) or "int8" (255 levels,
-    # llama.cpp's numerics: ~1.7x the multiply-add rate of the tiled path, i.e. prefill and 16+ rows, at ~1 logit of
-    # error on the default model).  Without the kernels (or with float weights) it changes nothing.
+    # llama.cpp's numerics: with AVX2, int4 layers multiply 1.4-1.7x faster from 8 rows (prefill, batches) and
+    # ~1.1x at one row, at ~1 logit of error on the default model).  Without the kernels (or with float weights) it
+    # changes nothing.
     activation_quant: str = "int16"
 
     def folder(self) -> str:

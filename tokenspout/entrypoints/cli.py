@@ -8,7 +8,7 @@ import logging
 import sys
 from pathlib import Path
 
-from tokenspout.config import CACHE_DEFAULTS, SCHEDULER_DEFAULTS
+from tokenspout.config import ACTIVATION_QUANTS, CACHE_DEFAULTS, SCHEDULER_DEFAULTS
 from tokenspout.entrypoints.cli_args import (
     SuggestingArgumentParser,
     add_chat_template_arg,
@@ -34,7 +34,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "(half of float32's bytes) through the same kernels.  auto: int4 for the default model (whose "
                         "GGUF weights are exactly Q4_1 / Q8_0, so it is lossless there), the checkpoint's own 16-bit "
                         "type for a bf16 / fp16 folder (lossless), none (float32) for a float32 folder")
-    p.add_argument("--activation-quant", default="int16", choices=["int16", "int8"],
+    p.add_argument("--activation-quant", default="int16", choices=list(ACTIVATION_QUANTS),
                    help="how int4 / int8 layers round their inputs for the integer dot products.  int16 (default): "
                         "float32-level results.  int8: llama.cpp's numerics; prompts and batches of 16+ sequences "
                         "multiply int4 weights ~1.5-1.8x faster on AVX2, at ~1 logit of error on the default model "

@@ -38,6 +38,10 @@
 
 #include "simd.h"
 
+#ifndef TS_AVX512 /* 1 in the AVX-512 build (cpu.py's -DTS_AVX512=1); a value, so C expressions can test it */
+#define TS_AVX512 0
+#endif
+
 #define WT_F32 0
 #define WT_Q8 1
 #define WT_Q4 2
@@ -265,7 +269,7 @@ static void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, ts_q
             if (m >= M) { /* tiled padding row */
                 a->d[g * mp + m] = a->s[g * mp + m] = 0.0f;
                 for (int t = 0; t < 16; t++) ((int32_t *)a->q)[tiled(g, t, m, mp)] = 0;
-                if (act8)
+                if (act8 && !TS_AVX512)
                     for (int t = 0; t < 8; t++) ((int32_t *)a->q8)[tiled8(g, t, m, mp)] = 0;
                 continue;
             }
@@ -304,7 +308,8 @@ static void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, ts_q
                     _mm_storel_epi64((__m128i *)(o + 48), _mm_unpackhi_epi64(b1, b1)); /* 24..31 */
                     if (g % 2 == 0 && g + 1 == G) /* a lone last group: its pair's other half is zero */
                         for (int j = 0; j < 4; j++) memset(o + 16 * j + 8, 0, 8);
-                } else { /* the tiled layout: quad t (columns 4t..4t+3) of each group */
+                } else if (!TS_AVX512) { /* the tiled layout (tile_group8; the AVX-512 build has no byte tile):
+                                          * quad t (columns 4t..4t+3) of each group */
                     int32_t cols[8];
                     _mm256_storeu_si256((__m256i *)cols, _mm256_permute4x64_epi64(b, 0xD8)); /* columns in order */
                     for (int t = 0; t < 8; t++) ((int32_t *)a->q8)[tiled8(g, t, m, mp)] = cols[t];
@@ -923,11 +928,7 @@ static void blocks_tile(const ts_weight *W, int64_t b, ts_wtile *t, int nb, cons
         /* int8 activations x int4 codes (tile_group8).  Not in the AVX-512 build: its int16 tile (vpdpwssd, 32
          * multiply-adds per instruction on 16 rows) already does what vpmaddubsw + vpaddw do in two on 8, so
          * there int8 activations run the int16 kernels over the int8 values (a vpdpbusd tile is not written) */
-#if TS_AVX512
-        const int a8 = 0;
-#else
-        const int a8 = a->act8 && wt == WT_Q4;
-#endif
+        const int a8 = !TS_AVX512 && a->act8 && wt == WT_Q4;
         for (int i = 0; i < nb; i++) {
             if (a8) widen_codes8(W, b + i, K, g0, g1, t + i);
             else widen_codes(W, wt, b + i, K, g0, g1, t + i);
