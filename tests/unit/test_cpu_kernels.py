@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenspout.kernels import cpu
-from tokenspout.models.quantize import quantize_int4, quantize_int8
+from tokenspout.models.quantize import dequantize, pack_int5, quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.skipif(cpu.load() is None, reason="decode kernels unavailable on this machine")
 
@@ -19,6 +19,19 @@ pytestmark = pytest.mark.skipif(cpu.load() is None, reason="decode kernels unava
 @pytest.fixture(params=cpu.available_isas())
 def lib(request):
     return cpu.load(request.param)
+
+
+def quantize_int5(w: torch.Tensor, lib=None):
+    """int5 (a GGUF file's Q5_1 / Q5_K terms: W = scale * q + min, q 0..31) fitted to w per group of 32, as
+    quantize_int4 fits int4: (packed weight, dequantized float32 [N, K]).  Packed by torch, or by `lib`."""
+    n, k = w.shape
+    g = w.float().view(n, k // 32, 32)
+    lo = g.amin(-1).half().float()
+    scale = ((g.amax(-1) - lo) / 31.0).half().float()
+    q = torch.where(scale[..., None] > 0, torch.round((g - lo[..., None]) / scale[..., None].clamp_min(1e-30)), 0)
+    q = q.clamp_(0, 31)
+    deq = (q * scale[..., None] + lo[..., None]).view(n, k)
+    return pack_int5(q.to(torch.uint8), scale.half(), lo.half(), lib), deq
 
 
 def test_the_best_level_is_chosen_and_can_be_forced(monkeypatch):
@@ -80,10 +93,10 @@ def unpack_min(packed) -> torch.Tensor:
     return packed.min.float().view(-1, packed.k // 32, 4).transpose(1, 2).reshape(-1, packed.k // 32)[: packed.n]
 
 
-@pytest.mark.parametrize("fn,levels", [(quantize_int8, 254), (quantize_int4, 15)])
+@pytest.mark.parametrize("fn,levels", [(quantize_int8, 254), (quantize_int4, 15), (quantize_int5, 31)])
 @pytest.mark.parametrize("m", [1, 2, 4, 7, 13, 14, 15, 16, 17, 27, 28, 70])
 @pytest.mark.parametrize("n", [5, 64, 130])
-@pytest.mark.parametrize("k", [96, 128, 608])
+@pytest.mark.parametrize("k", [96, 128, 608, 1088])
 def test_linear_quantized_packed_matches_dequantized(lib, fn, levels, m, n, k):
     """Quantized weights x int16 activations: exactly the integer dot products of the quantized values, scaled;
     Q4's min term uses the exact float group sums of x.  AVX2: m < 16 takes the row path (m = 15 its largest batch),
@@ -91,7 +104,8 @@ def test_linear_quantized_packed_matches_dequantized(lib, fn, levels, m, n, k):
     and one; AVX-512: m < 14 the row path (13 its largest), 14 one tile of 16 rows with 2 padding rows, 17 and 28
     one tile of 32 rows with padding rows, 70 two tiles of 32 and one of 16; n = 5 and 130 end on a lone block of four weight rows (the tiled path takes them in pairs) and on
     padding rows; k = 96 ends Q4's pairs of groups with a lone group; k = 608 (19 groups) spans three of the tiled
-    path's chunks of widened groups, the last one short and ending on a lone group."""
+    path's chunks of widened groups, the last one short and ending on a lone group; int5's fifth bits come in runs of
+    four pairs of groups: k = 608 and 1088 (17 pairs) end on a short run."""
     g = torch.Generator().manual_seed(m * 1000 + n + k)
     G = k // 32
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
@@ -227,7 +241,7 @@ def quantized_reference(x: torch.Tensor, packed, deq: torch.Tensor, xq: torch.Te
     return xq @ (deq - mins.repeat_interleave(32, 1)).T + x.view(m, k // 32, 32).sum(-1) @ mins.T
 
 
-@pytest.mark.parametrize("fn", [quantize_int8, quantize_int4])
+@pytest.mark.parametrize("fn", [quantize_int8, quantize_int4, quantize_int5])
 @pytest.mark.parametrize("m", [1, 7, 8, 13, 15, 16, 17, 40, 70])
 @pytest.mark.parametrize("n, k", [(5, 96), (130, 608), (64, 128)])
 def test_linear_int8_activations_match_their_reference(lib, fn, m, n, k):
@@ -265,3 +279,37 @@ def test_int8_activations_with_a_fused_tail(lib):
         xq = int16_activations(x, 127.0)
         ref = torch.cat([quantized_reference(x, head, deq_h, xq), quantized_reference(x, tail, deq_t, xq)], 1)
         torch.testing.assert_close(cpu.linear(lib, x, fused), ref, atol=5e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("n, k", [(5, 96), (130, 608), (8, 1088), (3, 32)])
+def test_int5_packing_in_c_equals_torch_and_round_trips(lib, n, k):
+    """pack_int5 by the C writer (ts_pack_q5) gives the torch packing's bytes, and dequantize() reads back the
+    values: codes 0..31 with every fifth-bit position used (runs of four pairs, short last runs, lone groups)."""
+    g = torch.Generator().manual_seed(n * 31 + k)
+    q = torch.randint(0, 32, (n, k // 32, 32), generator=g).to(torch.uint8)
+    scale = (torch.rand(n, k // 32, generator=g) + 0.1).half()
+    lo = torch.randn(n, k // 32, generator=g).half()
+    want = pack_int5(q, scale, lo)
+    got = pack_int5(q, scale, lo, lib)
+    assert got.wt == want.wt == cpu.WT_Q5
+    for f in ("codes", "scale", "min", "hi"):
+        assert torch.equal(getattr(got, f).view(torch.uint8), getattr(want, f).view(torch.uint8)), f
+    deq = (q.float() * scale.float()[..., None] + lo.float()[..., None]).view(n, k)
+    torch.testing.assert_close(dequantize(got), deq, atol=0, rtol=0)
+
+
+def test_int5_head_with_an_int8_tail(lib):
+    """A fused weight of int5 rows and an int8 tail (a Q4_K_M file's Q5_0 q / k with a Q8_0 v), row and tiled paths,
+    int16 and int8 activations."""
+    g = torch.Generator().manual_seed(9)
+    n_head, n_tail, k = 20, 12, 320
+    w = torch.randn(n_head + n_tail, k, generator=g)
+    head, deq_h = quantize_int5(w[:n_head], lib)
+    tail, deq_t = quantize_int8(w[n_head:])
+    for act8, levels in ((False, 32767.0), (True, 127.0)):
+        fused = dataclasses.replace(head, n=n_head + n_tail, tail=dataclasses.replace(tail, act8=act8), act8=act8)
+        for m in (1, 3, 33):
+            x = torch.randn(m, k, generator=g)
+            xq = int16_activations(x, levels)
+            ref = torch.cat([quantized_reference(x, head, deq_h, xq), quantized_reference(x, tail, deq_t, xq)], 1)
+            torch.testing.assert_close(cpu.linear(lib, x, fused), ref, atol=5e-4, rtol=1e-4)

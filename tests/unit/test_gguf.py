@@ -189,7 +189,8 @@ def test_fused_layer_of_two_formats(tmp_path: Path, kernels: bool):
     """Q4_K_M keeps v at Q6_K in half the layers: asked for int4, a fused q/k/v of Q4_K q / k and a Q6_K v keeps q / k
     as exact int4 and serves v as int8 (one weight of two formats, PackedWeight.tail), through the kernels and the
     quantized-weights cache alike; it went to int4 as a whole, re-fitted from the dequantized values, which moved
-    the 1.7B shape's logits ~10x more.  Where the 4-bit parts do not come first the whole layer is int8."""
+    the 1.7B shape's logits ~10x more.  Where the first format's rows are not whole blocks of four (v's 6 rows first)
+    the whole layer is int8."""
     from tokenspout.kernels.cpu import WT_Q4, WT_Q8
 
     g = np.random.default_rng(5)
@@ -213,7 +214,7 @@ def test_fused_layer_of_two_formats(tmp_path: Path, kernels: bool):
     for m in (1, 5):  # the row path, and (with the rows repeated) the tiled path
         xm = x[:m].repeat(4 if m == 5 else 1, 1)
         torch.testing.assert_close(cpu.linear(cpu.load(), xm, mixed), xm @ got.T, rtol=1e-3, atol=2e-3)
-    whole = ck.packed([names[2], names[0], names[1]], "int4", lib)  # the wide part first: one format, int8
+    whole = ck.packed([names[2], names[0], names[1]], "int4", lib)  # 6 rows of v first: one format, int8
     assert whole.wt == WT_Q8 and whole.tail is None
 
 
@@ -428,3 +429,54 @@ def test_hostile_headers_are_clear_errors(tmp_path: Path):
         bad.write_bytes(data)
         with pytest.raises(ValueError, match=f"cannot read GGUF file .*{bad.name}: .*{says}"):
             open_reader(bad)
+
+
+@pytest.mark.parametrize("kind", ["Q5_0", "Q5_1", "Q5_K"])
+def test_5_bit_blocks_convert_to_int5(lib, kind):
+    """Where the kernels run, Q5_0 / Q5_1 (the gguf package's reference quantizer) and Q5_K (random super-blocks: every
+    code, scale and fifth-bit pattern) become int5 with the file's codes: the values equal the gguf package's
+    dequantization bit for bit (Q5_0, Q5_1) or up to the float16 rounding of each group's scale and min (Q5_K, as
+    Q4_K); rows written at an offset, in a permuted order, and the kernels compute with them."""
+    from tokenspout.models.quantize import empty_packed
+
+    g = np.random.default_rng(7)
+    t = GGMLQuantizationType[kind]
+    rows, k = 10, 512
+    if kind == "Q5_K":
+        raw = _k_blocks(g, "Q5_K", rows, k // 256)
+    else:
+        x = (g.standard_normal((rows, k)) * 0.1).astype(np.float32)
+        x[0, :32] = 0.0  # an all-zero block
+        raw = quants.quantize(x, t).reshape(rows, -1)
+    ref = torch.from_numpy(quants.dequantize(raw, t).reshape(rows, k).astype(np.float32))
+    order = g.permutation(rows)
+    pw = empty_packed(rows + 3, k, cpu.WT_Q5)
+    assert cpu.q5_into(lib, kind, raw, order, k, 3, pw.codes, pw.scale, pw.min, pw.hi) == rows
+    got = dequantize(pw)[3:]
+    want = ref[torch.from_numpy(order)]
+    if kind == "Q5_K":
+        groups = want.abs().view(rows, -1, 32).amax(-1, keepdim=True)
+        assert ((got - want).abs().view(rows, -1, 32) <= 2.0**-9 * groups + 1e-7).all()
+    else:
+        assert torch.equal(got, want)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(1))
+    out = cpu.linear(lib, x, pw)[:, 3:]
+    torch.testing.assert_close(out, x @ got.T, rtol=1e-3, atol=2e-3)
+
+
+def test_q5_0_layer_with_a_q8_0_v_is_int5_and_int8(tmp_path: Path, lib):
+    """A Q4_K_M file of a 960-wide model keeps q / k at Q5_0 (llama-quantize's fallback for Q4_K) and v at Q8_0 in half
+    the layers: asked for int4 or int8, the fused layer is int5 rows with an int8 tail, every value the file's."""
+    g = np.random.default_rng(11)
+    q50, q80 = GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q8_0
+    raws = {p: (quants.quantize((g.standard_normal((rows, 256)) * 0.05).astype(np.float32), kind), kind)
+            for p, rows, kind in (("q", 8, q50), ("k", 8, q50), ("v", 4, q80))}
+    ck = GGUFCheckpoint(_attention_gguf(tmp_path / "q5.gguf", raws))
+    names = [f"layers.0.self_attn.{p}_proj.weight" for p in "qkv"]
+    ref = torch.cat([ck.get(n) for n in names])
+    for method in ("int4", "int8"):
+        pw = ck.packed(names, method, lib)
+        assert pw is not None and (pw.wt, pw.n, pw.tail.wt, pw.tail.n) == (cpu.WT_Q5, 20, cpu.WT_Q8, 4)
+        assert torch.equal(dequantize(pw), ref)
+    without = ck.packed(names, "int8", None)  # no kernels: Q5_0 is exact int8
+    assert without is not None and without.wt == cpu.WT_Q8 and torch.equal(dequantize(without), ref)

@@ -37,7 +37,8 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "decode_cpu.c", CSRC / "sample_cpu.c", CSRC / "quant_cpu.c")
 HEADERS = (CSRC / "simd.h",)
-WT_F32, WT_Q8, WT_Q4, WT_BF16, WT_F16 = 0, 1, 2, 3, 4  # the kernels' weight types (ts_weight.wt in decode_cpu.c)
+# the kernels' weight types (ts_weight.wt in decode_cpu.c)
+WT_F32, WT_Q8, WT_Q4, WT_BF16, WT_F16, WT_Q5 = 0, 1, 2, 3, 4, 5
 # float weights the kernels read as they are (16-bit ones widened to float32 in registers): torch dtype -> C type
 FLOAT_WEIGHT_TYPES = {torch.float32: WT_F32, torch.bfloat16: WT_BF16, torch.float16: WT_F16}
 
@@ -49,9 +50,9 @@ class Weight(ctypes.Structure):
 
 
 # tail: a second Weight for rows [n_head, N) in another quantized format (csrc ts_weight); NULL for one format
-# act8: int8 activations (csrc ts_weight.act8; PackedWeight.act8)
+# act8: int8 activations (csrc ts_weight.act8; PackedWeight.act8); hi: int5's plane of fifth bits (PackedWeight.hi)
 Weight._fields_ = [("w", vp), ("scale", vp), ("min", vp), ("wt", i64), ("tail", ctypes.POINTER(Weight)),
-                   ("n_head", i64), ("act8", i64)]
+                   ("n_head", i64), ("act8", i64), ("hi", vp)]
 
 
 class Layer(ctypes.Structure):
@@ -181,7 +182,11 @@ def _load(isa: str) -> ctypes.CDLL | None:
     lib.ts_q5k_to_q8.argtypes = [vp, vp, i64, i64, i64, vp, vp]
     lib.ts_pack_q8.argtypes = [vp, vp, i64, i64, i64, vp, vp]
     lib.ts_pack_q4.argtypes = [vp, vp, vp, i64, i64, i64, vp, vp, vp]
-    for f in (lib.ts_q4k_to_q4, lib.ts_q6k_to_q8, lib.ts_q5k_to_q8, lib.ts_pack_q8, lib.ts_pack_q4):
+    lib.ts_pack_q5.argtypes = [vp, vp, vp, i64, i64, i64, vp, vp, vp, vp]
+    lib.ts_q5_to_q5.argtypes = [vp, vp, i64, i64, i64, i64, vp, vp, vp, vp]
+    lib.ts_q5k_to_q5.argtypes = [vp, vp, i64, i64, i64, vp, vp, vp, vp]
+    for f in (lib.ts_q4k_to_q4, lib.ts_q6k_to_q8, lib.ts_q5k_to_q8, lib.ts_pack_q8, lib.ts_pack_q4, lib.ts_pack_q5,
+              lib.ts_q5_to_q5, lib.ts_q5k_to_q5):
         f.restype = None
     return lib
 
@@ -195,7 +200,7 @@ def weight(w) -> tuple[Weight, int]:
     if isinstance(w, torch.Tensor):
         assert w.dtype in FLOAT_WEIGHT_TYPES and w.is_contiguous() and w.dim() == 2
         return Weight(w.data_ptr(), None, None, FLOAT_WEIGHT_TYPES[w.dtype]), w.shape[0]
-    desc = Weight(w.codes.data_ptr(), w.scale.data_ptr(), _ptr(w.min), w.wt, act8=int(w.act8))
+    desc = Weight(w.codes.data_ptr(), w.scale.data_ptr(), _ptr(w.min), w.wt, act8=int(w.act8), hi=_ptr(w.hi))
     if w.tail is not None:
         tail, _ = weight(w.tail)
         desc.tail, desc.n_head = ctypes.pointer(tail), w.n - w.tail.n  # (the pointer object keeps `tail` alive)
@@ -241,12 +246,12 @@ def quantize_q4(lib, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     lib.ts_quantize_q4(w.data_ptr(), n, k, bf16, q.data_ptr(), scale.data_ptr(), lo.data_ptr())
     return q, scale, lo
 
-def _rows_arg(raw, order, size: int, k: int):
-    """(GGUF rows [rows, k / 256 * size] as a C-contiguous uint8 array, the row order as int64 or None, rows out)"""
+def _rows_arg(raw, order, size: int, k: int, block: int = 256):
+    """(GGUF rows [rows, k / block * size] as a C-contiguous uint8 array, the row order as int64 or None, rows out)"""
     import numpy as np
 
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
-    if k % 256 or raw.ndim != 2 or raw.shape[1] != k // 256 * size:
+    if k % block or raw.ndim != 2 or raw.shape[1] != k // block * size:
         raise ValueError(f"rows of {raw.shape[-1]} bytes are not {k} weights in blocks of {size} bytes")
     if order is None:
         return raw, None, raw.shape[0]
@@ -285,10 +290,36 @@ def k_int8_into(lib, kind: str, raw, order, k: int, r0: int, codes: torch.Tensor
     return n
 
 
+def hi_row_bytes(k: int) -> int:
+    """Bytes of an int5 weight's fifth-bit plane per row of K = k: 32 per run of four pairs of groups (256 columns)."""
+    return -(-k // 256) * 32
+
+
+def q5_into(lib, kind: str, raw, order, k: int, r0: int, codes: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor,
+            hi: torch.Tensor) -> int:
+    """Q5_0 / Q5_1 blocks (rows [R, k / 32 * 22 or 24]) or Q5_K super-blocks (rows [R, k / 256 * 176]) -> rows r0..
+    of a packed int5 weight (codes / scale / mins / hi: its tensors) with the file's codes (Q5_0's min = -16 x its
+    scale; Q5_K's scale and min per group rounded to float16, as Q4_K's); in C.  Returns the rows written."""
+    if kind == "Q5_K":
+        raw, order, n = _rows_arg(raw, order, 176, k)
+    else:
+        raw, order, n = _rows_arg(raw, order, {"Q5_0": 22, "Q5_1": 24}[kind], k, block=32)
+    _check_room(codes, r0, n, -(-k // 64) * 32)
+    _check_room(hi, r0, n, hi_row_bytes(k))
+    args = (None if order is None else order.ctypes.data, n, k, r0)
+    outs = (codes.data_ptr(), scale.data_ptr(), mins.data_ptr(), hi.data_ptr())
+    if kind == "Q5_K":
+        lib.ts_q5k_to_q5(raw.ctypes.data, *args, *outs)
+    else:
+        lib.ts_q5_to_q5(raw.ctypes.data, *args, int(kind == "Q5_1"), *outs)
+    return n
+
+
 def pack_into(lib, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor | None, r0: int, codes: torch.Tensor,
-              oscale: torch.Tensor, omin: torch.Tensor | None) -> None:
-    """Codes [n, G, 32] (int8; or uint8 0..15 with minimums `lo`: int4) and scales [n, G] float16 -> rows r0..
-    r0 + n of a packed weight (quantize.pack_int8 / pack_int4's layout), in C."""
+              oscale: torch.Tensor, omin: torch.Tensor | None, hi: torch.Tensor | None = None) -> None:
+    """Codes [n, G, 32] (int8; or uint8 0..15 with minimums `lo`: int4; or 0..31 with `lo` and the fifth-bit plane
+    `hi`: int5) and scales [n, G] float16 -> rows r0.. r0 + n of a packed weight (quantize.pack_int8 / pack_int4 /
+    pack_int5's layout), in C."""
     n, groups = scale.shape
     assert q.shape == (n, groups, 32) and q.element_size() == 1 and scale.dtype == torch.float16
     q, scale = q.contiguous(), scale.contiguous()
@@ -298,5 +329,10 @@ def pack_into(lib, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor | None
     else:
         assert omin is not None
         lo = lo.contiguous()
+        if hi is not None:
+            _check_room(hi, r0, n, hi_row_bytes(groups * 32))
+            lib.ts_pack_q5(q.data_ptr(), scale.data_ptr(), lo.data_ptr(), n, groups, r0, codes.data_ptr(),
+                           oscale.data_ptr(), omin.data_ptr(), hi.data_ptr())
+            return
         lib.ts_pack_q4(q.data_ptr(), scale.data_ptr(), lo.data_ptr(), n, groups, r0, codes.data_ptr(),
                        oscale.data_ptr(), omin.data_ptr())

@@ -10,10 +10,12 @@ Weights, per GGUF tensor type:
   block: same codes, the same float16 scale and minimum; Q4_0's minimum is -8 x its scale), so
   `--quantization int4` of a Q4_0 / Q4_1 file (int8 of a Q8_0 file) computes with the file's own weight values;
 * Q4_K becomes int4 with the file's codes (each group's scale d x sc and min dmin x m rounded to float16);
-* where the C kernels run, Q5_K and Q6_K are dequantized and quantized to int8 in one C pass (csrc/quant_cpu.c,
-  the values of the steps below); every other type (F32, F16, BF16, Q5_1, ...), and Q5_K / Q6_K elsewhere, is
-  dequantized by the gguf package (Q6_K by q6k_rows) and then quantized like any float checkpoint (lossy for the
-  K-quants: their 16- and 32-weight sub-block scales are re-fitted per group of 32).
+* where the C kernels run, Q5_0, Q5_1 and Q5_K become their int5 format with the file's codes (Q5_0's min is -16 x
+  its scale, exact; Q5_K's terms rounded to float16 as Q4_K's), and Q6_K is dequantized and quantized to int8 in one
+  C pass (csrc/quant_cpu.c, the values of the steps below); elsewhere Q5_0 becomes int8 exactly (its codes - 16);
+  every other type (F32, F16, BF16, ...), and Q5_1 / Q5_K / Q6_K without the kernels, is dequantized by the gguf
+  package (Q6_K by q6k_rows) and then quantized like any float checkpoint (lossy for the K-quants: their 16- and
+  32-weight sub-block scales are re-fitted per group of 32).
 llama.cpp's converter permutes the rows of Q and K of Llama / Mistral models (its RoPE pairs interleaved dimensions);
 they are permuted back here, on whole rows, so the packed blocks need no dequantization for it.
 """
@@ -27,19 +29,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenspout.kernels.cpu import WT_Q4, WT_Q8, k_int8_into, pack_into, q4k_into
+from tokenspout.kernels.cpu import WT_Q4, WT_Q5, WT_Q8, k_int8_into, pack_into, q4k_into, q5_into
 from tokenspout.models.gguf_file import architecture, field, open_reader
 from tokenspout.models.quantize import GROUP, PackedWeight, empty_packed, pack_int4, pack_int8
 
 _PERMUTED = ("llama", "mistral")  # llama.cpp's converter permutes Q/K rows for these
 # GGUF tensor types by name (gguf.GGMLQuantizationType); what converts exactly to which kernel format
 _EXACT = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q5_0": "int8", "Q8_0": "int8"}
+# ... where the C kernels convert them (int5 and Q6_K's one-pass int8 are written by csrc/quant_cpu.c only)
+_EXACT_C = {**_EXACT, "Q5_0": "int5", "Q5_1": "int5", "Q5_K": "int5", "Q6_K": "int8"}
+_WT = {"int4": WT_Q4, "int5": WT_Q5, "int8": WT_Q8}
 # Types kept at more than 4 bits (llama.cpp's _M / _L mixes keep some tensors at Q5 / Q6 / Q8 on purpose): asked for
 # int4, such a tensor is served as int8 instead, re-quantized from its dequantized values.
 _WIDER = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_K")
 # Types the C kernels dequantize and quantize to int8 in one pass (csrc/quant_cpu.c), with the values of the gguf
-# package's dequantization quantized by quantize_int8: a layer of these and exact int8 types is converted part by
-# part (the exact parts keep their values), no float rows in between
+# package's dequantization quantized by quantize_int8, when int4 or int8 is asked: Q6_K always, Q5_K in a layer
+# whose parts form more than two formats (converted part by part to int8, the exact int8 parts keeping their values)
 _C_INT8 = ("Q5_K", "Q6_K")
 
 
@@ -142,18 +147,30 @@ class GGUFCheckpoint:
 
     def packed(self, names: list[str], method: str, lib=None) -> PackedWeight | None:
         """The tensors `names` (stacked rows, e.g. q, k, v) in the kernels' formats, following the file: blocks that
-        convert directly keep their values whatever `method` asks (Q4_0 / Q4_1 / Q4_K -> int4, Q5_0 / Q8_0 -> int8:
-        never re-rounded onto another grid); a tensor the file keeps at 5-8 bits in another type (Q5_1, Q5_K, Q6_K)
-        becomes int8 when int4 is asked.  A fused layer of both kinds (a Q4_K_M file's Q4_K q / k with a Q6_K v)
-        keeps each part's format when the 4-bit parts come first: one weight of two formats (PackedWeight.tail);
-        otherwise it is int8 as a whole (forcing the 6-bit v onto int4 moved the 1.7B shape's logits 10x more
-        than int8 does); None: quantize the dequantized values as `method` asks.  lib: the C kernels, which then
-        quantize what is re-quantized here (quantize.quantizer), and convert a layer of Q5_K / Q6_K and exact int8
-        parts to int8 part by part when int4 or int8 is asked (_C_INT8)."""
+        convert directly keep their values whatever `method` asks (Q4_0 / Q4_1 / Q4_K -> int4, Q8_0 -> int8, and
+        with the C kernels `lib` Q5_0 / Q5_1 / Q5_K -> int5; Q5_0 -> int8 without them: never re-rounded onto
+        another grid); Q6_K becomes int8 in one C pass when int4 or int8 is asked, and without the kernels a tensor
+        the file keeps at 5-8 bits in another type (Q5_1, Q5_K, Q6_K) becomes int8 when int4 is asked.  A fused
+        layer of two such formats (a Q4_K_M file's Q4_K q / k with a Q6_K v, Q5_0 q / k with a Q8_0 v) keeps each
+        part's format when int4 or int8 is asked and the first format's rows are whole blocks of four: one weight of
+        two formats (PackedWeight.tail; forcing the 6-bit v onto int4 moved the 1.7B shape's logits 10x more than
+        int8 does); otherwise such a layer is int8 as a whole.  None: quantize the dequantized values as `method`
+        asks.  lib: the C kernels, which then also quantize what is re-quantized here (quantize.quantizer)."""
         kinds = [self.type_name(n) for n in names]
+        table = _EXACT if lib is None else _EXACT_C
+        fmts = [None if k == "Q6_K" and method not in ("int4", "int8") else table.get(k) for k in kinds]
+        if None not in fmts:
+            split = next((i for i, f in enumerate(fmts) if f != fmts[0]), len(fmts))
+            if split == len(fmts):
+                return self._convert(names, fmts[0], lib)
+            head_rows = sum(self.shape(n)[0] for n in names[:split])
+            if method in ("int4", "int8") and len(set(fmts[split:])) == 1 and head_rows % 4 == 0:
+                head, tail = self._convert(names[:split], fmts[0], lib), self._convert(names[split:], fmts[split], lib)
+                head.tail, head.n = tail, head.n + tail.n
+                return head
         if lib is not None and method in ("int4", "int8") and all(k in _C_INT8 or _EXACT.get(k) == "int8"
                                                                   for k in kinds):
-            return self._convert(names, "int8", lib)  # (a Q4_K_M file's head, half its v and ffn_down; Q5_K_M's)
+            return self._convert(names, "int8", lib)  # (5-8-bit parts in three runs: a Q5_K_M file's Q8_0 / Q5_K / Q6_K)
         formats = {_EXACT.get(k) for k in kinds}
         if len(formats) != 1 or None in formats:  # not every part converts directly, or not to one format
             wide = [k in _WIDER or _EXACT.get(k) == "int8" for k in kinds]
@@ -163,7 +180,7 @@ class GGUFCheckpoint:
             if split and all(wide[split:]) and sum(self.shape(n)[0] for n in names[:split]) % 4 == 0:
                 head = self.packed(names[:split], "int4", lib)  # exact int4 parts first, the wider ones after
                 tail = self.packed(names[split:], "int4", lib)  # int8: exact, or re-rounded from 5-8 bits
-                if head is not None and head.wt == WT_Q4 and tail is not None:
+                if head is not None and head.wt in (WT_Q4, WT_Q5) and head.tail is None and tail is not None:
                     head.tail, head.n = tail, head.n + tail.n
                     return head
             from tokenspout.models.quantize import quantize_rows, quantizer
@@ -185,6 +202,7 @@ class GGUFCheckpoint:
         and, with the C kernels, written at its row offset straight into the packed weight."""
         k = self.shape(names[0])[1]
         if lib is None:
+            assert fmt != "int5"  # (only the C kernels write int5)
             parts = []
             for n in names:
                 t, raw, order = self._blocks(n)
@@ -192,12 +210,15 @@ class GGUFCheckpoint:
                 self._release(t)
             q, d, m = (torch.cat(x) for x in zip(*parts))
             return pack_int8(q, d) if fmt == "int8" else pack_int4(q, d, m)
-        pw = empty_packed(sum(self.shape(n)[0] for n in names), k, WT_Q8 if fmt == "int8" else WT_Q4)
+        pw = empty_packed(sum(self.shape(n)[0] for n in names), k, _WT[fmt])
         r0 = 0
         for n in names:
             t, raw, order = self._blocks(n)
             kind = t.tensor_type.name
-            if kind == "Q4_K":
+            if fmt == "int5":
+                assert pw.min is not None and pw.hi is not None
+                r0 += q5_into(lib, kind, raw, order, k, r0, pw.codes, pw.scale, pw.min, pw.hi)
+            elif kind == "Q4_K":
                 assert pw.min is not None  # (an int4 weight's)
                 r0 += q4k_into(lib, raw, order, k, r0, pw.codes, pw.scale, pw.min)
             elif kind in _C_INT8:

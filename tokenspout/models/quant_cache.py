@@ -35,11 +35,12 @@ from safetensors import SafetensorError, safe_open
 from tokenspout.models.default_model import cache_dir
 from tokenspout.models.llama import LlamaForCausalLM
 from tokenspout.models.quant_linear import linear_shapes, replace_linears
-from tokenspout.models.quantize import WT_BF16, WT_F16, WT_Q4, WT_Q8, PackedWeight
+from tokenspout.kernels.cpu import hi_row_bytes
+from tokenspout.models.quantize import WT_BF16, WT_F16, WT_Q4, WT_Q5, WT_Q8, PackedWeight
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 2  # bump when the file layout changes (the sources below are hashed into the key as well)
+FORMAT = 3  # bump when the file layout changes (the sources below are hashed into the key as well)
 # What the cached values and layout depend on: quantization, weight fusion (loader), the streaming build and the
 # GGUF block conversion, this file.
 _SOURCES = [Path(__file__).parent / name for name in ("quantize.py", "quant_linear.py", "quant_load.py",
@@ -70,13 +71,15 @@ def cache_file(model_dir: Path, key: dict) -> Path:
 
 
 
-def _packed_numels(n: int, k: int, wt: int) -> tuple[int, int, int]:
-    """(codes, scale, min) element counts of the kernels' layout (N padded to a multiple of 4, groups of 32)."""
+def _packed_numels(n: int, k: int, wt: int) -> tuple[int, int, int, int]:
+    """(codes, scale, min, hi) element counts of the kernels' layout (N padded to a multiple of 4, groups of 32)."""
     if wt in (WT_BF16, WT_F16):
-        return n * k, 0, 0
+        return n * k, 0, 0, 0
     n4 = -(-n // 4) * 4
     groups = n4 * (k // 32)
-    return (n4 * -(-k // 64) * 32, groups, groups) if wt == WT_Q4 else (n4 * k, groups, 0)
+    if wt in (WT_Q4, WT_Q5):
+        return n4 * -(-k // 64) * 32, groups, groups, n4 * hi_row_bytes(k) if wt == WT_Q5 else 0
+    return n4 * k, groups, 0, 0
 
 
 def load(file: Path, key: dict, model: LlamaForCausalLM, dtype: torch.dtype, lib=None,
@@ -95,8 +98,9 @@ def load(file: Path, key: dict, model: LlamaForCausalLM, dtype: torch.dtype, lib
                      if k.startswith(_MODEL)}
             packed: dict[str, PackedWeight] = {}
             def part(p: str, n: int, k: int, wt: int) -> PackedWeight:
-                lo = f.get_tensor(p + ".min") if wt == WT_Q4 else None
-                return PackedWeight(f.get_tensor(p + ".codes"), f.get_tensor(p + ".scale"), lo, n, k, wt)
+                lo = f.get_tensor(p + ".min") if wt in (WT_Q4, WT_Q5) else None
+                hi = f.get_tensor(p + ".hi") if wt == WT_Q5 else None
+                return PackedWeight(f.get_tensor(p + ".codes"), f.get_tensor(p + ".scale"), lo, n, k, wt, hi=hi)
 
             for name, (n, k, wt, *tail) in json.loads(meta["packed"]).items():
                 p = _PACKED + name
@@ -122,9 +126,10 @@ def load(file: Path, key: dict, model: LlamaForCausalLM, dtype: torch.dtype, lib
             parts = [(pw, pw.n)] if pw.tail is None else [(pw, pw.n - pw.tail.n), (pw.tail, pw.tail.n)]
             for p, rows in parts:
                 want = _packed_numels(rows, p.k, p.wt)
-                got = (p.codes.numel(), p.scale.numel(), 0 if p.min is None else p.min.numel())
-                if p.wt not in (WT_Q8, WT_Q4, WT_BF16, WT_F16) or got != want or rows <= 0 or (
-                        pw.tail is not None and (p.wt not in (WT_Q8, WT_Q4) or (p is pw and rows % 4))):
+                got = (p.codes.numel(), p.scale.numel(), 0 if p.min is None else p.min.numel(),
+                       0 if p.hi is None else p.hi.numel())
+                if p.wt not in (WT_Q8, WT_Q4, WT_Q5, WT_BF16, WT_F16) or got != want or rows <= 0 or (
+                        pw.tail is not None and (p.wt not in (WT_Q8, WT_Q4, WT_Q5) or (p is pw and rows % 4))):
                     raise ValueError(f"packed weight {name} has the wrong size")
     except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
         if discard:
@@ -151,6 +156,8 @@ def save(file: Path, key: dict, model: LlamaForCausalLM, packed: dict[str, Packe
             tensors[f"{_PACKED}{p}.scale"] = part.scale
             if part.min is not None:
                 tensors[f"{_PACKED}{p}.min"] = part.min
+            if part.hi is not None:
+                tensors[f"{_PACKED}{p}.hi"] = part.hi
     # [n, k, wt] (+ [tail rows, tail wt] for a weight of two formats)
     meta = {"key": json.dumps(key), "packed": json.dumps({
         n: [pw.n, pw.k, pw.wt] + ([pw.tail.n, pw.tail.wt] if pw.tail is not None else []) for n, pw in packed.items()})}

@@ -47,12 +47,14 @@
 #define WT_Q4 2
 #define WT_BF16 3 /* 16-bit float weights [N, K] (bfloat16 / float16, as the checkpoint holds them), float32 math */
 #define WT_F16 4
+#define WT_Q5 5 /* int5: Q4's nibbles plus a plane of fifth bits (ts_weight.hi), W = scale * q + min, q 0..31 */
 #define IS_FLOAT(wt) ((wt) == WT_F32 || (wt) == WT_BF16 || (wt) == WT_F16)
+#define HAS_MIN(wt) ((wt) == WT_Q4 || (wt) == WT_Q5)
 
 typedef struct ts_weight {
     const void *w;         /* float32 [N, K] or packed codes */
     const uint16_t *scale; /* quantized only, float16 */
-    const uint16_t *min;   /* Q4 only, float16 */
+    const uint16_t *min;   /* Q4 / Q5 only, float16 */
     int64_t wt;
     /* A fused weight of two quantized formats (a GGUF file's Q4_K q / k with a Q6_K v): this one holds rows
      * [0, n_head), `tail` the rest (NULL: one format for all rows).  Both quantized: they share the int16
@@ -63,6 +65,10 @@ typedef struct ts_weight {
      * rounded to 255 levels per group of 32 instead of 65535, and the tiled path multiplies int4 codes by them
      * with vpmaddubsw (tile_group8).  A fused weight and its tail share one setting (they share the activations). */
     int64_t act8;
+    /* Q5 only: the codes' fifth bits (see q5_hi): per block of four rows and run of four pairs of groups, 32 bytes
+     * per row, whose 16-bit word j holds in bit 4 * (p % 4) + i the fifth bit of the code in nibble i of word j of
+     * pair p (column 16 i + j of the pair); [N/4][ceil(K/256)][4][32 bytes] */
+    const uint8_t *hi;
 } ts_weight;
 
 /* ---- the barrier between the steps of a layer ------------------------------------------------------------------
@@ -347,6 +353,23 @@ static inline __attribute__((always_inline)) __m256i q4_quarter(__m256i raw, con
     return _mm256_and_si256(i ? _mm256_srli_epi16(raw, 4 * i) : raw, nib);
 }
 
+/* Q5: a row's fifth bits of pair p (the 32 bytes at hv) moved down to bits 0..3 of each word (bit i: quarter i) */
+static inline __m256i q5_pair(const uint8_t *hv, int64_t p) {
+    return _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)hv), _mm_cvtsi32_si128((int)(4 * (p % 4))));
+}
+
+/* Quarter i of a row's pair of groups as int16 codes: Q4's nibbles, and for Q5 (wt, a literal) the fifth bits of
+ * hp (q5_pair) as 16 added to them. */
+static inline __attribute__((always_inline)) __m256i quarter(const int wt, __m256i raw, __m256i hp, const int i) {
+    if (wt != WT_Q5) return q4_quarter(raw, i);
+    return _mm256_or_si256(q4_quarter(raw, i), _mm256_and_si256(_mm256_slli_epi16(hp, 4 - i), _mm256_set1_epi16(0x10)));
+}
+
+/* Q5: the fifth bits of block b, run of pairs p / 4 (row r at + r * 32); P pairs per row */
+static inline const uint8_t *q5_hi(const ts_weight *W, int64_t b, int64_t P, int64_t p) {
+    return W->hi + (b * ((P + 3) / 4) + p / 4) * 4 * 32;
+}
+
 #ifndef PF256
 #define PF256 2048 /* software prefetch distance of the AVX2 row path, bytes of codes ahead */
 #endif
@@ -375,7 +398,7 @@ static inline __attribute__((always_inline)) void group_rows(__m256 *acc, const 
         const __m256 s = sum4(DOTQ(0), DOTQ(1), DOTQ(2), DOTQ(3));
 #undef DOTQ
         __m256 t = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(a->d[mg])), ws, acc[m]);
-        if (wt == WT_Q4) t = _mm256_fmadd_ps(wm, _mm256_set1_ps(a->s[mg]), t);
+        if (HAS_MIN(wt)) t = _mm256_fmadd_ps(wm, _mm256_set1_ps(a->s[mg]), t);
         acc[m] = t;
     }
 }
@@ -388,7 +411,7 @@ static inline __attribute__((always_inline)) void group_rows(__m256 *acc, const 
 static inline __attribute__((always_inline)) void block_q(const ts_weight *W, const int wt, int64_t b, int64_t K,
                                                           const ts_qact *a, int64_t m0, int64_t mt, float *out) {
     const int64_t G = K / 32;
-    const uint16_t *sc = W->scale + b * G * 4, *mn = wt == WT_Q4 ? W->min + b * G * 4 : NULL;
+    const uint16_t *sc = W->scale + b * G * 4, *mn = HAS_MIN(wt) ? W->min + b * G * 4 : NULL;
     __m256 acc[MT];
     __m256i l[4], h[4];
     for (int64_t m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
@@ -404,13 +427,15 @@ static inline __attribute__((always_inline)) void block_q(const ts_weight *W, co
         const int64_t P = (G + 1) / 2;
         const uint8_t *codes = (const uint8_t *)W->w + b * P * 4 * 32;
         for (int64_t p = 0; p < P; p++) {
-            const uint8_t *c = codes + p * 4 * 32;
+            const uint8_t *c = codes + p * 4 * 32, *hv = wt == WT_Q5 ? q5_hi(W, b, P, p) : NULL;
             prefetch2(c + PF256);
-            __m256i raw[4];
+            if (wt == WT_Q5 && p % 4 == 0) prefetch2(hv + PF256 / 4);
+            __m256i raw[4], hp[4];
             for (int r = 0; r < 4; r++) {
                 raw[r] = _mm256_loadu_si256((const __m256i *)(c + r * 32));
-                l[r] = q4_quarter(raw[r], 0);
-                h[r] = q4_quarter(raw[r], 1);
+                hp[r] = wt == WT_Q5 ? q5_pair(hv + r * 32, p) : _mm256_setzero_si256();
+                l[r] = quarter(wt, raw[r], hp[r], 0);
+                h[r] = quarter(wt, raw[r], hp[r], 1);
             }
             int64_t g = 2 * p;
             /* the min term only in lanes 0..3: the sum4 result holds each row twice */
@@ -418,8 +443,8 @@ static inline __attribute__((always_inline)) void block_q(const ts_weight *W, co
             group_rows(acc, a, g, G, K, m0, mt, scales4(sc + g * 4), wm, wt, l, h);
             if (++g == G) break;
             for (int r = 0; r < 4; r++) {
-                l[r] = q4_quarter(raw[r], 2);
-                h[r] = q4_quarter(raw[r], 3);
+                l[r] = quarter(wt, raw[r], hp[r], 2);
+                h[r] = quarter(wt, raw[r], hp[r], 3);
             }
             wm = _mm256_blend_ps(scales4(mn + g * 4), _mm256_setzero_ps(), 0xF0);
             group_rows(acc, a, g, G, K, m0, mt, scales4(sc + g * 4), wm, wt, l, h);
@@ -431,7 +456,8 @@ static inline __attribute__((always_inline)) void block_q(const ts_weight *W, co
     }
 }
 
-/* Bytes of codes per block of four weight rows (Q8: a byte per weight; Q4: pairs of groups, 32 bytes per row each). */
+/* Bytes of codes per block of four weight rows (Q8: a byte per weight; Q4 and Q5's nibbles: pairs of groups, 32
+ * bytes per row each). */
 static inline int64_t block_bytes(int64_t wt, int64_t K) {
     const int64_t G = K / 32;
     return wt == WT_Q8 ? G * 4 * 32 : (G + 1) / 2 * 4 * 32;
@@ -470,7 +496,7 @@ static inline __m256 pair_bcast(const float *p) {
 static inline __attribute__((always_inline)) void block_q1(const ts_weight *W, const int wt, int64_t b, int64_t K,
                                                            const ts_qact *a, int64_t m, float *out) {
     const int64_t G = K / 32;
-    const uint16_t *sc = W->scale + b * G * 4, *mn = wt == WT_Q4 ? W->min + b * G * 4 : NULL;
+    const uint16_t *sc = W->scale + b * G * 4, *mn = HAS_MIN(wt) ? W->min + b * G * 4 : NULL;
     const int16_t *xq = a->q + m * K;
     const float *dx = a->d + m * G, *sx = a->s + m * G;
     const uint8_t *codes = (const uint8_t *)W->w + b * block_bytes(wt, K);
@@ -493,12 +519,15 @@ static inline __attribute__((always_inline)) void block_q1(const ts_weight *W, c
                 B[r] = dot_rows(lo, hi, xb0, xb1);
             }
         } else { /* the pair of groups g, g + 1: one 32-byte load per row (see block_q) */
-            const uint8_t *c = codes + g / 2 * 4 * 32;
+            const int64_t p = g / 2;
+            const uint8_t *c = codes + p * 4 * 32, *hv = wt == WT_Q5 ? q5_hi(W, b, (G + 1) / 2, p) : NULL;
             prefetch2(c + PF256);
+            if (wt == WT_Q5 && p % 4 == 0) prefetch2(hv + PF256 / 4);
             for (int r = 0; r < 4; r++) {
                 const __m256i raw = _mm256_loadu_si256((const __m256i *)(c + r * 32));
-                A[r] = dot_rows(q4_quarter(raw, 0), q4_quarter(raw, 1), xa0, xa1);
-                B[r] = dot_rows(q4_quarter(raw, 2), q4_quarter(raw, 3), xb0, xb1);
+                const __m256i hp = wt == WT_Q5 ? q5_pair(hv + r * 32, p) : _mm256_setzero_si256();
+                A[r] = dot_rows(quarter(wt, raw, hp, 0), quarter(wt, raw, hp, 1), xa0, xa1);
+                B[r] = dot_rows(quarter(wt, raw, hp, 2), quarter(wt, raw, hp, 3), xb0, xb1);
             }
             accm = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + g * 4))), pair_bcast(sx + g), accm);
         }
@@ -511,11 +540,13 @@ static inline __attribute__((always_inline)) void block_q1(const ts_weight *W, c
             if (wt == WT_Q8) widen_q8(codes + (g * 4 + r) * 32, &l[r], &h[r]);
             else {
                 const __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + (g / 2 * 4 + r) * 32));
-                l[r] = q4_quarter(raw, 0);
-                h[r] = q4_quarter(raw, 1);
+                const __m256i hp = wt == WT_Q5 ? q5_pair(q5_hi(W, b, (G + 1) / 2, g / 2) + r * 32, g / 2)
+                                               : _mm256_setzero_si256();
+                l[r] = quarter(wt, raw, hp, 0);
+                h[r] = quarter(wt, raw, hp, 1);
             }
         }
-        const __m256 wm = wt == WT_Q4 ? _mm256_blend_ps(scales4(mn + g * 4), _mm256_setzero_ps(), 0xF0) : _mm256_setzero_ps();
+        const __m256 wm = HAS_MIN(wt) ? _mm256_blend_ps(scales4(mn + g * 4), _mm256_setzero_ps(), 0xF0) : _mm256_setzero_ps();
         group_rows(&acc, a, g, G, K, m, 1, scales4(sc + g * 4), wm, wt, l, h);
     }
     acc = _mm256_add_ps(acc, accm);
@@ -622,7 +653,7 @@ static inline __attribute__((always_inline)) void group_rows512(__m512 *acc, con
         /* [row0 8 | row1 8] + [row2 8 | row3 8] -> four lanes per row */
         const __m512i f = _mm512_add_epi32(_mm512_shuffle_i32x4(s01, s23, 0x88), _mm512_shuffle_i32x4(s01, s23, 0xDD));
         __m512 t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(f), _mm512_mul_ps(ws, _mm512_set1_ps(a->d[mg])), acc[m]);
-        if (wt == WT_Q4) t = _mm512_fmadd_ps(wm, _mm512_set1_ps(a->s[mg]), t);
+        if (HAS_MIN(wt)) t = _mm512_fmadd_ps(wm, _mm512_set1_ps(a->s[mg]), t);
         acc[m] = t;
     }
 }
@@ -630,7 +661,7 @@ static inline __attribute__((always_inline)) void group_rows512(__m512 *acc, con
 static inline __attribute__((always_inline)) void block_q512(const ts_weight *W, const int wt, int64_t b, int64_t K,
                                                              const ts_qact *a, int64_t m0, int64_t mt, float *out) {
     const int64_t G = K / 32;
-    const uint16_t *sc = W->scale + b * G * 4, *mn = wt == WT_Q4 ? W->min + b * G * 4 : NULL;
+    const uint16_t *sc = W->scale + b * G * 4, *mn = HAS_MIN(wt) ? W->min + b * G * 4 : NULL;
     const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
     const __mmask16 first = 0x1111; /* the min term in one lane per row: the final sum adds four lanes */
     __m512 acc[MT];
@@ -702,17 +733,35 @@ static inline __attribute__((always_inline)) void block_q512(const ts_weight *W,
 typedef struct {
     int16_t *w; /* [4][CG * 32] the block's codes of the current chunk of groups, as int16 */
     float *sc;  /* [G][4] */
-    float *mn;  /* [G][4] (Q4) */
+    float *mn;  /* [G][4] (Q4, Q5) */
 } ts_wtile;
 
-/* The block's scales (and Q4 minimums) as float32, once per pass. */
+/* The block's scales (and Q4 / Q5 minimums) as float32, once per pass. */
 static void widen_scales(const ts_weight *W, const int wt, int64_t b, int64_t K, ts_wtile *t) {
     const int64_t G = K / 32;
-    const uint16_t *sc = W->scale + b * G * 4, *mn = wt == WT_Q4 ? W->min + b * G * 4 : NULL;
+    const uint16_t *sc = W->scale + b * G * 4, *mn = HAS_MIN(wt) ? W->min + b * G * 4 : NULL;
     for (int64_t i = 0; i < G * 4; i += 4) {
         _mm_storeu_ps(t->sc + i, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(sc + i))));
         if (mn) _mm_storeu_ps(t->mn + i, _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(mn + i))));
     }
+}
+
+/* widen_codes of Q4 / Q5 (wt, a literal) */
+static inline __attribute__((always_inline)) void widen_nibbles(const ts_weight *W, const int wt, int64_t b, int64_t G,
+                                                                int64_t g0, int64_t g1, ts_wtile *t) {
+    const int64_t P = (G + 1) / 2, CW = CG * 32;
+    const uint8_t *codes = (const uint8_t *)W->w + b * P * 4 * 32;
+    for (int64_t p = g0 / 2; 2 * p < g1; p++)
+        for (int r = 0; r < 4; r++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + (p * 4 + r) * 32));
+            const __m256i hp = wt == WT_Q5 ? q5_pair(q5_hi(W, b, P, p) + r * 32, p) : _mm256_setzero_si256();
+            int16_t *o = t->w + r * CW + (2 * p - g0) * 32;
+            _mm256_storeu_si256((__m256i *)o, quarter(wt, raw, hp, 0));
+            _mm256_storeu_si256((__m256i *)(o + 16), quarter(wt, raw, hp, 1));
+            if (2 * p + 1 == G) continue; /* odd last group: its pair's upper half is padding */
+            _mm256_storeu_si256((__m256i *)(o + 32), quarter(wt, raw, hp, 2));
+            _mm256_storeu_si256((__m256i *)(o + 48), quarter(wt, raw, hp, 3));
+        }
 }
 
 /* Groups g0..g1 (g0 even, g1 - g0 <= CG) of block b's codes as int16: row r's group g at t->w[r * CG * 32 + (g - g0) * 32]. */
@@ -729,18 +778,8 @@ static void widen_codes(const ts_weight *W, const int wt, int64_t b, int64_t K, 
             }
         return;
     }
-    const int64_t P = (G + 1) / 2;
-    const uint8_t *codes = (const uint8_t *)W->w + b * P * 4 * 32;
-    for (int64_t p = g0 / 2; 2 * p < g1; p++)
-        for (int r = 0; r < 4; r++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + (p * 4 + r) * 32));
-            int16_t *o = t->w + r * CW + (2 * p - g0) * 32;
-            _mm256_storeu_si256((__m256i *)o, q4_quarter(raw, 0));
-            _mm256_storeu_si256((__m256i *)(o + 16), q4_quarter(raw, 1));
-            if (2 * p + 1 == G) continue; /* odd last group: its pair's upper half is padding */
-            _mm256_storeu_si256((__m256i *)(o + 32), q4_quarter(raw, 2));
-            _mm256_storeu_si256((__m256i *)(o + 48), q4_quarter(raw, 3));
-        }
+    if (wt == WT_Q5) widen_nibbles(W, WT_Q5, b, G, g0, g1, t);
+    else widen_nibbles(W, WT_Q4, b, G, g0, g1, t);
 }
 
 /* f[r * mp + m0 + 8j + i] += lane i of c[j][r] (the int32 dots of weight row r and eight batch rows over group g)
@@ -758,7 +797,7 @@ static inline __attribute__((always_inline)) void tile_scale(const ts_wtile *t, 
             float *restrict fo = o + r * mp + 8 * j;
             __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c[j][r]), _mm256_mul_ps(dx, _mm256_set1_ps(sc[r])),
                                        _mm256_loadu_ps(fo));
-            if (wt == WT_Q4) v = _mm256_fmadd_ps(sx, _mm256_set1_ps(mn[r]), v);
+            if (HAS_MIN(wt)) v = _mm256_fmadd_ps(sx, _mm256_set1_ps(mn[r]), v);
             _mm256_storeu_ps(fo, v);
         }
     }
@@ -882,7 +921,7 @@ static inline __attribute__((always_inline)) void tile_group512(const ts_wtile *
             float *restrict fo = o + r * mp + 16 * j;
             __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c[j][r]), _mm512_mul_ps(dx, _mm512_set1_ps(sc[r])),
                                        _mm512_loadu_ps(fo));
-            if (wt == WT_Q4) v = _mm512_fmadd_ps(sx, _mm512_set1_ps(mn[r]), v);
+            if (HAS_MIN(wt)) v = _mm512_fmadd_ps(sx, _mm512_set1_ps(mn[r]), v);
             _mm512_storeu_ps(fo, v);
         }
     }
@@ -897,6 +936,7 @@ static inline __attribute__((always_inline)) void tile_group512(const ts_wtile *
 #define TILE_FN(name, WT, NV)                                                                                        \
     static __attribute__((noinline)) void name(const ts_wtile *t, int64_t gl, int64_t g, const ts_qact *a, int64_t m0, \
                                                float *f) { TILE_GROUP(t, WT, gl, g, a, m0, NV, f); }
+/* (Q5 widens to the same int16 codes with the same min term as Q4: it takes Q4's tiles) */
 TILE_FN(tile_q4x2, WT_Q4, 2)
 TILE_FN(tile_q4x1, WT_Q4, 1)
 TILE_FN(tile_q8x2, WT_Q8, 2)
@@ -946,9 +986,9 @@ static void blocks_tile(const ts_weight *W, int64_t b, ts_wtile *t, int nb, cons
                 continue;
             }
             for (; m0 + 2 * TW <= mp; m0 += 2 * TW)
-                for (int i = 0; i < nb; i++) (wt == WT_Q4 ? tile_q4x2 : tile_q8x2)(t + i, g - g0, g, a, m0, f + 4 * i * mp);
+                for (int i = 0; i < nb; i++) (wt == WT_Q8 ? tile_q8x2 : tile_q4x2)(t + i, g - g0, g, a, m0, f + 4 * i * mp);
             if (m0 < mp)
-                for (int i = 0; i < nb; i++) (wt == WT_Q4 ? tile_q4x1 : tile_q8x1)(t + i, g - g0, g, a, m0, f + 4 * i * mp);
+                for (int i = 0; i < nb; i++) (wt == WT_Q8 ? tile_q8x1 : tile_q4x1)(t + i, g - g0, g, a, m0, f + 4 * i * mp);
         }
     }
 }
@@ -1243,6 +1283,9 @@ static void linear_body(const float *x, int64_t ldx, int64_t M, const ts_weight 
             const int64_t mt = M - m0 < MT ? M - m0 : MT;
             /* a literal weight type per call: the format branches fold away inside the loops */
             if (mt == 1 && W->wt == WT_Q8) BLOCK_Q1(W, WT_Q8, b, K, a, m0, o);
+            /* Q5: the AVX2 row kernels in every build (int8 activations: the int16 kernels over their values) */
+            else if (mt == 1 && W->wt == WT_Q5) block_q1(W, WT_Q5, b, K, a, m0, o);
+            else if (W->wt == WT_Q5) block_q(W, WT_Q5, b, K, a, m0, mt, o);
 #if !TS_AVX512 /* (the AVX-512 build keeps its int16 row path for int8 activations: same results, not measured) */
             else if (mt == 1 && a->act8) block_q1_a8(W, b, K, a, m0, o);
 #endif
