@@ -50,9 +50,9 @@ class Weight(ctypes.Structure):
 
 
 # tail: a second Weight for rows [n_head, N) in another quantized format (csrc ts_weight); NULL for one format
-# act8: int8 activations (csrc ts_weight.act8; PackedWeight.act8); hi: int5's plane of fifth bits (PackedWeight.hi)
+# act8: int8 activations (csrc ts_weight.act8; PackedWeight.act8)
 Weight._fields_ = [("w", vp), ("scale", vp), ("min", vp), ("wt", i64), ("tail", ctypes.POINTER(Weight)),
-                   ("n_head", i64), ("act8", i64), ("hi", vp)]
+                   ("n_head", i64), ("act8", i64)]
 
 
 class Layer(ctypes.Structure):
@@ -182,9 +182,9 @@ def _load(isa: str) -> ctypes.CDLL | None:
     lib.ts_q5k_to_q8.argtypes = [vp, vp, i64, i64, i64, vp, vp]
     lib.ts_pack_q8.argtypes = [vp, vp, i64, i64, i64, vp, vp]
     lib.ts_pack_q4.argtypes = [vp, vp, vp, i64, i64, i64, vp, vp, vp]
-    lib.ts_pack_q5.argtypes = [vp, vp, vp, i64, i64, i64, vp, vp, vp, vp]
-    lib.ts_q5_to_q5.argtypes = [vp, vp, i64, i64, i64, i64, vp, vp, vp, vp]
-    lib.ts_q5k_to_q5.argtypes = [vp, vp, i64, i64, i64, vp, vp, vp, vp]
+    lib.ts_pack_q5.argtypes = [vp, vp, vp, i64, i64, i64, vp, vp, vp]
+    lib.ts_q5_to_q5.argtypes = [vp, vp, i64, i64, i64, i64, vp, vp, vp]
+    lib.ts_q5k_to_q5.argtypes = [vp, vp, i64, i64, i64, vp, vp, vp]
     for f in (lib.ts_q4k_to_q4, lib.ts_q6k_to_q8, lib.ts_q5k_to_q8, lib.ts_pack_q8, lib.ts_pack_q4, lib.ts_pack_q5,
               lib.ts_q5_to_q5, lib.ts_q5k_to_q5):
         f.restype = None
@@ -200,7 +200,7 @@ def weight(w) -> tuple[Weight, int]:
     if isinstance(w, torch.Tensor):
         assert w.dtype in FLOAT_WEIGHT_TYPES and w.is_contiguous() and w.dim() == 2
         return Weight(w.data_ptr(), None, None, FLOAT_WEIGHT_TYPES[w.dtype]), w.shape[0]
-    desc = Weight(w.codes.data_ptr(), w.scale.data_ptr(), _ptr(w.min), w.wt, act8=int(w.act8), hi=_ptr(w.hi))
+    desc = Weight(w.codes.data_ptr(), w.scale.data_ptr(), _ptr(w.min), w.wt, act8=int(w.act8))
     if w.tail is not None:
         tail, _ = weight(w.tail)
         desc.tail, desc.n_head = ctypes.pointer(tail), w.n - w.tail.n  # (the pointer object keeps `tail` alive)
@@ -290,24 +290,25 @@ def k_int8_into(lib, kind: str, raw, order, k: int, r0: int, codes: torch.Tensor
     return n
 
 
-def hi_row_bytes(k: int) -> int:
-    """Bytes of an int5 weight's fifth-bit plane per row of K = k: 32 per run of four pairs of groups (256 columns)."""
-    return -(-k // 256) * 32
+def code_row_bytes(wt: int, k: int) -> int:
+    """Bytes of a packed row's codes of K = k (quantize.PackedWeight): int8 one a weight, int4 32 per pair of groups
+    of 32, int5 64 per triple."""
+    groups = k // 32
+    return {WT_Q8: k, WT_Q4: -(-groups // 2) * 32, WT_Q5: -(-groups // 3) * 64}[wt]
 
 
-def q5_into(lib, kind: str, raw, order, k: int, r0: int, codes: torch.Tensor, scale: torch.Tensor, mins: torch.Tensor,
-            hi: torch.Tensor) -> int:
+def q5_into(lib, kind: str, raw, order, k: int, r0: int, codes: torch.Tensor, scale: torch.Tensor,
+            mins: torch.Tensor) -> int:
     """Q5_0 / Q5_1 blocks (rows [R, k / 32 * 22 or 24]) or Q5_K super-blocks (rows [R, k / 256 * 176]) -> rows r0..
-    of a packed int5 weight (codes / scale / mins / hi: its tensors) with the file's codes (Q5_0's min = -16 x its
+    of a packed int5 weight (codes / scale / mins: its tensors) with the file's codes (Q5_0's min = -16 x its
     scale; Q5_K's scale and min per group rounded to float16, as Q4_K's); in C.  Returns the rows written."""
     if kind == "Q5_K":
         raw, order, n = _rows_arg(raw, order, 176, k)
     else:
         raw, order, n = _rows_arg(raw, order, {"Q5_0": 22, "Q5_1": 24}[kind], k, block=32)
-    _check_room(codes, r0, n, -(-k // 64) * 32)
-    _check_room(hi, r0, n, hi_row_bytes(k))
+    _check_room(codes, r0, n, code_row_bytes(WT_Q5, k))
     args = (None if order is None else order.ctypes.data, n, k, r0)
-    outs = (codes.data_ptr(), scale.data_ptr(), mins.data_ptr(), hi.data_ptr())
+    outs = (codes.data_ptr(), scale.data_ptr(), mins.data_ptr())
     if kind == "Q5_K":
         lib.ts_q5k_to_q5(raw.ctypes.data, *args, *outs)
     else:
@@ -316,23 +317,22 @@ def q5_into(lib, kind: str, raw, order, k: int, r0: int, codes: torch.Tensor, sc
 
 
 def pack_into(lib, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor | None, r0: int, codes: torch.Tensor,
-              oscale: torch.Tensor, omin: torch.Tensor | None, hi: torch.Tensor | None = None) -> None:
-    """Codes [n, G, 32] (int8; or uint8 0..15 with minimums `lo`: int4; or 0..31 with `lo` and the fifth-bit plane
-    `hi`: int5) and scales [n, G] float16 -> rows r0.. r0 + n of a packed weight (quantize.pack_int8 / pack_int4 /
-    pack_int5's layout), in C."""
+              oscale: torch.Tensor, omin: torch.Tensor | None, int5: bool = False) -> None:
+    """Codes [n, G, 32] (int8; or uint8 0..15 with minimums `lo`: int4; or 0..31 with `lo` and int5) and scales
+    [n, G] float16 -> rows r0.. r0 + n of a packed weight (quantize.pack_int8 / pack_int4 / pack_int5's layout), in
+    C."""
     n, groups = scale.shape
     assert q.shape == (n, groups, 32) and q.element_size() == 1 and scale.dtype == torch.float16
     q, scale = q.contiguous(), scale.contiguous()
-    _check_room(codes, r0, n, groups * 32 if lo is None else -(-groups // 2) * 32)
+    _check_room(codes, r0, n, code_row_bytes(WT_Q8 if lo is None else WT_Q5 if int5 else WT_Q4, groups * 32))
     if lo is None:
         lib.ts_pack_q8(q.data_ptr(), scale.data_ptr(), n, groups, r0, codes.data_ptr(), oscale.data_ptr())
     else:
         assert omin is not None
         lo = lo.contiguous()
-        if hi is not None:
-            _check_room(hi, r0, n, hi_row_bytes(groups * 32))
+        if int5:
             lib.ts_pack_q5(q.data_ptr(), scale.data_ptr(), lo.data_ptr(), n, groups, r0, codes.data_ptr(),
-                           oscale.data_ptr(), omin.data_ptr(), hi.data_ptr())
+                           oscale.data_ptr(), omin.data_ptr())
             return
         lib.ts_pack_q4(q.data_ptr(), scale.data_ptr(), lo.data_ptr(), n, groups, r0, codes.data_ptr(),
                        oscale.data_ptr(), omin.data_ptr())

@@ -216,8 +216,8 @@ class GGUFCheckpoint:
             t, raw, order = self._blocks(n)
             kind = t.tensor_type.name
             if fmt == "int5":
-                assert pw.min is not None and pw.hi is not None
-                r0 += q5_into(lib, kind, raw, order, k, r0, pw.codes, pw.scale, pw.min, pw.hi)
+                assert pw.min is not None
+                r0 += q5_into(lib, kind, raw, order, k, r0, pw.codes, pw.scale, pw.min)
             elif kind == "Q4_K":
                 assert pw.min is not None  # (an int4 weight's)
                 r0 += q4k_into(lib, raw, order, k, r0, pw.codes, pw.scale, pw.min)

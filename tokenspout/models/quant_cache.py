@@ -35,7 +35,7 @@ from safetensors import SafetensorError, safe_open
 from tokenspout.models.default_model import cache_dir
 from tokenspout.models.llama import LlamaForCausalLM
 from tokenspout.models.quant_linear import linear_shapes, replace_linears
-from tokenspout.kernels.cpu import hi_row_bytes
+from tokenspout.kernels.cpu import code_row_bytes
 from tokenspout.models.quantize import WT_BF16, WT_F16, WT_Q4, WT_Q5, WT_Q8, PackedWeight
 
 logger = logging.getLogger(__name__)
@@ -71,15 +71,13 @@ def cache_file(model_dir: Path, key: dict) -> Path:
 
 
 
-def _packed_numels(n: int, k: int, wt: int) -> tuple[int, int, int, int]:
-    """(codes, scale, min, hi) element counts of the kernels' layout (N padded to a multiple of 4, groups of 32)."""
+def _packed_numels(n: int, k: int, wt: int) -> tuple[int, int, int]:
+    """(codes, scale, min) element counts of the kernels' layout (N padded to a multiple of 4, groups of 32)."""
     if wt in (WT_BF16, WT_F16):
-        return n * k, 0, 0, 0
+        return n * k, 0, 0
     n4 = -(-n // 4) * 4
     groups = n4 * (k // 32)
-    if wt in (WT_Q4, WT_Q5):
-        return n4 * -(-k // 64) * 32, groups, groups, n4 * hi_row_bytes(k) if wt == WT_Q5 else 0
-    return n4 * k, groups, 0, 0
+    return n4 * code_row_bytes(wt, k), groups, groups if wt in (WT_Q4, WT_Q5) else 0
 
 
 def load(file: Path, key: dict, model: LlamaForCausalLM, dtype: torch.dtype, lib=None,
@@ -99,8 +97,7 @@ def load(file: Path, key: dict, model: LlamaForCausalLM, dtype: torch.dtype, lib
             packed: dict[str, PackedWeight] = {}
             def part(p: str, n: int, k: int, wt: int) -> PackedWeight:
                 lo = f.get_tensor(p + ".min") if wt in (WT_Q4, WT_Q5) else None
-                hi = f.get_tensor(p + ".hi") if wt == WT_Q5 else None
-                return PackedWeight(f.get_tensor(p + ".codes"), f.get_tensor(p + ".scale"), lo, n, k, wt, hi=hi)
+                return PackedWeight(f.get_tensor(p + ".codes"), f.get_tensor(p + ".scale"), lo, n, k, wt)
 
             for name, (n, k, wt, *tail) in json.loads(meta["packed"]).items():
                 p = _PACKED + name
@@ -125,10 +122,11 @@ def load(file: Path, key: dict, model: LlamaForCausalLM, dtype: torch.dtype, lib
                 raise ValueError(f"packed weight {name} has the wrong size")
             parts = [(pw, pw.n)] if pw.tail is None else [(pw, pw.n - pw.tail.n), (pw.tail, pw.tail.n)]
             for p, rows in parts:
+                if p.wt not in (WT_Q8, WT_Q4, WT_Q5, WT_BF16, WT_F16):
+                    raise ValueError(f"packed weight {name} has an unknown format")
                 want = _packed_numels(rows, p.k, p.wt)
-                got = (p.codes.numel(), p.scale.numel(), 0 if p.min is None else p.min.numel(),
-                       0 if p.hi is None else p.hi.numel())
-                if p.wt not in (WT_Q8, WT_Q4, WT_Q5, WT_BF16, WT_F16) or got != want or rows <= 0 or (
+                got = (p.codes.numel(), p.scale.numel(), 0 if p.min is None else p.min.numel())
+                if got != want or rows <= 0 or (
                         pw.tail is not None and (p.wt not in (WT_Q8, WT_Q4, WT_Q5) or (p is pw and rows % 4))):
                     raise ValueError(f"packed weight {name} has the wrong size")
     except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
@@ -156,8 +154,6 @@ def save(file: Path, key: dict, model: LlamaForCausalLM, packed: dict[str, Packe
             tensors[f"{_PACKED}{p}.scale"] = part.scale
             if part.min is not None:
                 tensors[f"{_PACKED}{p}.min"] = part.min
-            if part.hi is not None:
-                tensors[f"{_PACKED}{p}.hi"] = part.hi
     # [n, k, wt] (+ [tail rows, tail wt] for a weight of two formats)
     meta = {"key": json.dumps(key), "packed": json.dumps({
         n: [pw.n, pw.k, pw.wt] + ([pw.tail.n, pw.tail.wt] if pw.tail is not None else []) for n, pw in packed.items()})}

@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from tokenspout.kernels.cpu import WT_BF16, WT_F16, WT_Q4, WT_Q5, WT_Q8, hi_row_bytes, pack_into, quantize_q4, quantize_q8
+from tokenspout.kernels.cpu import WT_BF16, WT_F16, WT_Q4, WT_Q5, WT_Q8, pack_into, quantize_q4, quantize_q8
 from tokenspout.models.llama import LlamaForCausalLM
 
 QUANTIZATIONS = ("int8", "int4", "bf16", "fp16")
@@ -45,9 +45,10 @@ class PackedWeight:
     groups ([N/4][K/64 rounded up][4][32 bytes]: 16-bit word j of a row's 32 bytes holds the codes of the pair's
     columns j, 16+j, 32+j, 48+j in its nibbles, low to high; an odd last group leaves the upper two nibbles zero);
     scale/min [N/4][K/32][4] float16.
-    int5 (WT_Q5: a GGUF file's Q5_0 / Q5_1 / Q5_K, W = scale * q + min, q 0..31): int4's codes and terms for the low
-    four bits, and `hi` the fifth bits, [N/4][K/256 rounded up][4][32 bytes]: 16-bit word j of a row's 32 bytes
-    holds in bit 4 * (p % 4) + i the fifth bit of the code in nibble i of word j of pair p (the run's pairs 0..3)."""
+    int5 (WT_Q5: a GGUF file's Q5_0 / Q5_1 / Q5_K, W = scale * q + min, q 0..31, scale / min as int4's) per triple
+    of groups ([N/4][K/96 rounded up][4][64 bytes]): 16-bit word j of half h of a row's 64 bytes holds the codes of
+    the triple's columns 48h + j, 48h + 16 + j, 48h + 32 + j in bits 0-4, 5-9, 10-14; a short last triple's missing
+    codes are zero."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -61,11 +62,10 @@ class PackedWeight:
     # the kernels round the activations to int8 for this weight (ModelConfig.activation_quant; set after loading, not
     # part of the quantized-weights cache)
     act8: bool = False
-    hi: torch.Tensor | None = None  # int5 only: the fifth bits
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor the weight holds (its tail's included): what must stay alive while the kernels read it."""
-        own = [t for t in (self.codes, self.scale, self.min, self.hi) if t is not None]
+        own = [t for t in (self.codes, self.scale, self.min) if t is not None]
         return own + (self.tail.tensors() if self.tail is not None else [])
 
 
@@ -80,17 +80,16 @@ def _blocks(t: torch.Tensor) -> torch.Tensor:
 def empty_packed(n: int, k: int, wt: int) -> PackedWeight:
     """An int8 / int4 / int5 weight of n x k to be written row by row (kernels.cpu.pack_into and the GGUF
     converters: any rows, at any offset): uninitialised but for the padding rows of its last block of four, which are
-    zero (int5's plane of fifth bits is all zero: small, and its unused bits stay defined)."""
+    zero."""
     nb, groups = -(-n // 4), k // GROUP
-    codes = torch.empty(nb, groups if wt == WT_Q8 else -(-groups // 2), 4, 32,
-                        dtype=torch.int8 if wt == WT_Q8 else torch.uint8)
+    per = {WT_Q8: (groups, 32), WT_Q4: (-(-groups // 2), 32), WT_Q5: (-(-groups // 3), 64)}[wt]
+    codes = torch.empty(nb, per[0], 4, per[1], dtype=torch.int8 if wt == WT_Q8 else torch.uint8)
     scale = torch.empty(nb, groups, 4, dtype=torch.float16)
     mins = torch.empty(nb, groups, 4, dtype=torch.float16) if wt in (WT_Q4, WT_Q5) else None
     for t in (codes, scale, mins):
         if t is not None and n % 4:
             t[-1, :, n % 4 :] = 0
-    hi = torch.zeros(nb * 4 * hi_row_bytes(k), dtype=torch.uint8) if wt == WT_Q5 else None
-    return PackedWeight(codes.view(-1), scale.view(-1), None if mins is None else mins.view(-1), n, k, wt, hi=hi)
+    return PackedWeight(codes.view(-1), scale.view(-1), None if mins is None else mins.view(-1), n, k, wt)
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[PackedWeight, torch.Tensor]:
@@ -148,19 +147,15 @@ def pack_int5(q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor, lib=None) 
     n, groups = scale.shape
     if lib is not None:
         pw = empty_packed(n, groups * GROUP, WT_Q5)
-        pack_into(lib, q, scale, lo, 0, pw.codes, pw.scale, pw.min, pw.hi)
+        pack_into(lib, q, scale, lo, 0, pw.codes, pw.scale, pw.min, int5=True)
         return pw
-    pw = pack_int4(q & 15, scale, lo)
-    if groups % 2:
-        q = torch.cat([q, q.new_zeros(n, 1, GROUP)], 1)
-    pairs = q.shape[1] // 2
-    runs = -(-pairs // 4)
-    q = torch.cat([q, q.new_zeros(n, runs * 8 - q.shape[1], GROUP)], 1) if runs * 8 > q.shape[1] else q
-    bits = (q >> 4).to(torch.int32).view(n, runs, 4, 4, 16)  # [N, run, pair p % 4, quarter i, j]
-    shift = (4 * torch.arange(4).view(4, 1) + torch.arange(4).view(1, 4)).view(1, 1, 4, 4, 1)
-    words = (bits << shift).sum((2, 3))  # [N, run, 16]: bit 4 (p % 4) + i of word j
-    plane = torch.stack([words & 255, words >> 8], -1).to(torch.uint8).view(n, runs, 32)
-    return dataclasses.replace(pw, wt=WT_Q5, hi=_blocks(plane).view(-1))
+    triples = -(-groups // 3)
+    if groups % 3:
+        q = torch.cat([q, q.new_zeros(n, triples * 3 - groups, GROUP)], 1)
+    c = q.to(torch.int32).view(n, triples, 2, 3, 16)  # [N, triple, half h, third s, j]: column 48h + 16s + j
+    words = c[:, :, :, 0] | (c[:, :, :, 1] << 5) | (c[:, :, :, 2] << 10)  # [N, triple, h, j]
+    rows = torch.stack([words & 255, words >> 8], -1).to(torch.uint8).view(n, triples, 64)
+    return PackedWeight(_blocks(rows).view(-1), _blocks(scale).view(-1), _blocks(lo).view(-1), n, groups * GROUP, WT_Q5)
 
 
 def _half(fmt: str):
@@ -243,7 +238,7 @@ def quantize_rows(parts: Sequence[RowSource], fn, dtype: torch.dtype = torch.flo
     first = pieces[0]
     mins = None if first.min is None else torch.cat([p.min for p in pieces if p.min is not None])
     return PackedWeight(torch.cat([p.codes for p in pieces]), torch.cat([p.scale for p in pieces]), mins, n, k,
-                        first.wt, hi=None if first.hi is None else torch.cat([p.hi for p in pieces if p.hi is not None]))
+                        first.wt)
 
 
 def dequantize(pw: PackedWeight) -> torch.Tensor:
@@ -259,18 +254,16 @@ def dequantize(pw: PackedWeight) -> torch.Tensor:
         return (q.float() * scale[..., None]).reshape(n4, pw.k)[: pw.n]
     assert pw.min is not None
     lo = pw.min.float().view(n4 // 4, groups, 4).transpose(1, 2).reshape(n4, groups)
+    if pw.wt == WT_Q5:
+        triples = -(-groups // 3)
+        b = pw.codes.view(n4 // 4, triples, 4, 32, 2).transpose(1, 2).reshape(n4, triples, 2, 16, 2).to(torch.int32)
+        words = (b[..., 0] | (b[..., 1] << 8))[:, :, :, None, :]  # [N, triple, h, 1, j]
+        q = ((words >> torch.tensor([0, 5, 10]).view(1, 1, 1, 3, 1)) & 31).reshape(n4, triples * 96)[:, : pw.k]
+        return (q.float().view(n4, groups, GROUP) * scale[..., None] + lo[..., None]).reshape(n4, pw.k)[: pw.n]
     pairs = -(-groups // 2)
     raw = pw.codes.view(torch.uint8).view(n4 // 4, pairs, 4, 16, 2).transpose(1, 2).reshape(n4, pairs, 16, 2)
     low, high = raw[..., 0], raw[..., 1]  # the bytes of word j: nibbles of columns j, 16+j | 32+j, 48+j
     q = torch.stack([low & 15, low >> 4, high & 15, high >> 4], 2).reshape(n4, pairs * 64)[:, : pw.k]
-    if pw.wt == WT_Q5:
-        assert pw.hi is not None
-        runs = -(-pairs // 4)
-        b = pw.hi.view(n4 // 4, runs, 4, 16, 2).transpose(1, 2).reshape(n4, runs, 16, 2).to(torch.int32)
-        words = (b[..., 0] | (b[..., 1] << 8))[:, :, None, None, :]  # [N, run, 1, 1, j]
-        shift = (4 * torch.arange(4).view(4, 1) + torch.arange(4).view(1, 4)).view(1, 1, 4, 4, 1)
-        fifth = ((words >> shift) & 1).to(torch.uint8).reshape(n4, runs * 256)[:, : pw.k]  # [N, column]
-        q = q | (fifth << 4)
     return (q.float().view(n4, groups, GROUP) * scale[..., None] + lo[..., None]).reshape(n4, pw.k)[: pw.n]
 
 

@@ -12,9 +12,10 @@
  * Layouts (all row-major, float32 activations):
  *   weights  W[N, K] float32, bfloat16 or float16 (the torch layout; 16-bit values widened to float32 in registers), or quantized in groups of 32 along K and packed per block of four
  *            output rows (tokenspout/models/quantize.py): Q8 W = scale * q (q int8), Q4 W = scale * q + min
- *            (q 0..15, four per 16-bit word); codes Q8 [N/4][K/32][4][32 bytes], Q4 [N/4][K/64 rounded up][4][32
- *            bytes] (pairs of groups, see block_q), scale/min [N/4][K/32][4] float16
- *            (llama.cpp's Q8_0 / Q4_1 store them as float16 too);
+ *            (q 0..15, four per 16-bit word), Q5 W = scale * q + min (q 0..31, three per 16-bit word); codes Q8
+ *            [N/4][K/32][4][32 bytes], Q4 [N/4][K/64 rounded up][4][32 bytes] (pairs of groups, see block_q), Q5
+ *            [N/4][K/96 rounded up][4][64 bytes] (triples of groups, see q5_group), scale/min [N/4][K/32][4] float16
+ *            (llama.cpp's Q8_0 / Q4_1 / Q5_1 store them as float16 too);
  *   KV cache of a layer: [2, slots, Hkv, D] float32 or float16; slot of position p = block_ids[p / bs] * bs + p % bs.
  * Quantized weights take one of two paths by batch size: the row path (block_q, up to TILE_MIN - 1 rows: streams
  * the codes, bound by weight bytes) and the tiled path (blocks_tile, TILE_MIN rows and more: bound by integer
@@ -47,7 +48,7 @@
 #define WT_Q4 2
 #define WT_BF16 3 /* 16-bit float weights [N, K] (bfloat16 / float16, as the checkpoint holds them), float32 math */
 #define WT_F16 4
-#define WT_Q5 5 /* int5: Q4's nibbles plus a plane of fifth bits (ts_weight.hi), W = scale * q + min, q 0..31 */
+#define WT_Q5 5 /* int5 (a GGUF file's Q5_0 / Q5_1 / Q5_K): W = scale * q + min, q 0..31, three codes per 16-bit word */
 #define IS_FLOAT(wt) ((wt) == WT_F32 || (wt) == WT_BF16 || (wt) == WT_F16)
 #define HAS_MIN(wt) ((wt) == WT_Q4 || (wt) == WT_Q5)
 
@@ -65,10 +66,6 @@ typedef struct ts_weight {
      * rounded to 255 levels per group of 32 instead of 65535, and the tiled path multiplies int4 codes by them
      * with vpmaddubsw (tile_group8).  A fused weight and its tail share one setting (they share the activations). */
     int64_t act8;
-    /* Q5 only: the codes' fifth bits (see q5_hi): per block of four rows and run of four pairs of groups, 32 bytes
-     * per row, whose 16-bit word j holds in bit 4 * (p % 4) + i the fifth bit of the code in nibble i of word j of
-     * pair p (column 16 i + j of the pair); [N/4][ceil(K/256)][4][32 bytes] */
-    const uint8_t *hi;
 } ts_weight;
 
 /* ---- the barrier between the steps of a layer ------------------------------------------------------------------
@@ -353,23 +350,6 @@ static inline __attribute__((always_inline)) __m256i q4_quarter(__m256i raw, con
     return _mm256_and_si256(i ? _mm256_srli_epi16(raw, 4 * i) : raw, nib);
 }
 
-/* Q5: a row's fifth bits of pair p (the 32 bytes at hv) moved down to bits 0..3 of each word (bit i: quarter i) */
-static inline __m256i q5_pair(const uint8_t *hv, int64_t p) {
-    return _mm256_srl_epi16(_mm256_loadu_si256((const __m256i *)hv), _mm_cvtsi32_si128((int)(4 * (p % 4))));
-}
-
-/* Quarter i of a row's pair of groups as int16 codes: Q4's nibbles, and for Q5 (wt, a literal) the fifth bits of
- * hp (q5_pair) as 16 added to them. */
-static inline __attribute__((always_inline)) __m256i quarter(const int wt, __m256i raw, __m256i hp, const int i) {
-    if (wt != WT_Q5) return q4_quarter(raw, i);
-    return _mm256_or_si256(q4_quarter(raw, i), _mm256_and_si256(_mm256_slli_epi16(hp, 4 - i), _mm256_set1_epi16(0x10)));
-}
-
-/* Q5: the fifth bits of block b, run of pairs p / 4 (row r at + r * 32); P pairs per row */
-static inline const uint8_t *q5_hi(const ts_weight *W, int64_t b, int64_t P, int64_t p) {
-    return W->hi + (b * ((P + 3) / 4) + p / 4) * 4 * 32;
-}
-
 #ifndef PF256
 #define PF256 2048 /* software prefetch distance of the AVX2 row path, bytes of codes ahead */
 #endif
@@ -427,15 +407,13 @@ static inline __attribute__((always_inline)) void block_q(const ts_weight *W, co
         const int64_t P = (G + 1) / 2;
         const uint8_t *codes = (const uint8_t *)W->w + b * P * 4 * 32;
         for (int64_t p = 0; p < P; p++) {
-            const uint8_t *c = codes + p * 4 * 32, *hv = wt == WT_Q5 ? q5_hi(W, b, P, p) : NULL;
+            const uint8_t *c = codes + p * 4 * 32;
             prefetch2(c + PF256);
-            if (wt == WT_Q5 && p % 4 == 0) prefetch2(hv + PF256 / 4);
-            __m256i raw[4], hp[4];
+            __m256i raw[4];
             for (int r = 0; r < 4; r++) {
                 raw[r] = _mm256_loadu_si256((const __m256i *)(c + r * 32));
-                hp[r] = wt == WT_Q5 ? q5_pair(hv + r * 32, p) : _mm256_setzero_si256();
-                l[r] = quarter(wt, raw[r], hp[r], 0);
-                h[r] = quarter(wt, raw[r], hp[r], 1);
+                l[r] = q4_quarter(raw[r], 0);
+                h[r] = q4_quarter(raw[r], 1);
             }
             int64_t g = 2 * p;
             /* the min term only in lanes 0..3: the sum4 result holds each row twice */
@@ -443,8 +421,8 @@ static inline __attribute__((always_inline)) void block_q(const ts_weight *W, co
             group_rows(acc, a, g, G, K, m0, mt, scales4(sc + g * 4), wm, wt, l, h);
             if (++g == G) break;
             for (int r = 0; r < 4; r++) {
-                l[r] = quarter(wt, raw[r], hp[r], 2);
-                h[r] = quarter(wt, raw[r], hp[r], 3);
+                l[r] = q4_quarter(raw[r], 2);
+                h[r] = q4_quarter(raw[r], 3);
             }
             wm = _mm256_blend_ps(scales4(mn + g * 4), _mm256_setzero_ps(), 0xF0);
             group_rows(acc, a, g, G, K, m0, mt, scales4(sc + g * 4), wm, wt, l, h);
@@ -456,11 +434,11 @@ static inline __attribute__((always_inline)) void block_q(const ts_weight *W, co
     }
 }
 
-/* Bytes of codes per block of four weight rows (Q8: a byte per weight; Q4 and Q5's nibbles: pairs of groups, 32
- * bytes per row each). */
+/* Bytes of codes per block of four weight rows (Q8: a byte per weight; Q4: pairs of groups, 32 bytes per row each;
+ * Q5: triples of groups, 64 bytes per row each). */
 static inline int64_t block_bytes(int64_t wt, int64_t K) {
     const int64_t G = K / 32;
-    return wt == WT_Q8 ? G * 4 * 32 : (G + 1) / 2 * 4 * 32;
+    return wt == WT_Q8 ? G * 4 * 32 : wt == WT_Q5 ? (G + 2) / 3 * 4 * 64 : (G + 1) / 2 * 4 * 32;
 }
 
 /* ---- the row path at one batch row (a decode step of one sequence) ----
@@ -519,15 +497,12 @@ static inline __attribute__((always_inline)) void block_q1(const ts_weight *W, c
                 B[r] = dot_rows(lo, hi, xb0, xb1);
             }
         } else { /* the pair of groups g, g + 1: one 32-byte load per row (see block_q) */
-            const int64_t p = g / 2;
-            const uint8_t *c = codes + p * 4 * 32, *hv = wt == WT_Q5 ? q5_hi(W, b, (G + 1) / 2, p) : NULL;
+            const uint8_t *c = codes + g / 2 * 4 * 32;
             prefetch2(c + PF256);
-            if (wt == WT_Q5 && p % 4 == 0) prefetch2(hv + PF256 / 4);
             for (int r = 0; r < 4; r++) {
                 const __m256i raw = _mm256_loadu_si256((const __m256i *)(c + r * 32));
-                const __m256i hp = wt == WT_Q5 ? q5_pair(hv + r * 32, p) : _mm256_setzero_si256();
-                A[r] = dot_rows(quarter(wt, raw, hp, 0), quarter(wt, raw, hp, 1), xa0, xa1);
-                B[r] = dot_rows(quarter(wt, raw, hp, 2), quarter(wt, raw, hp, 3), xb0, xb1);
+                A[r] = dot_rows(q4_quarter(raw, 0), q4_quarter(raw, 1), xa0, xa1);
+                B[r] = dot_rows(q4_quarter(raw, 2), q4_quarter(raw, 3), xb0, xb1);
             }
             accm = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + g * 4))), pair_bcast(sx + g), accm);
         }
@@ -540,13 +515,11 @@ static inline __attribute__((always_inline)) void block_q1(const ts_weight *W, c
             if (wt == WT_Q8) widen_q8(codes + (g * 4 + r) * 32, &l[r], &h[r]);
             else {
                 const __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + (g / 2 * 4 + r) * 32));
-                const __m256i hp = wt == WT_Q5 ? q5_pair(q5_hi(W, b, (G + 1) / 2, g / 2) + r * 32, g / 2)
-                                               : _mm256_setzero_si256();
-                l[r] = quarter(wt, raw, hp, 0);
-                h[r] = quarter(wt, raw, hp, 1);
+                l[r] = q4_quarter(raw, 0);
+                h[r] = q4_quarter(raw, 1);
             }
         }
-        const __m256 wm = HAS_MIN(wt) ? _mm256_blend_ps(scales4(mn + g * 4), _mm256_setzero_ps(), 0xF0) : _mm256_setzero_ps();
+        const __m256 wm = wt == WT_Q4 ? _mm256_blend_ps(scales4(mn + g * 4), _mm256_setzero_ps(), 0xF0) : _mm256_setzero_ps();
         group_rows(&acc, a, g, G, K, m, 1, scales4(sc + g * 4), wm, wt, l, h);
     }
     acc = _mm256_add_ps(acc, accm);
@@ -612,6 +585,135 @@ static inline __attribute__((always_inline)) void block_q1_a8(const ts_weight *W
         for (int r = 0; r < 4; r++) o[r] += lv[r] + lv[r + 4];
     }
     memcpy(out, o, sizeof o);
+}
+
+/* ---- Q5 (int5: a GGUF file's Q5_0 / Q5_1 / Q5_K) on the row path ----
+ * Codes in triples of groups: a row's 96 codes of groups 3t..3t+2 are 64 bytes, two halves of sixteen 16-bit words;
+ * word j of half h holds the codes of the triple's columns 48h + j, 48h + 16 + j and 48h + 32 + j in bits 0-4, 5-9
+ * and 10-14 (models/quantize.py), so widening 16 of them to int16 is a mask, a shift and a mask, or a shift: as
+ * cheap as Q4's nibbles, for 5.33 bits a code.  (A plane of fifth bits beside Q4's nibbles, 5 bits a code, took
+ * three more instructions per 16 codes to merge them: at one batch row, 2 threads, 1.2-1.4x Q4's time per weight;
+ * this layout ~1.0-1.1x.)  Scales and minimums as Q4's.  The AVX-512 build runs these AVX2 kernels too. */
+
+/* third s (0..2) of a half (sixteen words) as int16 codes; s a literal */
+static inline __attribute__((always_inline)) __m256i q5_third(__m256i v, const int s) {
+    if (s == 2) return _mm256_srli_epi16(v, 10);
+    return _mm256_and_si256(s ? _mm256_srli_epi16(v, 5) : v, _mm256_set1_epi16(0x1F));
+}
+
+/* group i (0..2, a literal) of a row's triple (halves A, B): columns 0..15 in *l, 16..31 in *h */
+static inline __attribute__((always_inline)) void q5_group(__m256i A, __m256i B, const int i, __m256i *l, __m256i *h) {
+    if (i == 0) { *l = q5_third(A, 0); *h = q5_third(A, 1); }
+    else if (i == 1) { *l = q5_third(A, 2); *h = q5_third(B, 0); }
+    else { *l = q5_third(B, 1); *h = q5_third(B, 2); }
+}
+
+/* group i (0..2, at run time) of the row triple at c */
+static inline void q5_group_at(const uint8_t *c, int64_t i, __m256i *l, __m256i *h) {
+    const __m256i A = _mm256_loadu_si256((const __m256i *)c), B = _mm256_loadu_si256((const __m256i *)(c + 32));
+    if (i == 0) q5_group(A, B, 0, l, h);
+    else if (i == 1) q5_group(A, B, 1, l, h);
+    else q5_group(A, B, 2, l, h);
+}
+
+/* block_q for Q5: per triple, its three groups widened and passed to group_rows */
+static inline __attribute__((always_inline)) void block_q_q5(const ts_weight *W, int64_t b, int64_t K, const ts_qact *a,
+                                                             int64_t m0, int64_t mt, float *out) {
+    const int64_t G = K / 32, T = (G + 2) / 3;
+    const uint16_t *sc = W->scale + b * G * 4, *mn = W->min + b * G * 4;
+    const uint8_t *codes = (const uint8_t *)W->w + b * block_bytes(WT_Q5, K);
+    __m256 acc[MT];
+    __m256i A[4], B[4], l[4], h[4];
+    for (int64_t m = 0; m < mt; m++) acc[m] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < T; t++) {
+        const uint8_t *c = codes + t * 4 * 64;
+        prefetch2(c + PF256);
+        prefetch2(c + 128 + PF256);
+        for (int r = 0; r < 4; r++) {
+            A[r] = _mm256_loadu_si256((const __m256i *)(c + r * 64));
+            B[r] = _mm256_loadu_si256((const __m256i *)(c + r * 64 + 32));
+        }
+#define Q5_GROUP(i)                                                                                                  \
+    {                                                                                                                \
+        const int64_t g = 3 * t + (i);                                                                               \
+        if (g < G) {                                                                                                 \
+            for (int r = 0; r < 4; r++) q5_group(A[r], B[r], i, &l[r], &h[r]);                                       \
+            group_rows(acc, a, g, G, K, m0, mt, scales4(sc + g * 4),                                                  \
+                       _mm256_blend_ps(scales4(mn + g * 4), _mm256_setzero_ps(), 0xF0), WT_Q5, l, h);                 \
+        }                                                                                                            \
+    }
+        Q5_GROUP(0) Q5_GROUP(1) Q5_GROUP(2)
+#undef Q5_GROUP
+    }
+    for (int64_t m = 0; m < mt; m++) {
+        const __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
+        _mm_storeu_ps(out + m * 4, r);
+    }
+}
+
+/* block_q1 for Q5: two triples (six groups, 128 bytes a row) per step, reduced in pairs of groups as block_q1 does
+ * (each pair's codes widened as they are multiplied: no spills); the last groups one pair, or one group, at a time. */
+static inline __attribute__((always_inline)) void block_q1_q5(const ts_weight *W, int64_t b, int64_t K, const ts_qact *a,
+                                                              int64_t m, float *out) {
+    const int64_t G = K / 32;
+    const uint16_t *sc = W->scale + b * G * 4, *mn = W->min + b * G * 4;
+    const int16_t *xq = a->q + m * K;
+    const float *dx = a->d + m * G, *sx = a->s + m * G;
+    const uint8_t *codes = (const uint8_t *)W->w + b * block_bytes(WT_Q5, K);
+    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+#define LD(p) _mm256_loadu_si256((const __m256i *)(p))
+    /* groups g, g + 1: WIDEN(r) sets la, ha (group g of row r) and lb, hb (group g + 1) */
+#define Q5_PAIR(g, WIDEN)                                                                                           \
+    {                                                                                                                \
+        const int16_t *x = xq + (g) * 32;                                                                            \
+        const __m256i xa0 = LD(x), xa1 = LD(x + 16), xb0 = LD(x + 32), xb1 = LD(x + 48);                             \
+        __m256i DA[4], DB[4];                                                                                        \
+        for (int r = 0; r < 4; r++) {                                                                                \
+            __m256i la, ha, lb, hb;                                                                                  \
+            WIDEN(r)                                                                                                 \
+            DA[r] = dot_rows(la, ha, xa0, xa1);                                                                      \
+            DB[r] = dot_rows(lb, hb, xb0, xb1);                                                                      \
+        }                                                                                                            \
+        accm = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + (g) * 4))), pair_bcast(sx + (g)), accm); \
+        const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + (g) * 4)));                        \
+        acc = _mm256_fmadd_ps(sum4x2(DA, DB), _mm256_mul_ps(ws, pair_bcast(dx + (g))), acc);                         \
+    }
+    int64_t g = 0;
+    for (; g + 6 <= G; g += 6) {
+        const uint8_t *c = codes + (g / 3) * 4 * 64, *d = c + 4 * 64; /* triples g / 3 and g / 3 + 1: 512 bytes */
+        prefetch2(c + PF256);
+        prefetch2(c + 128 + PF256);
+        prefetch2(c + 256 + PF256);
+        prefetch2(c + 384 + PF256);
+#define W01(r) q5_group(LD(c + (r) * 64), LD(c + (r) * 64 + 32), 0, &la, &ha); \
+               q5_group(LD(c + (r) * 64), LD(c + (r) * 64 + 32), 1, &lb, &hb);
+#define W23(r) q5_group(LD(c + (r) * 64), LD(c + (r) * 64 + 32), 2, &la, &ha); \
+               q5_group(LD(d + (r) * 64), LD(d + (r) * 64 + 32), 0, &lb, &hb);
+#define W45(r) q5_group(LD(d + (r) * 64), LD(d + (r) * 64 + 32), 1, &la, &ha); \
+               q5_group(LD(d + (r) * 64), LD(d + (r) * 64 + 32), 2, &lb, &hb);
+        Q5_PAIR(g, W01)
+        Q5_PAIR(g + 2, W23)
+        Q5_PAIR(g + 4, W45)
+#undef W01
+#undef W23
+#undef W45
+    }
+    for (; g + 1 < G; g += 2) { /* a pair of the last groups */
+#define WAT(r) q5_group_at(codes + ((g / 3) * 4 + (r)) * 64, g % 3, &la, &ha); \
+               q5_group_at(codes + (((g + 1) / 3) * 4 + (r)) * 64, (g + 1) % 3, &lb, &hb);
+        Q5_PAIR(g, WAT)
+#undef WAT
+    }
+#undef Q5_PAIR
+#undef LD
+    if (g < G) { /* a lone last group */
+        __m256i l[4], h[4];
+        for (int r = 0; r < 4; r++) q5_group_at(codes + ((g / 3) * 4 + r) * 64, g % 3, &l[r], &h[r]);
+        group_rows(&acc, a, g, G, K, m, 1, scales4(sc + g * 4),
+                   _mm256_blend_ps(scales4(mn + g * 4), _mm256_setzero_ps(), 0xF0), WT_Q5, l, h);
+    }
+    acc = _mm256_add_ps(acc, accm);
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1)));
 }
 
 #ifndef PF512
@@ -746,24 +848,6 @@ static void widen_scales(const ts_weight *W, const int wt, int64_t b, int64_t K,
     }
 }
 
-/* widen_codes of Q4 / Q5 (wt, a literal) */
-static inline __attribute__((always_inline)) void widen_nibbles(const ts_weight *W, const int wt, int64_t b, int64_t G,
-                                                                int64_t g0, int64_t g1, ts_wtile *t) {
-    const int64_t P = (G + 1) / 2, CW = CG * 32;
-    const uint8_t *codes = (const uint8_t *)W->w + b * P * 4 * 32;
-    for (int64_t p = g0 / 2; 2 * p < g1; p++)
-        for (int r = 0; r < 4; r++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + (p * 4 + r) * 32));
-            const __m256i hp = wt == WT_Q5 ? q5_pair(q5_hi(W, b, P, p) + r * 32, p) : _mm256_setzero_si256();
-            int16_t *o = t->w + r * CW + (2 * p - g0) * 32;
-            _mm256_storeu_si256((__m256i *)o, quarter(wt, raw, hp, 0));
-            _mm256_storeu_si256((__m256i *)(o + 16), quarter(wt, raw, hp, 1));
-            if (2 * p + 1 == G) continue; /* odd last group: its pair's upper half is padding */
-            _mm256_storeu_si256((__m256i *)(o + 32), quarter(wt, raw, hp, 2));
-            _mm256_storeu_si256((__m256i *)(o + 48), quarter(wt, raw, hp, 3));
-        }
-}
-
 /* Groups g0..g1 (g0 even, g1 - g0 <= CG) of block b's codes as int16: row r's group g at t->w[r * CG * 32 + (g - g0) * 32]. */
 static void widen_codes(const ts_weight *W, const int wt, int64_t b, int64_t K, int64_t g0, int64_t g1, ts_wtile *t) {
     const int64_t G = K / 32, CW = CG * 32;
@@ -778,8 +862,41 @@ static void widen_codes(const ts_weight *W, const int wt, int64_t b, int64_t K, 
             }
         return;
     }
-    if (wt == WT_Q5) widen_nibbles(W, WT_Q5, b, G, g0, g1, t);
-    else widen_nibbles(W, WT_Q4, b, G, g0, g1, t);
+    if (wt == WT_Q5) { /* whole triples where the chunk holds them (the chunks of CG groups cut some) */
+        const uint8_t *codes = (const uint8_t *)W->w + b * block_bytes(WT_Q5, K);
+        for (int64_t g = g0; g < g1;) {
+            const int whole = g % 3 == 0 && g + 3 <= g1;
+            for (int r = 0; r < 4; r++) {
+                const uint8_t *c = codes + ((g / 3) * 4 + r) * 64;
+                int16_t *o = t->w + r * CW + (g - g0) * 32;
+                __m256i l[3], h[3];
+                if (whole) {
+                    const __m256i A = _mm256_loadu_si256((const __m256i *)c), B = _mm256_loadu_si256((const __m256i *)(c + 32));
+                    q5_group(A, B, 0, &l[0], &h[0]);
+                    q5_group(A, B, 1, &l[1], &h[1]);
+                    q5_group(A, B, 2, &l[2], &h[2]);
+                } else q5_group_at(c, g % 3, &l[0], &h[0]);
+                for (int i = 0; i < (whole ? 3 : 1); i++) {
+                    _mm256_storeu_si256((__m256i *)(o + i * 32), l[i]);
+                    _mm256_storeu_si256((__m256i *)(o + i * 32 + 16), h[i]);
+                }
+            }
+            g += whole ? 3 : 1;
+        }
+        return;
+    }
+    const int64_t P = (G + 1) / 2;
+    const uint8_t *codes = (const uint8_t *)W->w + b * P * 4 * 32;
+    for (int64_t p = g0 / 2; 2 * p < g1; p++)
+        for (int r = 0; r < 4; r++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + (p * 4 + r) * 32));
+            int16_t *o = t->w + r * CW + (2 * p - g0) * 32;
+            _mm256_storeu_si256((__m256i *)o, q4_quarter(raw, 0));
+            _mm256_storeu_si256((__m256i *)(o + 16), q4_quarter(raw, 1));
+            if (2 * p + 1 == G) continue; /* odd last group: its pair's upper half is padding */
+            _mm256_storeu_si256((__m256i *)(o + 32), q4_quarter(raw, 2));
+            _mm256_storeu_si256((__m256i *)(o + 48), q4_quarter(raw, 3));
+        }
 }
 
 /* f[r * mp + m0 + 8j + i] += lane i of c[j][r] (the int32 dots of weight row r and eight batch rows over group g)
@@ -936,7 +1053,7 @@ static inline __attribute__((always_inline)) void tile_group512(const ts_wtile *
 #define TILE_FN(name, WT, NV)                                                                                        \
     static __attribute__((noinline)) void name(const ts_wtile *t, int64_t gl, int64_t g, const ts_qact *a, int64_t m0, \
                                                float *f) { TILE_GROUP(t, WT, gl, g, a, m0, NV, f); }
-/* (Q5 widens to the same int16 codes with the same min term as Q4: it takes Q4's tiles) */
+/* (Q5 widens to int16 codes with the same min term as Q4: it takes Q4's tiles) */
 TILE_FN(tile_q4x2, WT_Q4, 2)
 TILE_FN(tile_q4x1, WT_Q4, 1)
 TILE_FN(tile_q8x2, WT_Q8, 2)
@@ -1283,9 +1400,9 @@ static void linear_body(const float *x, int64_t ldx, int64_t M, const ts_weight 
             const int64_t mt = M - m0 < MT ? M - m0 : MT;
             /* a literal weight type per call: the format branches fold away inside the loops */
             if (mt == 1 && W->wt == WT_Q8) BLOCK_Q1(W, WT_Q8, b, K, a, m0, o);
-            /* Q5: the AVX2 row kernels in every build (int8 activations: the int16 kernels over their values) */
-            else if (mt == 1 && W->wt == WT_Q5) block_q1(W, WT_Q5, b, K, a, m0, o);
-            else if (W->wt == WT_Q5) block_q(W, WT_Q5, b, K, a, m0, mt, o);
+            /* Q5: AVX2 row kernels in every build (int8 activations: the int16 kernels over their values) */
+            else if (mt == 1 && W->wt == WT_Q5) block_q1_q5(W, b, K, a, m0, o);
+            else if (W->wt == WT_Q5) block_q_q5(W, b, K, a, m0, mt, o);
 #if !TS_AVX512 /* (the AVX-512 build keeps its int16 row path for int8 activations: same results, not measured) */
             else if (mt == 1 && a->act8) block_q1_a8(W, b, K, a, m0, o);
 #endif

@@ -115,21 +115,24 @@ static inline void put_q4(uint8_t *codes, uint16_t *scale, uint16_t *mins, int64
     mins[lane(row, g, G)] = m;
 }
 
-/* int5: the nibbles (c & 15) as int4's, and the fifth bits into the plane `hi` (decode_cpu.c's ts_weight.hi): per
- * block of four rows and run of four pairs of groups 32 bytes a row, bit 4 * (p % 4) + i of 16-bit word j = the fifth
- * bit of column 16 i + j of pair p.  Each bit is cleared or set, so the plane needs no zeroing first. */
-static inline void put_q5(uint8_t *codes, uint16_t *scale, uint16_t *mins, uint8_t *hi, int64_t row, int64_t g,
-                          int64_t G, const uint8_t *c, uint16_t s, uint16_t m) {
-    uint8_t lo[32];
-    for (int t = 0; t < 32; t++) lo[t] = c[t] & 15;
-    put_q4(codes, scale, mins, row, g, G, lo, s, m);
-    const int64_t P = (G + 1) / 2, p = g / 2;
-    uint8_t *o = hi + (((row / 4) * ((P + 3) / 4) + p / 4) * 4 + row % 4) * 32;
+/* int5: triples of groups, 64 bytes per row each: 16-bit word j of half h (bytes 32h..) holds the codes of the
+ * triple's columns 48h + j, 48h + 16 + j, 48h + 32 + j in bits 0-4, 5-9, 10-14 (bit 15 zero).  A triple's first group
+ * clears its 64 bytes, so the groups of a row must be written in order (every writer here loops over them so) and a
+ * short last triple's missing codes are zero. */
+static inline void put_q5(uint8_t *codes, uint16_t *scale, uint16_t *mins, int64_t row, int64_t g, int64_t G,
+                          const uint8_t *c, uint16_t s, uint16_t m) {
+    uint8_t *o = codes + lane(row, g / 3, (G + 2) / 3) * 64;
+    const int i = (int)(g % 3);
+    if (i == 0) memset(o, 0, 64);
     for (int t = 0; t < 32; t++) {
-        const int col = (int)(g % 2) * 32 + t, bit = (int)(4 * (p % 4)) + col / 16;
-        uint8_t *byte = o + 2 * (col % 16) + bit / 8; /* (words are little-endian) */
-        *byte = (uint8_t)((*byte & ~(1u << (bit % 8))) | ((unsigned)(c[t] >> 4) << (bit % 8)));
+        const int col = i * 32 + t, word = (col / 48) * 16 + col % 16, shift = ((col % 48) / 16) * 5;
+        uint16_t w;
+        memcpy(&w, o + 2 * word, 2);
+        w = (uint16_t)(w | (unsigned)(c[t] & 31) << shift);
+        memcpy(o + 2 * word, &w, 2);
     }
+    scale[lane(row, g, G)] = s;
+    mins[lane(row, g, G)] = m;
 }
 
 /* codes [rows, G, 32] and scales [rows, G] (int8) -> rows r0.. of the packed weight (pack_int8's layout) */
@@ -151,11 +154,11 @@ void ts_pack_q4(const uint8_t *q, const uint16_t *scale, const uint16_t *mins, i
 
 /* codes [rows, G, 32] in 0..31, scales and minimums [rows, G] -> rows r0.. of the packed int5 weight (pack_int5's) */
 void ts_pack_q5(const uint8_t *q, const uint16_t *scale, const uint16_t *mins, int64_t rows, int64_t G, int64_t r0,
-                uint8_t *codes, uint16_t *oscale, uint16_t *omin, uint8_t *hi) {
+                uint8_t *codes, uint16_t *oscale, uint16_t *omin) {
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < rows; i++)
         for (int64_t g = 0; g < G; g++)
-            put_q5(codes, oscale, omin, hi, r0 + i, g, G, q + (i * G + g) * 32, scale[i * G + g], mins[i * G + g]);
+            put_q5(codes, oscale, omin, r0 + i, g, G, q + (i * G + g) * 32, scale[i * G + g], mins[i * G + g]);
 }
 
 /* ---- a GGUF file's K-quant blocks -> the packed layout (models/gguf_model.py) ----
@@ -201,7 +204,7 @@ void ts_q4k_to_q4(const uint8_t *raw, const int64_t *order, int64_t rows, int64_
  * -16 d (exact: a power of two) or m.  Nibble byte t holds elements t (low) and t + 16 (high); bit j of the
  * little-endian 32-bit qh is element j's fifth bit. */
 void ts_q5_to_q5(const uint8_t *raw, const int64_t *order, int64_t rows, int64_t k, int64_t r0, int64_t q51,
-                 uint8_t *codes, uint16_t *scale, uint16_t *mins, uint8_t *hi) {
+                 uint8_t *codes, uint16_t *scale, uint16_t *mins) {
     const int64_t G = k / 32, size = q51 ? 24 : 22;
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < rows; i++)
@@ -217,14 +220,14 @@ void ts_q5_to_q5(const uint8_t *raw, const int64_t *order, int64_t rows, int64_t
                 c[t] = (uint8_t)((qs[t] & 15) | ((bits >> t) & 1) << 4);
                 c[t + 16] = (uint8_t)((qs[t] >> 4) | ((bits >> (t + 16)) & 1) << 4);
             }
-            put_q5(codes, scale, mins, hi, r0 + i, g, G, c, d, m);
+            put_q5(codes, scale, mins, r0 + i, g, G, c, d, m);
         }
 }
 
 /* Q5_K (176 bytes: float16 d and dmin, twelve bytes of 6-bit scales and mins, 32 bytes of fifth bits, 128 bytes of
  * nibbles) -> int5 groups of 32 with the file's codes, scale = half(d * sc) and min = half(-dmin * m) (as Q4_K). */
 void ts_q5k_to_q5(const uint8_t *raw, const int64_t *order, int64_t rows, int64_t k, int64_t r0, uint8_t *codes,
-                  uint16_t *scale, uint16_t *mins, uint8_t *hi) {
+                  uint16_t *scale, uint16_t *mins) {
     const int64_t S = k / 256, G = k / 32;
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < rows; i++)
@@ -237,7 +240,7 @@ void ts_q5k_to_q5(const uint8_t *raw, const int64_t *order, int64_t rows, int64_
                 uint8_t c[32];
                 for (int l = 0; l < 32; l++)
                     c[l] = (uint8_t)(((qs[(j / 2) * 32 + l] >> (4 * (j % 2))) & 15) | (((qh[l] >> j) & 1) << 4));
-                put_q5(codes, scale, mins, hi, r0 + i, s * 8 + j, G, c, to_half(d * (float)s6),
+                put_q5(codes, scale, mins, r0 + i, s * 8 + j, G, c, to_half(d * (float)s6),
                        to_half(-dmin * (float)m6));
             }
         }
