@@ -5,9 +5,9 @@
 Per shape (bench/shapes.py: SmolLM2-360M, SmolLM2-1.7B, Llama-3.1-8B's layer shape; the default tokenizer's
 vocabulary; bf16 safetensors):
 * the GGUF files are made with llama.cpp's own tools from the source `../shared/peers/llamacpp.sh install` unpacked
-  and built: `convert_hf_to_gguf.py --outtype bf16` then `llama-quantize` (Q4_1, Q8_0 and Q4_K_M; build the
+  and built: `convert_hf_to_gguf.py --outtype bf16` then `llama-quantize` (Q4_1, Q8_0, Q4_K_M and Q5_K_M; build the
   llama-quantize target of that build folder first);
-* servers per quantization family (Q4_1 / int4, Q8_0 / int8, Q4_K_M / the Q4_K_M file), each on cold caches (the quantized-weights cache is
+* servers per quantization family (Q4_1 / int4, Q8_0 / int8, Q4_K_M and Q5_K_M / the file), each on cold caches (the quantized-weights cache is
   deleted per shape, so the first start is measured): `llamacpp-q4_1` / `llamacpp-q8_0` (llama-server, 16 slots x
   512 tokens, f16 KV cache), `tokenspout-int4` / `tokenspout-int8` (the bf16 folder, --quantization) and
   `tokenspout-gguf-q4_1` / `tokenspout-gguf-q8_0` (the file, read directly), tokenspout with --kv-cache-dtype float16
@@ -47,7 +47,7 @@ def kv_gib(shape: str) -> float:
     return per_token * SLOTS * SLOT_TOKENS / 2**30
 
 
-FAMILIES = {"q4_1": "int4", "q8_0": "int8", "q4_k_m": None}  # llama.cpp's type -> tokenspout's folder quantization
+FAMILIES = {"q4_1": "int4", "q8_0": "int8", "q4_k_m": None, "q5_k_m": None}  # llama.cpp's type -> tokenspout's folder quantization
 
 
 def gguf_files(folder: Path, peers: Path, out: Path, kinds: list[str]) -> dict[str, Path]:
@@ -132,7 +132,8 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=16)
     ap.add_argument("--servers", nargs="*", default=None,
                     help="only these (llamacpp-q4_1 tokenspout-int4 tokenspout-gguf-q4_1 llamacpp-q8_0 "
-                         "tokenspout-int8 tokenspout-gguf-q8_0 llamacpp-q4_k_m tokenspout-gguf-q4_k_m; default: all)")
+                         "tokenspout-int8 tokenspout-gguf-q8_0 llamacpp-q4_k_m tokenspout-gguf-q4_k_m "
+                         "llamacpp-q5_k_m tokenspout-gguf-q5_k_m; default: all)")
     ap.add_argument("--out", default="sizes.json", help="results file name under bench/results/")
     ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=list(FAMILIES),
                     help="llama.cpp types to make and serve, each with its tokenspout counterparts (default: all)")
@@ -161,7 +162,7 @@ def main() -> None:
                  str(SLOTS * SLOT_TOKENS), "--no-kv-unified", "-cb"], 8301, ["--extra-body", '{"repeat_penalty": 1.0}'])
             for aq in args.activation_quant:
                 suffix, aq_flag = ("-a8", ["--activation-quant", "int8"]) if aq == "int8" else ("", [])
-                if ours is not None:  # (Q4_K_M has no folder counterpart: its family is the file served directly)
+                if ours is not None:  # (the K-quant mixes have no folder counterpart: the file served directly)
                     runs[f"tokenspout-{ours}{suffix}"] = (
                         [ts, "serve", str(folder), "--port", "8302", "--quantization", ours, "--kv-cache-memory", kv,
                          "--kv-cache-dtype", "float16", "--served-model-name", "bench", *aq_flag], 8302, [])

@@ -6,7 +6,7 @@ GGUF loader (every tensor dequantized by the gguf package, Q/K rows un-permuted 
 
 What the file holds (llama.cpp's Q4_K_M mix on a 960-wide model, whose rows are not a multiple of 256: most tensors
 fall back to Q5_0, ffn_down is Q4_K or Q6_K, v and the embedding Q8_0 / Q6_K) and what tokenspout makes of it: Q4_K
--> int4 and Q5_0 / Q8_0 -> int8 block for block (the file's codes; Q4_K's scales rounded to float16), Q6_K -> int8
+-> int4, Q5_0 -> int5 and Q8_0 -> int8 block for block (the file's codes; Q4_K's scales rounded to float16), Q6_K -> int8
 re-quantized from its dequantized values (its 16-weight sub-block scales do not fit one scale per 32), activations
 int16 in the kernels.  The stated tolerance (README "GGUF files") is what those steps cost.
 

@@ -831,6 +831,7 @@ static inline __attribute__((always_inline)) void block_q512(const ts_weight *W,
 #ifndef CG
 #define CG 8
 #endif
+_Static_assert(CG % 2 == 0 && CG >= 6, "CG: int4's pairs of groups, int5's chunks of two triples");
 
 typedef struct {
     int16_t *w; /* [4][CG * 32] the block's codes of the current chunk of groups, as int16 */
@@ -862,7 +863,7 @@ static void widen_codes(const ts_weight *W, const int wt, int64_t b, int64_t K, 
             }
         return;
     }
-    if (wt == WT_Q5) { /* whole triples where the chunk holds them (the chunks of CG groups cut some) */
+    if (wt == WT_Q5) { /* whole triples (blocks_tile's chunks hold them; a short last triple group by group) */
         const uint8_t *codes = (const uint8_t *)W->w + b * block_bytes(WT_Q5, K);
         for (int64_t g = g0; g < g1;) {
             const int whole = g % 3 == 0 && g + 3 <= g1;
@@ -1080,8 +1081,10 @@ static void blocks_tile(const ts_weight *W, int64_t b, ts_wtile *t, int nb, cons
                         float *f, const char *pf, int64_t pf_bytes) {
     const int64_t G = K / 32, mp = a->mp, pf_step = (pf_bytes / G + 63) / 64 * 64;
     memset(f, 0, sizeof(float) * (size_t)(4 * nb * mp));
-    for (int64_t g0 = 0; g0 < G; g0 += CG) {
-        const int64_t g1 = g0 + CG < G ? g0 + CG : G;
+    /* Q5 widens whole triples of groups: chunks of 6 groups (within the buffers' CG) */
+    const int64_t cg = wt == WT_Q5 ? 6 : CG;
+    for (int64_t g0 = 0; g0 < G; g0 += cg) {
+        const int64_t g1 = g0 + cg < G ? g0 + cg : G;
         /* int8 activations x int4 codes (tile_group8).  Not in the AVX-512 build: its int16 tile (vpdpwssd, 32
          * multiply-adds per instruction on 16 rows) already does what vpmaddubsw + vpaddw do in two on 8, so
          * there int8 activations run the int16 kernels over the int8 values (a vpdpbusd tile is not written) */
