@@ -313,3 +313,20 @@ def test_int5_head_with_an_int8_tail(lib):
             xq = int16_activations(x, levels)
             ref = torch.cat([quantized_reference(x, head, deq_h, xq), quantized_reference(x, tail, deq_t, xq)], 1)
             torch.testing.assert_close(cpu.linear(lib, x, fused), ref, atol=5e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("m", [1, 8, 16, 33])
+def test_int5_codes_at_their_maximum_with_int8_activations(lib, m):
+    """The worst case of the int8 byte tile for int5 (from 8 rows with AVX2): codes 31 times activations 127 across
+    a whole group give pair sums of 7874, which eight quads would overflow in int16; the sums must equal the
+    rounded activations' product exactly (and the int16 paths' too)."""
+    k = 256
+    w = torch.ones(12, k)
+    w[:, ::32] = 0.0  # one code 0 per group, so the group's scale is nonzero and every other code is 31
+    w[1] *= -1.0  # (a row of codes 0 except one 31: its min carries the values)
+    x = torch.ones(m, k) * 3.0
+    x[:, 1::2] = 2.9  # codes 127 and 123: all positive, the largest sums
+    packed, deq = quantize_int5(w)
+    ref = quantized_reference(x, packed, deq, int16_activations(x, 127.0))
+    got = cpu.linear(lib, x, dataclasses.replace(packed, act8=True))
+    torch.testing.assert_close(got, ref, atol=1e-3, rtol=1e-5)

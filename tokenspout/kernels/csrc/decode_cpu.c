@@ -958,9 +958,19 @@ static inline __attribute__((always_inline)) void tile_group(const ts_wtile *t, 
 /* Groups g0..g1 (g0 even) of an int4 block's codes as bytes in column order: row r's group g at
  * t->w (as bytes) + r * CG * 32 + (g - g0) * 32. */
 static void widen_codes8(const ts_weight *W, int64_t b, int64_t K, int64_t g0, int64_t g1, ts_wtile *t) {
-    const int64_t G = K / 32, P = (G + 1) / 2, CW = CG * 32;
-    const uint8_t *codes = (const uint8_t *)W->w + b * P * 4 * 32;
+    const int64_t G = K / 32, CW = CG * 32;
+    const uint8_t *codes = (const uint8_t *)W->w + b * block_bytes(W->wt, K);
     uint8_t *w8 = (uint8_t *)t->w;
+    if (W->wt == WT_Q5) { /* int5 codes (0..31) as bytes, group by group */
+        for (int64_t g = g0; g < g1; g++)
+            for (int r = 0; r < 4; r++) {
+                __m256i l, h;
+                q5_group_at(codes + ((g / 3) * 4 + r) * 64, g % 3, &l, &h);
+                _mm256_storeu_si256((__m256i *)(w8 + r * CW + (g - g0) * 32),
+                                    _mm256_permute4x64_epi64(_mm256_packus_epi16(l, h), 0xD8));
+            }
+        return;
+    }
     for (int64_t p = g0 / 2; 2 * p < g1; p++)
         for (int r = 0; r < 4; r++) {
             const __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + (p * 4 + r) * 32));
@@ -974,15 +984,19 @@ static void widen_codes8(const ts_weight *W, int64_t b, int64_t K, int64_t g0, i
         }
 }
 
-/* tile_group for int4 codes (widen_codes8) and int8 activations: the same f update. */
-static inline __attribute__((always_inline)) void tile_group8(const ts_wtile *t, int64_t gl, int64_t g, const ts_qact *a,
-                                                              int64_t m0, const int NV, float *f) {
+/* tile_group for int4 or int5 codes (wt; widen_codes8) and int8 activations: the same f update.  int5 codes (0..31)
+ * give pair sums of at most 7874: four quads still add up in int16 (31496), eight would not, so int5 widens its
+ * sums to int32 halfway through the group as well. */
+static inline __attribute__((always_inline)) void tile_group8(const ts_wtile *t, const int wt, int64_t gl, int64_t g,
+                                                              const ts_qact *a, int64_t m0, const int NV, float *f) {
     const int64_t mp = a->mp;
     const uint8_t *w8 = (const uint8_t *)t->w + gl * 32;
     const int32_t *w0 = (const int32_t *)w8, *w1 = (const int32_t *)(w8 + CG * 32);
     const int32_t *w2 = (const int32_t *)(w8 + 2 * CG * 32), *w3 = (const int32_t *)(w8 + 3 * CG * 32);
     const int32_t *xq = (const int32_t *)a->q8 + tiled8(g, 0, m0, mp);
     __m256i c00 = _mm256_setzero_si256(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;
+    __m256i d00 = c00, d01 = c00, d10 = c00, d11 = c00, d20 = c00, d21 = c00, d30 = c00, d31 = c00; /* (int5) */
+    const __m256i one = _mm256_set1_epi16(1);
 #pragma GCC unroll 8
     for (int k = 0; k < 8; k++) {
         const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + k * mp));
@@ -996,10 +1010,16 @@ static inline __attribute__((always_inline)) void tile_group8(const ts_wtile *t,
         TAP(c00, c01, w0) TAP(c10, c11, w1) TAP(c20, c21, w2) TAP(c30, c31, w3)
 #undef TAP
         __asm__("" : "+x"(c00), "+x"(c01), "+x"(c10), "+x"(c11), "+x"(c20), "+x"(c21), "+x"(c30), "+x"(c31));
+        if (wt == WT_Q5 && k == 3) { /* the first four quads' sums to int32 */
+#define W32H(v, d) { d = _mm256_madd_epi16(v, one); v = _mm256_setzero_si256(); }
+            W32H(c00, d00) W32H(c10, d10) W32H(c20, d20) W32H(c30, d30)
+            if (NV > 1) { W32H(c01, d01) W32H(c11, d11) W32H(c21, d21) W32H(c31, d31) }
+#undef W32H
+        }
     }
-    const __m256i one = _mm256_set1_epi16(1);
-#define W32(v) _mm256_madd_epi16(v, one)
-    const __m256i c[2][4] = {{W32(c00), W32(c10), W32(c20), W32(c30)}, {W32(c01), W32(c11), W32(c21), W32(c31)}};
+#define W32(v, d) (wt == WT_Q5 ? _mm256_add_epi32(_mm256_madd_epi16(v, one), d) : _mm256_madd_epi16(v, one))
+    const __m256i c[2][4] = {{W32(c00, d00), W32(c10, d10), W32(c20, d20), W32(c30, d30)},
+                             {W32(c01, d01), W32(c11, d11), W32(c21, d21), W32(c31, d31)}};
 #undef W32
     tile_scale(t, WT_Q4, g, a, m0, NV, c, f);
 }
@@ -1060,10 +1080,14 @@ TILE_FN(tile_q4x1, WT_Q4, 1)
 TILE_FN(tile_q8x2, WT_Q8, 2)
 TILE_FN(tile_q8x1, WT_Q8, 1)
 #undef TILE_FN
-static __attribute__((noinline)) void tile_q4a8x2(const ts_wtile *t, int64_t gl, int64_t g, const ts_qact *a, int64_t m0,
-                                                  float *f) { tile_group8(t, gl, g, a, m0, 2, f); }
-static __attribute__((noinline)) void tile_q4a8x1(const ts_wtile *t, int64_t gl, int64_t g, const ts_qact *a, int64_t m0,
-                                                  float *f) { tile_group8(t, gl, g, a, m0, 1, f); }
+#define TILE8_FN(name, WT, NV)                                                                                       \
+    static __attribute__((noinline)) void name(const ts_wtile *t, int64_t gl, int64_t g, const ts_qact *a, int64_t m0, \
+                                               float *f) { tile_group8(t, WT, gl, g, a, m0, NV, f); }
+TILE8_FN(tile_q4a8x2, WT_Q4, 2)
+TILE8_FN(tile_q4a8x1, WT_Q4, 1)
+TILE8_FN(tile_q5a8x2, WT_Q5, 2)
+TILE8_FN(tile_q5a8x1, WT_Q5, 1)
+#undef TILE8_FN
 
 /* Blocks of four weight rows per pass of the tiled path: each pass reads the activations once (from L2) and every
  * block after the first reuses each tile of them from L1; 8 blocks = 32 output columns, 128 bytes of every batch
@@ -1088,7 +1112,7 @@ static void blocks_tile(const ts_weight *W, int64_t b, ts_wtile *t, int nb, cons
         /* int8 activations x int4 codes (tile_group8).  Not in the AVX-512 build: its int16 tile (vpdpwssd, 32
          * multiply-adds per instruction on 16 rows) already does what vpmaddubsw + vpaddw do in two on 8, so
          * there int8 activations run the int16 kernels over the int8 values (a vpdpbusd tile is not written) */
-        const int a8 = !TS_AVX512 && a->act8 && wt == WT_Q4;
+        const int a8 = !TS_AVX512 && a->act8 && (wt == WT_Q4 || wt == WT_Q5);
         for (int i = 0; i < nb; i++) {
             if (a8) widen_codes8(W, b + i, K, g0, g1, t + i);
             else widen_codes(W, wt, b + i, K, g0, g1, t + i);
@@ -1100,9 +1124,9 @@ static void blocks_tile(const ts_weight *W, int64_t b, ts_wtile *t, int nb, cons
             int64_t m0 = 0;
             if (a8) {
                 for (; m0 + 16 <= mp; m0 += 16)
-                    for (int i = 0; i < nb; i++) tile_q4a8x2(t + i, g - g0, g, a, m0, f + 4 * i * mp);
+                    for (int i = 0; i < nb; i++) (wt == WT_Q5 ? tile_q5a8x2 : tile_q4a8x2)(t + i, g - g0, g, a, m0, f + 4 * i * mp);
                 if (m0 < mp)
-                    for (int i = 0; i < nb; i++) tile_q4a8x1(t + i, g - g0, g, a, m0, f + 4 * i * mp);
+                    for (int i = 0; i < nb; i++) (wt == WT_Q5 ? tile_q5a8x1 : tile_q4a8x1)(t + i, g - g0, g, a, m0, f + 4 * i * mp);
                 continue;
             }
             for (; m0 + 2 * TW <= mp; m0 += 2 * TW)
@@ -1321,7 +1345,7 @@ static void float_tiled(const ts_weight *W, const float *bias, int64_t M, int64_
  * weights, from FTILE_MIN rows). */
 static inline void prep_act(const ts_weight *W, const float *x, int64_t ldx, int64_t M, int64_t K, ts_qact *a) {
     if (IS_FLOAT(W->wt)) transpose_act(x, ldx, M, K, a);
-    else quantize_act(x, ldx, M, K, a, W->act8, W->act8 && W->wt == WT_Q4 ? TILE_MIN8 : TILE_MIN);
+    else quantize_act(x, ldx, M, K, a, W->act8, W->act8 && (W->wt == WT_Q4 || W->wt == WT_Q5) ? TILE_MIN8 : TILE_MIN);
 }
 
 /* The float row path: blocks of four weight rows shared out among the threads, two batch rows per pass over them. */
