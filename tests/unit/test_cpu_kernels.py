@@ -283,7 +283,7 @@ def test_int8_activations_with_a_fused_tail(lib):
 
 @pytest.mark.parametrize("n, k", [(5, 96), (130, 608), (8, 1088), (3, 32), (4, 64)])
 def test_int5_packing_in_c_equals_torch_and_round_trips(lib, n, k):
-    """pack_int5 by the C writer (ts_pack_q5) gives the torch packing's bytes, and dequantize() reads back the
+    """pack_int5 by the C writer (ts_pack_q4 with int5) gives the torch packing's bytes, and dequantize() reads back the
     values: codes 0..31 in every position of a triple of groups, short last triples (one or two groups) zero-filled."""
     g = torch.Generator().manual_seed(n * 31 + k)
     q = torch.randint(0, 32, (n, k // 32, 32), generator=g).to(torch.uint8)

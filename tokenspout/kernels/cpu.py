@@ -181,11 +181,10 @@ def _load(isa: str) -> ctypes.CDLL | None:
     lib.ts_q6k_to_q8.argtypes = [vp, vp, i64, i64, i64, vp, vp]
     lib.ts_q5k_to_q8.argtypes = [vp, vp, i64, i64, i64, vp, vp]
     lib.ts_pack_q8.argtypes = [vp, vp, i64, i64, i64, vp, vp]
-    lib.ts_pack_q4.argtypes = [vp, vp, vp, i64, i64, i64, vp, vp, vp]
-    lib.ts_pack_q5.argtypes = [vp, vp, vp, i64, i64, i64, vp, vp, vp]
+    lib.ts_pack_q4.argtypes = [vp, vp, vp, i64, i64, i64, vp, vp, vp, i64]
     lib.ts_q5_to_q5.argtypes = [vp, vp, i64, i64, i64, i64, vp, vp, vp]
     lib.ts_q5k_to_q5.argtypes = [vp, vp, i64, i64, i64, vp, vp, vp]
-    for f in (lib.ts_q4k_to_q4, lib.ts_q6k_to_q8, lib.ts_q5k_to_q8, lib.ts_pack_q8, lib.ts_pack_q4, lib.ts_pack_q5,
+    for f in (lib.ts_q4k_to_q4, lib.ts_q6k_to_q8, lib.ts_q5k_to_q8, lib.ts_pack_q8, lib.ts_pack_q4,
               lib.ts_q5_to_q5, lib.ts_q5k_to_q5):
         f.restype = None
     return lib
@@ -330,9 +329,5 @@ def pack_into(lib, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor | None
     else:
         assert omin is not None
         lo = lo.contiguous()
-        if int5:
-            lib.ts_pack_q5(q.data_ptr(), scale.data_ptr(), lo.data_ptr(), n, groups, r0, codes.data_ptr(),
-                           oscale.data_ptr(), omin.data_ptr())
-            return
         lib.ts_pack_q4(q.data_ptr(), scale.data_ptr(), lo.data_ptr(), n, groups, r0, codes.data_ptr(),
-                       oscale.data_ptr(), omin.data_ptr())
+                       oscale.data_ptr(), omin.data_ptr(), int(int5))

@@ -1071,23 +1071,19 @@ static inline __attribute__((always_inline)) void tile_group512(const ts_wtile *
 
 /* One out-of-line copy per (format, width): inlined into the loops over groups, gcc hoists the 64 weight
  * broadcasts of every group out of the loop over batch rows and spills them (measured 2x slower). */
-#define TILE_FN(name, WT, NV)                                                                                        \
+#define TILE_FN(name, KERNEL, WT, NV)                                                                                \
     static __attribute__((noinline)) void name(const ts_wtile *t, int64_t gl, int64_t g, const ts_qact *a, int64_t m0, \
-                                               float *f) { TILE_GROUP(t, WT, gl, g, a, m0, NV, f); }
-/* (Q5 widens to int16 codes with the same min term as Q4: it takes Q4's tiles) */
-TILE_FN(tile_q4x2, WT_Q4, 2)
-TILE_FN(tile_q4x1, WT_Q4, 1)
-TILE_FN(tile_q8x2, WT_Q8, 2)
-TILE_FN(tile_q8x1, WT_Q8, 1)
+                                               float *f) { KERNEL(t, WT, gl, g, a, m0, NV, f); }
+/* (Q5 widens to int16 codes with the same min term as Q4: it takes Q4's int16 tiles) */
+TILE_FN(tile_q4x2, TILE_GROUP, WT_Q4, 2)
+TILE_FN(tile_q4x1, TILE_GROUP, WT_Q4, 1)
+TILE_FN(tile_q8x2, TILE_GROUP, WT_Q8, 2)
+TILE_FN(tile_q8x1, TILE_GROUP, WT_Q8, 1)
+TILE_FN(tile_q4a8x2, tile_group8, WT_Q4, 2)
+TILE_FN(tile_q4a8x1, tile_group8, WT_Q4, 1)
+TILE_FN(tile_q5a8x2, tile_group8, WT_Q5, 2)
+TILE_FN(tile_q5a8x1, tile_group8, WT_Q5, 1)
 #undef TILE_FN
-#define TILE8_FN(name, WT, NV)                                                                                       \
-    static __attribute__((noinline)) void name(const ts_wtile *t, int64_t gl, int64_t g, const ts_qact *a, int64_t m0, \
-                                               float *f) { tile_group8(t, WT, gl, g, a, m0, NV, f); }
-TILE8_FN(tile_q4a8x2, WT_Q4, 2)
-TILE8_FN(tile_q4a8x1, WT_Q4, 1)
-TILE8_FN(tile_q5a8x2, WT_Q5, 2)
-TILE8_FN(tile_q5a8x1, WT_Q5, 1)
-#undef TILE8_FN
 
 /* Blocks of four weight rows per pass of the tiled path: each pass reads the activations once (from L2) and every
  * block after the first reuses each tile of them from L1; 8 blocks = 32 output columns, 128 bytes of every batch

@@ -143,22 +143,15 @@ void ts_pack_q8(const int8_t *q, const uint16_t *scale, int64_t rows, int64_t G,
         for (int64_t g = 0; g < G; g++) put_q8(codes, oscale, r0 + i, g, G, q + (i * G + g) * 32, scale[i * G + g]);
 }
 
-/* codes [rows, G, 32] in 0..15, scales and minimums [rows, G] -> rows r0.. of the packed int4 weight (pack_int4's) */
+/* codes [rows, G, 32] in 0..15 (int5: 0..31), scales and minimums [rows, G] -> rows r0.. of the packed int4 (int5)
+ * weight (pack_int4's / pack_int5's) */
 void ts_pack_q4(const uint8_t *q, const uint16_t *scale, const uint16_t *mins, int64_t rows, int64_t G, int64_t r0,
-                uint8_t *codes, uint16_t *oscale, uint16_t *omin) {
+                uint8_t *codes, uint16_t *oscale, uint16_t *omin, int64_t int5) {
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < rows; i++)
         for (int64_t g = 0; g < G; g++)
-            put_q4(codes, oscale, omin, r0 + i, g, G, q + (i * G + g) * 32, scale[i * G + g], mins[i * G + g]);
-}
-
-/* codes [rows, G, 32] in 0..31, scales and minimums [rows, G] -> rows r0.. of the packed int5 weight (pack_int5's) */
-void ts_pack_q5(const uint8_t *q, const uint16_t *scale, const uint16_t *mins, int64_t rows, int64_t G, int64_t r0,
-                uint8_t *codes, uint16_t *oscale, uint16_t *omin) {
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < rows; i++)
-        for (int64_t g = 0; g < G; g++)
-            put_q5(codes, oscale, omin, r0 + i, g, G, q + (i * G + g) * 32, scale[i * G + g], mins[i * G + g]);
+            (int5 ? put_q5 : put_q4)(codes, oscale, omin, r0 + i, g, G, q + (i * G + g) * 32, scale[i * G + g],
+                                     mins[i * G + g]);
 }
 
 /* ---- a GGUF file's K-quant blocks -> the packed layout (models/gguf_model.py) ----
@@ -179,24 +172,38 @@ static inline void scale_min_k4(const uint8_t *sc, int j, int *s6, int *m6) {
 }
 
 /* Q4_K (144 bytes: float16 d and dmin, twelve bytes of 6-bit scales and mins, 128 bytes of nibbles) -> int4 groups
- * of 32 with the file's codes, scale = half(d * sc) and min = half(-dmin * m) (gguf_model._q4k_blocks). */
-void ts_q4k_to_q4(const uint8_t *raw, const int64_t *order, int64_t rows, int64_t k, int64_t r0, uint8_t *codes,
-                  uint16_t *scale, uint16_t *mins) {
-    const int64_t S = k / 256, G = k / 32;
+ * of 32 with the file's codes, scale = half(d * sc) and min = half(-dmin * m) (gguf_model._q4k_blocks); Q5_K (176
+ * bytes: the same, then 32 bytes of fifth bits before the nibbles) -> int5 likewise (five). */
+static void k_to_q45(const uint8_t *raw, const int64_t *order, int64_t rows, int64_t k, int64_t r0, uint8_t *codes,
+                     uint16_t *scale, uint16_t *mins, int five) {
+    const int64_t S = k / 256, G = k / 32, size = five ? 176 : 144;
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < rows; i++)
         for (int64_t s = 0; s < S; s++) {
-            const uint8_t *b = raw + ((order ? order[i] : i) * S + s) * 144, *sc = b + 4, *qs = b + 16;
+            const uint8_t *b = raw + ((order ? order[i] : i) * S + s) * size, *sc = b + 4, *qh = b + 16;
+            const uint8_t *qs = b + (five ? 48 : 16);
             const float d = half_at(b), dmin = half_at(b + 2);
             for (int j = 0; j < 8; j++) {
                 int s6, m6;
                 scale_min_k4(sc, j, &s6, &m6);
-                /* sub-block j: the low (j even) or high nibbles of the 32 bytes of chunk j / 2 */
+                /* sub-block j: the low (j even) or high nibbles of the 32 bytes of chunk j / 2 (and bit j of qh) */
                 uint8_t c[32];
-                for (int t = 0; t < 32; t++) c[t] = j % 2 ? qs[(j / 2) * 32 + t] >> 4 : qs[(j / 2) * 32 + t] & 15;
-                put_q4(codes, scale, mins, r0 + i, s * 8 + j, G, c, to_half(d * (float)s6), to_half(-dmin * (float)m6));
+                for (int t = 0; t < 32; t++)
+                    c[t] = (uint8_t)(((qs[(j / 2) * 32 + t] >> (4 * (j % 2))) & 15) | (five ? ((qh[t] >> j) & 1) << 4 : 0));
+                (five ? put_q5 : put_q4)(codes, scale, mins, r0 + i, s * 8 + j, G, c, to_half(d * (float)s6),
+                                         to_half(-dmin * (float)m6));
             }
         }
+}
+
+void ts_q4k_to_q4(const uint8_t *raw, const int64_t *order, int64_t rows, int64_t k, int64_t r0, uint8_t *codes,
+                  uint16_t *scale, uint16_t *mins) {
+    k_to_q45(raw, order, rows, k, r0, codes, scale, mins, 0);
+}
+
+void ts_q5k_to_q5(const uint8_t *raw, const int64_t *order, int64_t rows, int64_t k, int64_t r0, uint8_t *codes,
+                  uint16_t *scale, uint16_t *mins) {
+    k_to_q45(raw, order, rows, k, r0, codes, scale, mins, 1);
 }
 
 /* Q5_0 (22 bytes: float16 d, 32 fifth bits, 16 bytes of nibbles: W = d * (q - 16)) and Q5_1 (24 bytes: float16 d
@@ -221,28 +228,6 @@ void ts_q5_to_q5(const uint8_t *raw, const int64_t *order, int64_t rows, int64_t
                 c[t + 16] = (uint8_t)((qs[t] >> 4) | ((bits >> (t + 16)) & 1) << 4);
             }
             put_q5(codes, scale, mins, r0 + i, g, G, c, d, m);
-        }
-}
-
-/* Q5_K (176 bytes: float16 d and dmin, twelve bytes of 6-bit scales and mins, 32 bytes of fifth bits, 128 bytes of
- * nibbles) -> int5 groups of 32 with the file's codes, scale = half(d * sc) and min = half(-dmin * m) (as Q4_K). */
-void ts_q5k_to_q5(const uint8_t *raw, const int64_t *order, int64_t rows, int64_t k, int64_t r0, uint8_t *codes,
-                  uint16_t *scale, uint16_t *mins) {
-    const int64_t S = k / 256, G = k / 32;
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < rows; i++)
-        for (int64_t s = 0; s < S; s++) {
-            const uint8_t *b = raw + ((order ? order[i] : i) * S + s) * 176, *sc = b + 4, *qh = b + 16, *qs = b + 48;
-            const float d = half_at(b), dmin = half_at(b + 2);
-            for (int j = 0; j < 8; j++) { /* sub-block j: nibbles (low: j even) of bytes 32 (j / 2).., bit j of qh */
-                int s6, m6;
-                scale_min_k4(sc, j, &s6, &m6);
-                uint8_t c[32];
-                for (int l = 0; l < 32; l++)
-                    c[l] = (uint8_t)(((qs[(j / 2) * 32 + l] >> (4 * (j % 2))) & 15) | (((qh[l] >> j) & 1) << 4));
-                put_q5(codes, scale, mins, r0 + i, s * 8 + j, G, c, to_half(d * (float)s6),
-                       to_half(-dmin * (float)m6));
-            }
         }
 }
 
