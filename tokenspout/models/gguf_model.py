@@ -40,7 +40,8 @@ _EXACT = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q5_0": "int8", "Q8_0"
 _EXACT_C = {**_EXACT, "Q5_0": "int5", "Q5_1": "int5", "Q5_K": "int5", "Q6_K": "int8"}
 _WT = {"int4": WT_Q4, "int5": WT_Q5, "int8": WT_Q8}
 # Types kept at more than 4 bits (llama.cpp's _M / _L mixes keep some tensors at Q5 / Q6 / Q8 on purpose): asked for
-# int4, such a tensor is served as int8 instead, re-quantized from its dequantized values.
+# int4, such a tensor is served as int8 instead, re-quantized from its dequantized values (where no exact or C
+# conversion applies: without the kernels).
 _WIDER = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_K")
 # Types the C kernels dequantize and quantize to int8 in one pass (csrc/quant_cpu.c), with the values of the gguf
 # package's dequantization quantized by quantize_int8, when int4 or int8 is asked: Q6_K always, Q5_K in a layer
@@ -159,15 +160,17 @@ class GGUFCheckpoint:
         kinds = [self.type_name(n) for n in names]
         table = _EXACT if lib is None else _EXACT_C
         fmts = [None if k == "Q6_K" and method not in ("int4", "int8") else table.get(k) for k in kinds]
-        if None not in fmts:
-            split = next((i for i, f in enumerate(fmts) if f != fmts[0]), len(fmts))
-            if split == len(fmts):
-                return self._convert(names, fmts[0], lib)
-            head_rows = sum(self.shape(n)[0] for n in names[:split])
-            if method in ("int4", "int8") and len(set(fmts[split:])) == 1 and head_rows % 4 == 0:
-                head, tail = self._convert(names[:split], fmts[0], lib), self._convert(names[split:], fmts[split], lib)
-                head.tail, head.n = tail, head.n + tail.n
-                return head
+        known = [f for f in fmts if f is not None]
+        if len(known) == len(fmts):  # every part converts to a kernel format
+            split = next((i for i, f in enumerate(known) if f != known[0]), len(known))
+            if split == len(known):
+                return self._convert(names, known[0], lib)
+            first_rows = sum(self.shape(n)[0] for n in names[:split])
+            if method in ("int4", "int8") and len(set(known[split:])) == 1 and first_rows % 4 == 0:
+                first = self._convert(names[:split], known[0], lib)
+                rest = self._convert(names[split:], known[split], lib)
+                first.tail, first.n = rest, first.n + rest.n
+                return first
         if lib is not None and method in ("int4", "int8") and all(k in _C_INT8 or _EXACT.get(k) == "int8"
                                                                   for k in kinds):
             return self._convert(names, "int8", lib)  # (5-8-bit parts in three runs: a Q5_K_M file's Q8_0 / Q5_K / Q6_K)
