@@ -955,7 +955,7 @@ static inline __attribute__((always_inline)) void tile_group(const ts_wtile *t, 
  * group is then 32 vpmaddubsw + 32 vpaddw + 8 vpmaddwd where the int16 tile takes 64 vpmaddwd + 64 vpaddd: about
  * half the multiply-port work.  What it costs is the activations' precision (see ts_qact). */
 
-/* Groups g0..g1 (g0 even) of an int4 block's codes as bytes in column order: row r's group g at
+/* Groups g0..g1 (g0 even) of an int4 (or int5) block's codes as bytes in column order: row r's group g at
  * t->w (as bytes) + r * CG * 32 + (g - g0) * 32. */
 static void widen_codes8(const ts_weight *W, int64_t b, int64_t K, int64_t g0, int64_t g1, ts_wtile *t) {
     const int64_t G = K / 32, CW = CG * 32;
