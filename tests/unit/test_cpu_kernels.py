@@ -319,7 +319,7 @@ def test_int5_head_with_an_int8_tail(lib):
 def test_int5_codes_at_their_maximum_with_int8_activations(lib, m):
     """The worst case of the int8 byte tile for int5 (from 8 rows with AVX2): codes 31 times activations 127 across
     a whole group give pair sums of 7874, which eight quads would overflow in int16; the sums must equal the
-    rounded activations' product exactly (and the int16 paths' too)."""
+    rounded activations' product (m = 1: the int16 row kernel over the same values)."""
     k = 256
     w = torch.ones(12, k)
     w[:, ::32] = 0.0  # one code 0 per group, so the group's scale is nonzero and every other code is 31

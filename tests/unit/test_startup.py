@@ -348,3 +348,38 @@ def test_frontend_does_not_import_torch(model_path):
             "print(sorted(m for m in ('torch', 'transformers.configuration_utils') if m in sys.modules))\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+@pytest.mark.skipif(cpu.load() is None, reason="int5 weights need the C kernels")
+def test_int5_weights_survive_the_cache(tiny_model, cache, monkeypatch):
+    """int5 weights (what a GGUF file's Q5_* tensors become) written to the quantized-weights cache and mapped back:
+    the same bytes, and the same outputs from the cached layers as from the fresh ones."""
+    from tokenspout.models import quant_load
+    from tokenspout.models.quantize import pack_int5
+
+    lib = cpu.load()
+
+    def int5(fmt: str, lib_=None):
+        def fit(w: torch.Tensor):
+            n, k = w.shape
+            g = w.float().view(n, k // 32, 32)
+            lo = g.amin(-1).half().float()
+            scale = ((g.amax(-1) - lo) / 31.0).half().float()
+            q = torch.round((g - lo[..., None]) / scale[..., None].clamp_min(1e-30)).clamp_(0, 31)
+            return pack_int5(q.to(torch.uint8), scale.half(), lo.half(), lib), None
+
+        return fit if fmt == "int4" else quantizer_before(fmt, lib_)
+
+    quantizer_before = quant_load.quantizer
+    monkeypatch.setattr(quant_load, "quantizer", int5)
+    fresh = _load(tiny_model, "int4")
+    assert fresh.quantized["layers.0.mlp.down_proj"].wt == cpu.WT_Q5
+    assert fresh.quantized["lm_head"].wt == cpu.WT_Q8  # (int4 keeps the LM head int8)
+    monkeypatch.setattr(quant_load, "quantizer", quantizer_before)
+    _no_quantizing(monkeypatch)
+    cached = _load(tiny_model, "int4")
+    _assert_identical(fresh, cached)
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(0))
+    a = fresh.model.get_submodule("layers.1.mlp.down_proj")(x)
+    b = cached.model.get_submodule("layers.1.mlp.down_proj")(x)
+    assert torch.equal(a, b)
