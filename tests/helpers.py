@@ -6,9 +6,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import torch
+
 from tokenspout.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tokenspout.core.engine_core import EngineCore
 from tokenspout.engine.messages import EngineCoreRequest
+from tokenspout.models.quantize import pack_int5
 from tokenspout.sampling_params import SamplingParams
 
 
@@ -81,3 +84,16 @@ def sse_events(text: str) -> list[dict]:
         assert kind == f"event: {event['type']}"
         out.append(event)
     return out
+
+
+def quantize_int5(w: torch.Tensor, lib=None):
+    """int5 (a GGUF file's Q5_1 / Q5_K terms: W = scale * q + min, q 0..31) fitted to w per group of 32, as
+    quantize_int4 fits int4: (packed weight, dequantized float32 [N, K]).  Packed by torch, or by `lib`."""
+    n, k = w.shape
+    g = w.float().view(n, k // 32, 32)
+    lo = g.amin(-1).half().float()
+    scale = ((g.amax(-1) - lo) / 31.0).half().float()
+    q = torch.where(scale[..., None] > 0, torch.round((g - lo[..., None]) / scale[..., None].clamp_min(1e-30)), 0)
+    q = q.clamp_(0, 31)
+    deq = (q * scale[..., None] + lo[..., None]).view(n, k)
+    return pack_int5(q.to(torch.uint8), scale.half(), lo.half(), lib), deq

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers import quantize_int5
 from tokenspout.kernels import cpu
 from tokenspout.models.quantize import dequantize, pack_int5, quantize_int4, quantize_int8
 
@@ -19,19 +20,6 @@ pytestmark = pytest.mark.skipif(cpu.load() is None, reason="decode kernels unava
 @pytest.fixture(params=cpu.available_isas())
 def lib(request):
     return cpu.load(request.param)
-
-
-def quantize_int5(w: torch.Tensor, lib=None):
-    """int5 (a GGUF file's Q5_1 / Q5_K terms: W = scale * q + min, q 0..31) fitted to w per group of 32, as
-    quantize_int4 fits int4: (packed weight, dequantized float32 [N, K]).  Packed by torch, or by `lib`."""
-    n, k = w.shape
-    g = w.float().view(n, k // 32, 32)
-    lo = g.amin(-1).half().float()
-    scale = ((g.amax(-1) - lo) / 31.0).half().float()
-    q = torch.where(scale[..., None] > 0, torch.round((g - lo[..., None]) / scale[..., None].clamp_min(1e-30)), 0)
-    q = q.clamp_(0, 31)
-    deq = (q * scale[..., None] + lo[..., None]).view(n, k)
-    return pack_int5(q.to(torch.uint8), scale.half(), lo.half(), lib), deq
 
 
 def test_the_best_level_is_chosen_and_can_be_forced(monkeypatch):

@@ -354,19 +354,14 @@ def test_frontend_does_not_import_torch(model_path):
 def test_int5_weights_survive_the_cache(tiny_model, cache, monkeypatch):
     """int5 weights (what a GGUF file's Q5_* tensors become) written to the quantized-weights cache and mapped back:
     the same bytes, and the same outputs from the cached layers as from the fresh ones."""
+    from tests.helpers import quantize_int5
     from tokenspout.models import quant_load
-    from tokenspout.models.quantize import pack_int5
 
     lib = cpu.load()
 
     def int5(fmt: str, lib_=None):
         def fit(w: torch.Tensor):
-            n, k = w.shape
-            g = w.float().view(n, k // 32, 32)
-            lo = g.amin(-1).half().float()
-            scale = ((g.amax(-1) - lo) / 31.0).half().float()
-            q = torch.round((g - lo[..., None]) / scale[..., None].clamp_min(1e-30)).clamp_(0, 31)
-            return pack_int5(q.to(torch.uint8), scale.half(), lo.half(), lib), None
+            return quantize_int5(w, lib)[0], None
 
         return fit if fmt == "int4" else quantizer_before(fmt, lib_)
 

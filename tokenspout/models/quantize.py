@@ -259,11 +259,11 @@ def dequantize(pw: PackedWeight) -> torch.Tensor:
         b = pw.codes.view(n4 // 4, triples, 4, 32, 2).transpose(1, 2).reshape(n4, triples, 2, 16, 2).to(torch.int32)
         words = (b[..., 0] | (b[..., 1] << 8))[:, :, :, None, :]  # [N, triple, h, 1, j]
         q = ((words >> torch.tensor([0, 5, 10]).view(1, 1, 1, 3, 1)) & 31).reshape(n4, triples * 96)[:, : pw.k]
-        return (q.float().view(n4, groups, GROUP) * scale[..., None] + lo[..., None]).reshape(n4, pw.k)[: pw.n]
-    pairs = -(-groups // 2)
-    raw = pw.codes.view(torch.uint8).view(n4 // 4, pairs, 4, 16, 2).transpose(1, 2).reshape(n4, pairs, 16, 2)
-    low, high = raw[..., 0], raw[..., 1]  # the bytes of word j: nibbles of columns j, 16+j | 32+j, 48+j
-    q = torch.stack([low & 15, low >> 4, high & 15, high >> 4], 2).reshape(n4, pairs * 64)[:, : pw.k]
+    else:
+        pairs = -(-groups // 2)
+        raw = pw.codes.view(torch.uint8).view(n4 // 4, pairs, 4, 16, 2).transpose(1, 2).reshape(n4, pairs, 16, 2)
+        low, high = raw[..., 0], raw[..., 1]  # the bytes of word j: nibbles of columns j, 16+j | 32+j, 48+j
+        q = torch.stack([low & 15, low >> 4, high & 15, high >> 4], 2).reshape(n4, pairs * 64)[:, : pw.k]
     return (q.float().view(n4, groups, GROUP) * scale[..., None] + lo[..., None]).reshape(n4, pw.k)[: pw.n]
 
 

@@ -335,6 +335,10 @@ static inline __m256 scales4(const uint16_t *s) {
     return _mm256_set_m128(v, v);
 }
 
+/* Four minimums (float16) of one block and group in lanes 0..3 only: sum4's result holds each row twice, and the
+ * min term must be added once. */
+static inline __m256 mins4(const uint16_t *m) { return _mm256_blend_ps(scales4(m), _mm256_setzero_ps(), 0xF0); }
+
 /* Q8: one weight row's 32 codes of a group widened to int16, elements 0..15 in *lo and 16..31 in *hi. */
 static inline void widen_q8(const uint8_t *c, __m256i *lo, __m256i *hi) {
     *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)c));
@@ -417,14 +421,14 @@ static inline __attribute__((always_inline)) void block_q(const ts_weight *W, co
             }
             int64_t g = 2 * p;
             /* the min term only in lanes 0..3: the sum4 result holds each row twice */
-            __m256 wm = _mm256_blend_ps(scales4(mn + g * 4), _mm256_setzero_ps(), 0xF0);
+            __m256 wm = mins4(mn + g * 4);
             group_rows(acc, a, g, G, K, m0, mt, scales4(sc + g * 4), wm, wt, l, h);
             if (++g == G) break;
             for (int r = 0; r < 4; r++) {
                 l[r] = q4_quarter(raw[r], 2);
                 h[r] = q4_quarter(raw[r], 3);
             }
-            wm = _mm256_blend_ps(scales4(mn + g * 4), _mm256_setzero_ps(), 0xF0);
+            wm = mins4(mn + g * 4);
             group_rows(acc, a, g, G, K, m0, mt, scales4(sc + g * 4), wm, wt, l, h);
         }
     }
@@ -470,6 +474,16 @@ static inline __m256 pair_bcast(const float *p) {
                                     _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
 }
 
+/* acc += groups g, g + 1's dots (A: group g's four rows, B: group g + 1's) scaled by their weight scales (sc) and
+ * the activations' (dx); accm += their minimums (mn, NULL: none) times the activations' group sums (sx). */
+static inline __attribute__((always_inline)) void scale_pair(__m256 *acc, __m256 *accm, const __m256i A[4],
+                                                             const __m256i B[4], const uint16_t *sc, const uint16_t *mn,
+                                                             const float *dx, const float *sx, int64_t g) {
+    if (mn) *accm = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + g * 4))), pair_bcast(sx + g), *accm);
+    const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g * 4)));
+    *acc = _mm256_fmadd_ps(sum4x2(A, B), _mm256_mul_ps(ws, pair_bcast(dx + g)), *acc);
+}
+
 /* out[0..3] = rows of block b . batch row m (what block_q computes with mt = 1). */
 static inline __attribute__((always_inline)) void block_q1(const ts_weight *W, const int wt, int64_t b, int64_t K,
                                                            const ts_qact *a, int64_t m, float *out) {
@@ -504,10 +518,8 @@ static inline __attribute__((always_inline)) void block_q1(const ts_weight *W, c
                 A[r] = dot_rows(q4_quarter(raw, 0), q4_quarter(raw, 1), xa0, xa1);
                 B[r] = dot_rows(q4_quarter(raw, 2), q4_quarter(raw, 3), xb0, xb1);
             }
-            accm = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + g * 4))), pair_bcast(sx + g), accm);
         }
-        const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g * 4)));
-        acc = _mm256_fmadd_ps(sum4x2(A, B), _mm256_mul_ps(ws, pair_bcast(dx + g)), acc);
+        scale_pair(&acc, &accm, A, B, sc, mn, dx, sx, g);
     }
     if (g < G) { /* a lone last group (an int4 one is the low half of its pair) */
         __m256i l[4], h[4];
@@ -519,7 +531,7 @@ static inline __attribute__((always_inline)) void block_q1(const ts_weight *W, c
                 h[r] = q4_quarter(raw, 1);
             }
         }
-        const __m256 wm = wt == WT_Q4 ? _mm256_blend_ps(scales4(mn + g * 4), _mm256_setzero_ps(), 0xF0) : _mm256_setzero_ps();
+        const __m256 wm = wt == WT_Q4 ? mins4(mn + g * 4) : _mm256_setzero_ps();
         group_rows(&acc, a, g, G, K, m, 1, scales4(sc + g * 4), wm, wt, l, h);
     }
     acc = _mm256_add_ps(acc, accm);
@@ -579,7 +591,7 @@ static inline __attribute__((always_inline)) void block_q1_a8(const ts_weight *W
         }
         __m256 last = _mm256_setzero_ps();
         group_rows(&last, a, g, G, K, m, 1, scales4(sc + g * 4),
-                   _mm256_blend_ps(scales4(mn + g * 4), _mm256_setzero_ps(), 0xF0), WT_Q4, l, h);
+                   mins4(mn + g * 4), WT_Q4, l, h);
         float lv[8];
         _mm256_storeu_ps(lv, last);
         for (int r = 0; r < 4; r++) o[r] += lv[r] + lv[r + 4];
@@ -616,6 +628,25 @@ static inline void q5_group_at(const uint8_t *c, int64_t i, __m256i *l, __m256i 
     else q5_group(A, B, 2, l, h);
 }
 
+/* groups g0..g1 (g1 - g0 <= CG) of row r of an int5 block (codes: the block's) as int16 codes in l[g - g0], h[g - g0]:
+ * whole triples from two loads where the range holds them, a short triple's groups one at a time */
+static inline void q5_widen_row(const uint8_t *codes, int r, int64_t g0, int64_t g1, __m256i *l, __m256i *h) {
+    for (int64_t g = g0; g < g1;) {
+        const uint8_t *c = codes + ((g / 3) * 4 + r) * 64;
+        const int64_t i = g - g0;
+        if (g % 3 == 0 && g + 3 <= g1) {
+            const __m256i A = _mm256_loadu_si256((const __m256i *)c), B = _mm256_loadu_si256((const __m256i *)(c + 32));
+            q5_group(A, B, 0, &l[i], &h[i]);
+            q5_group(A, B, 1, &l[i + 1], &h[i + 1]);
+            q5_group(A, B, 2, &l[i + 2], &h[i + 2]);
+            g += 3;
+        } else {
+            q5_group_at(c, g % 3, &l[i], &h[i]);
+            g++;
+        }
+    }
+}
+
 /* block_q for Q5: per triple, its three groups widened and passed to group_rows */
 static inline __attribute__((always_inline)) void block_q_q5(const ts_weight *W, int64_t b, int64_t K, const ts_qact *a,
                                                              int64_t m0, int64_t mt, float *out) {
@@ -639,7 +670,7 @@ static inline __attribute__((always_inline)) void block_q_q5(const ts_weight *W,
         if (g < G) {                                                                                                 \
             for (int r = 0; r < 4; r++) q5_group(A[r], B[r], i, &l[r], &h[r]);                                       \
             group_rows(acc, a, g, G, K, m0, mt, scales4(sc + g * 4),                                                  \
-                       _mm256_blend_ps(scales4(mn + g * 4), _mm256_setzero_ps(), 0xF0), WT_Q5, l, h);                 \
+                       mins4(mn + g * 4), WT_Q5, l, h);                                                                  \
         }                                                                                                            \
     }
         Q5_GROUP(0) Q5_GROUP(1) Q5_GROUP(2)
@@ -674,9 +705,7 @@ static inline __attribute__((always_inline)) void block_q1_q5(const ts_weight *W
             DA[r] = dot_rows(la, ha, xa0, xa1);                                                                      \
             DB[r] = dot_rows(lb, hb, xb0, xb1);                                                                      \
         }                                                                                                            \
-        accm = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + (g) * 4))), pair_bcast(sx + (g)), accm); \
-        const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + (g) * 4)));                        \
-        acc = _mm256_fmadd_ps(sum4x2(DA, DB), _mm256_mul_ps(ws, pair_bcast(dx + (g))), acc);                         \
+        scale_pair(&acc, &accm, DA, DB, sc, mn, dx, sx, g);                                                          \
     }
     int64_t g = 0;
     for (; g + 6 <= G; g += 6) {
@@ -710,7 +739,7 @@ static inline __attribute__((always_inline)) void block_q1_q5(const ts_weight *W
         __m256i l[4], h[4];
         for (int r = 0; r < 4; r++) q5_group_at(codes + ((g / 3) * 4 + r) * 64, g % 3, &l[r], &h[r]);
         group_rows(&acc, a, g, G, K, m, 1, scales4(sc + g * 4),
-                   _mm256_blend_ps(scales4(mn + g * 4), _mm256_setzero_ps(), 0xF0), WT_Q5, l, h);
+                   mins4(mn + g * 4), WT_Q5, l, h);
     }
     acc = _mm256_add_ps(acc, accm);
     _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1)));
@@ -863,26 +892,15 @@ static void widen_codes(const ts_weight *W, const int wt, int64_t b, int64_t K, 
             }
         return;
     }
-    if (wt == WT_Q5) { /* whole triples (blocks_tile's chunks hold them; a short last triple group by group) */
+    if (wt == WT_Q5) { /* (blocks_tile's chunks hold whole triples; a short last triple group by group) */
         const uint8_t *codes = (const uint8_t *)W->w + b * block_bytes(WT_Q5, K);
-        for (int64_t g = g0; g < g1;) {
-            const int whole = g % 3 == 0 && g + 3 <= g1;
-            for (int r = 0; r < 4; r++) {
-                const uint8_t *c = codes + ((g / 3) * 4 + r) * 64;
-                int16_t *o = t->w + r * CW + (g - g0) * 32;
-                __m256i l[3], h[3];
-                if (whole) {
-                    const __m256i A = _mm256_loadu_si256((const __m256i *)c), B = _mm256_loadu_si256((const __m256i *)(c + 32));
-                    q5_group(A, B, 0, &l[0], &h[0]);
-                    q5_group(A, B, 1, &l[1], &h[1]);
-                    q5_group(A, B, 2, &l[2], &h[2]);
-                } else q5_group_at(c, g % 3, &l[0], &h[0]);
-                for (int i = 0; i < (whole ? 3 : 1); i++) {
-                    _mm256_storeu_si256((__m256i *)(o + i * 32), l[i]);
-                    _mm256_storeu_si256((__m256i *)(o + i * 32 + 16), h[i]);
-                }
+        for (int r = 0; r < 4; r++) {
+            __m256i l[CG], h[CG];
+            q5_widen_row(codes, r, g0, g1, l, h);
+            for (int64_t i = 0; i < g1 - g0; i++) {
+                _mm256_storeu_si256((__m256i *)(t->w + r * CW + i * 32), l[i]);
+                _mm256_storeu_si256((__m256i *)(t->w + r * CW + i * 32 + 16), h[i]);
             }
-            g += whole ? 3 : 1;
         }
         return;
     }
@@ -961,14 +979,14 @@ static void widen_codes8(const ts_weight *W, int64_t b, int64_t K, int64_t g0, i
     const int64_t G = K / 32, CW = CG * 32;
     const uint8_t *codes = (const uint8_t *)W->w + b * block_bytes(W->wt, K);
     uint8_t *w8 = (uint8_t *)t->w;
-    if (W->wt == WT_Q5) { /* int5 codes (0..31) as bytes, group by group */
-        for (int64_t g = g0; g < g1; g++)
-            for (int r = 0; r < 4; r++) {
-                __m256i l, h;
-                q5_group_at(codes + ((g / 3) * 4 + r) * 64, g % 3, &l, &h);
-                _mm256_storeu_si256((__m256i *)(w8 + r * CW + (g - g0) * 32),
-                                    _mm256_permute4x64_epi64(_mm256_packus_epi16(l, h), 0xD8));
-            }
+    if (W->wt == WT_Q5) { /* int5 codes (0..31) widened as for the int16 tile, then packed to bytes */
+        for (int r = 0; r < 4; r++) {
+            __m256i l[CG], h[CG];
+            q5_widen_row(codes, r, g0, g1, l, h);
+            for (int64_t i = 0; i < g1 - g0; i++)
+                _mm256_storeu_si256((__m256i *)(w8 + r * CW + i * 32),
+                                    _mm256_permute4x64_epi64(_mm256_packus_epi16(l[i], h[i]), 0xD8));
+        }
         return;
     }
     for (int64_t p = g0 / 2; 2 * p < g1; p++)
