@@ -142,6 +142,34 @@ def test_k_quant_conversions_in_c_equal_the_python_ones(lib):
         cpu.k_int8_into(lib, "Q6_K", k6[0], None, k, n, got6.codes, got6.scale)
 
 
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+def test_legacy_blocks_convert_in_c_as_in_python(lib, kind):
+    """Q8_0 / Q4_0 / Q4_1 blocks straight into the packed weight in C (cpu.blocks_into: what a first start of such a
+    file runs) equal _blocks_of + pack_int8 / pack_int4 byte for byte: parts written at their row offsets, a row
+    order, odd group counts (an int4 pair's empty upper half), every code and scale bit pattern (random bytes, NaN
+    and infinite float16 terms included: copied, never computed, except Q4_0's min = -8 x its scale)."""
+    from tokenspout.models.quantize import empty_packed
+
+    size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[kind]
+    wt = cpu.WT_Q8 if kind == "Q8_0" else cpu.WT_Q4
+    g = np.random.default_rng(11)
+    for parts, groups in (((6, 3), 3), ((1,), 1), ((9, 4, 7), 4)):
+        raws = [g.integers(0, 256, size=(r, groups * size), dtype=np.uint8) for r in parts]
+        orders = [g.permutation(r) for r in parts]
+        n, k = sum(parts), groups * 32
+        q, d, m = (torch.cat(x) for x in zip(*(_blocks_of(kind, raw[o]) for raw, o in zip(raws, orders))))
+        ref = pack_int8(q, d) if kind == "Q8_0" else pack_int4(q.to(torch.uint8), d, m)
+        got = empty_packed(n, k, wt)
+        r0 = 0
+        for raw, o in zip(raws, orders):
+            r0 += cpu.blocks_into(lib, kind, raw, o, k, r0, got.codes, got.scale, got.min)
+        assert r0 == n and all(x.view(torch.uint8).equal(y.view(torch.uint8)) for x, y in zip(got.tensors(), ref.tensors()))
+    with pytest.raises(ValueError, match="do not fit the packed weight"):  # (never a write past its end)
+        cpu.blocks_into(lib, kind, raws[0], None, k, n, got.codes, got.scale, got.min)
+    with pytest.raises(ValueError, match="are not"):  # rows of another block size
+        cpu.blocks_into(lib, kind, raws[0][:, :-1], None, k, 0, got.codes, got.scale, got.min)
+
+
 def _attention_gguf(path: Path, raws: dict) -> Path:
     """A one-layer llama GGUF (two heads) holding blk.0.attn_{q,k,v}.weight as raws[name] = (rows of blocks, type)."""
     w = GGUFWriter(str(path), "llama")

@@ -184,8 +184,10 @@ def _load(isa: str) -> ctypes.CDLL | None:
     lib.ts_pack_q4.argtypes = [vp, vp, vp, i64, i64, i64, vp, vp, vp, i64]
     lib.ts_q5_to_q5.argtypes = [vp, vp, i64, i64, i64, i64, vp, vp, vp]
     lib.ts_q5k_to_q5.argtypes = [vp, vp, i64, i64, i64, vp, vp, vp]
+    lib.ts_q8_0_to_q8.argtypes = [vp, vp, i64, i64, i64, vp, vp]
+    lib.ts_q4_to_q4.argtypes = [vp, vp, i64, i64, i64, i64, vp, vp, vp]
     for f in (lib.ts_q4k_to_q4, lib.ts_q6k_to_q8, lib.ts_q5k_to_q8, lib.ts_pack_q8, lib.ts_pack_q4,
-              lib.ts_q5_to_q5, lib.ts_q5k_to_q5):
+              lib.ts_q5_to_q5, lib.ts_q5k_to_q5, lib.ts_q8_0_to_q8, lib.ts_q4_to_q4):
         f.restype = None
     return lib
 
@@ -286,6 +288,25 @@ def k_int8_into(lib, kind: str, raw, order, k: int, r0: int, codes: torch.Tensor
     raw, order, n = _rows_arg(raw, order, size, k)
     _check_room(codes, r0, n, k)
     fn(raw.ctypes.data, None if order is None else order.ctypes.data, n, k, r0, codes.data_ptr(), scale.data_ptr())
+    return n
+
+
+def blocks_into(lib, kind: str, raw, order, k: int, r0: int, codes: torch.Tensor, scale: torch.Tensor,
+                mins: torch.Tensor | None) -> int:
+    """Q8_0 blocks (rows [R, k / 32 * 34]) -> rows r0.. of a packed int8 weight, Q4_0 / Q4_1 blocks (18 / 20 bytes)
+    -> of a packed int4 weight (mins: its minimums), with the file's codes and float16 terms (Q4_0's min = -8 x
+    its scale: gguf_model._blocks_of's values), in one C pass.  Returns the rows written."""
+    size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[kind]
+    raw, order, n = _rows_arg(raw, order, size, k, block=32)
+    args = (None if order is None else order.ctypes.data, n, k, r0)
+    if kind == "Q8_0":
+        _check_room(codes, r0, n, code_row_bytes(WT_Q8, k))
+        lib.ts_q8_0_to_q8(raw.ctypes.data, *args, codes.data_ptr(), scale.data_ptr())
+    else:
+        assert mins is not None
+        _check_room(codes, r0, n, code_row_bytes(WT_Q4, k))
+        lib.ts_q4_to_q4(raw.ctypes.data, *args, int(kind == "Q4_1"), codes.data_ptr(), scale.data_ptr(),
+                        mins.data_ptr())
     return n
 
 

@@ -8,7 +8,8 @@ header parsed by models/gguf_header.py; blocks dequantized by the gguf package w
 Weights, per GGUF tensor type:
 * Q4_0, Q4_1 (4-bit, blocks of 32) become the kernels' int4 format and Q8_0 their int8 format exactly (block for
   block: same codes, the same float16 scale and minimum; Q4_0's minimum is -8 x its scale), so
-  `--quantization int4` of a Q4_0 / Q4_1 file (int8 of a Q8_0 file) computes with the file's own weight values;
+  `--quantization int4` of a Q4_0 / Q4_1 file (int8 of a Q8_0 file) computes with the file's own weight values
+  (with the C kernels written in one C pass from the mapped file into the packed weight: cpu.blocks_into);
 * Q4_K becomes int4 with the file's codes (each group's scale d x sc and min dmin x m rounded to float16);
 * where the C kernels run, Q5_0, Q5_1 and Q5_K become their int5 format with the file's codes (Q5_0's min is -16 x
   its scale, exact; Q5_K's terms rounded to float16 as Q4_K's), and Q6_K is dequantized and quantized to int8 in one
@@ -29,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenspout.kernels.cpu import WT_Q4, WT_Q5, WT_Q8, k_int8_into, pack_into, q4k_into, q5_into
+from tokenspout.kernels.cpu import WT_Q4, WT_Q5, WT_Q8, blocks_into, k_int8_into, pack_into, q4k_into, q5_into
 from tokenspout.models.gguf_file import architecture, field, open_reader
 from tokenspout.models.quantize import GROUP, PackedWeight, empty_packed, pack_int4, pack_int8
 
@@ -226,6 +227,8 @@ class GGUFCheckpoint:
                 r0 += q4k_into(lib, raw, order, k, r0, pw.codes, pw.scale, pw.min)
             elif kind in _C_INT8:
                 r0 += k_int8_into(lib, kind, raw, order, k, r0, pw.codes, pw.scale)
+            elif kind == "Q8_0" and fmt == "int8" or kind in ("Q4_0", "Q4_1") and fmt == "int4":
+                r0 += blocks_into(lib, kind, raw, order, k, r0, pw.codes, pw.scale, pw.min)
             else:
                 q, d, m = _blocks_of(kind, raw if order is None else raw[order])
                 pack_into(lib, q, d, m if fmt == "int4" else None, r0, pw.codes, pw.scale, pw.min)

@@ -206,6 +206,44 @@ void ts_q5k_to_q5(const uint8_t *raw, const int64_t *order, int64_t rows, int64_
     k_to_q45(raw, order, rows, k, r0, codes, scale, mins, 1);
 }
 
+/* Q8_0 (34 bytes: float16 d, 32 int8 codes: W = d * q) -> int8, and Q4_0 (18 bytes: float16 d, 16 bytes of nibbles:
+ * W = d * (q - 8)) / Q4_1 (20 bytes: float16 d and m, the nibbles: W = d * q + m) -> int4 (min = half(-8 d) or m),
+ * with the file's codes and float16 terms (gguf_model._blocks_of + pack_int8 / pack_int4, bit for bit): one pass
+ * from the mapped file into the packed weight, where numpy's copies of codes and terms took most of a first start
+ * (an 8B Q8_0 file: ~13 s of copies, ~12 s packing).  Nibble byte t holds elements t (low) and t + 16 (high). */
+void ts_q8_0_to_q8(const uint8_t *raw, const int64_t *order, int64_t rows, int64_t k, int64_t r0, int8_t *codes,
+                   uint16_t *scale) {
+    const int64_t G = k / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t g = 0; g < G; g++) {
+            const uint8_t *b = raw + ((order ? order[i] : i) * G + g) * 34;
+            uint16_t d;
+            memcpy(&d, b, 2);
+            put_q8(codes, scale, r0 + i, g, G, (const int8_t *)(b + 2), d);
+        }
+}
+
+void ts_q4_to_q4(const uint8_t *raw, const int64_t *order, int64_t rows, int64_t k, int64_t r0, int64_t q41,
+                 uint8_t *codes, uint16_t *scale, uint16_t *mins) {
+    const int64_t G = k / 32, size = q41 ? 20 : 18;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t g = 0; g < G; g++) {
+            const uint8_t *b = raw + ((order ? order[i] : i) * G + g) * size, *qs = b + size - 16;
+            uint16_t d, m;
+            memcpy(&d, b, 2);
+            if (q41) memcpy(&m, b + 2, 2);
+            else m = to_half(-8.0f * _cvtsh_ss(d));
+            uint8_t c[32];
+            for (int t = 0; t < 16; t++) {
+                c[t] = (uint8_t)(qs[t] & 15);
+                c[t + 16] = (uint8_t)(qs[t] >> 4);
+            }
+            put_q4(codes, scale, mins, r0 + i, g, G, c, d, m);
+        }
+}
+
 /* Q5_0 (22 bytes: float16 d, 32 fifth bits, 16 bytes of nibbles: W = d * (q - 16)) and Q5_1 (24 bytes: float16 d
  * and m, the bits, the nibbles: W = d * q + m) -> int5 with the file's codes and float16 terms: scale = d, min =
  * -16 d (exact: a power of two) or m.  Nibble byte t holds elements t (low) and t + 16 (high); bit j of the
