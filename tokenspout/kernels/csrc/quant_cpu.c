@@ -224,24 +224,34 @@ void ts_q8_0_to_q8(const uint8_t *raw, const int64_t *order, int64_t rows, int64
         }
 }
 
-void ts_q4_to_q4(const uint8_t *raw, const int64_t *order, int64_t rows, int64_t k, int64_t r0, int64_t q41,
-                 uint8_t *codes, uint16_t *scale, uint16_t *mins) {
-    const int64_t G = k / 32, size = q41 ? 20 : 18;
+/* The blocks of 32 of Q4_0 / Q4_1 (five = 0) and Q5_0 / Q5_1 (five = 1: 32 fifth bits after the terms) -> int4 /
+ * int5 with the file's codes and float16 terms: min = m (with_min), or -8 d / -16 d (exact: a power of two). */
+static void legacy_to_q45(const uint8_t *raw, const int64_t *order, int64_t rows, int64_t k, int64_t r0,
+                          int64_t with_min, int five, uint8_t *codes, uint16_t *scale, uint16_t *mins) {
+    const int64_t G = k / 32, size = (five ? 22 : 18) + (with_min ? 2 : 0);
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < rows; i++)
         for (int64_t g = 0; g < G; g++) {
-            const uint8_t *b = raw + ((order ? order[i] : i) * G + g) * size, *qs = b + size - 16;
+            const uint8_t *b = raw + ((order ? order[i] : i) * G + g) * size, *qs = b + size - 16, *qh = qs - 4;
             uint16_t d, m;
             memcpy(&d, b, 2);
-            if (q41) memcpy(&m, b + 2, 2);
-            else m = to_half(-8.0f * _cvtsh_ss(d));
+            if (with_min) memcpy(&m, b + 2, 2);
+            else m = to_half((five ? -16.0f : -8.0f) * _cvtsh_ss(d));
+            const uint32_t bits = five ? (uint32_t)qh[0] | (uint32_t)qh[1] << 8 | (uint32_t)qh[2] << 16 |
+                                             (uint32_t)qh[3] << 24
+                                       : 0;
             uint8_t c[32];
             for (int t = 0; t < 16; t++) {
-                c[t] = (uint8_t)(qs[t] & 15);
-                c[t + 16] = (uint8_t)(qs[t] >> 4);
+                c[t] = (uint8_t)((qs[t] & 15) | ((bits >> t) & 1) << 4);
+                c[t + 16] = (uint8_t)((qs[t] >> 4) | ((bits >> (t + 16)) & 1) << 4);
             }
-            put_q4(codes, scale, mins, r0 + i, g, G, c, d, m);
+            (five ? put_q5 : put_q4)(codes, scale, mins, r0 + i, g, G, c, d, m);
         }
+}
+
+void ts_q4_to_q4(const uint8_t *raw, const int64_t *order, int64_t rows, int64_t k, int64_t r0, int64_t q41,
+                 uint8_t *codes, uint16_t *scale, uint16_t *mins) {
+    legacy_to_q45(raw, order, rows, k, r0, q41, 0, codes, scale, mins);
 }
 
 /* Q5_0 (22 bytes: float16 d, 32 fifth bits, 16 bytes of nibbles: W = d * (q - 16)) and Q5_1 (24 bytes: float16 d
@@ -250,23 +260,7 @@ void ts_q4_to_q4(const uint8_t *raw, const int64_t *order, int64_t rows, int64_t
  * little-endian 32-bit qh is element j's fifth bit. */
 void ts_q5_to_q5(const uint8_t *raw, const int64_t *order, int64_t rows, int64_t k, int64_t r0, int64_t q51,
                  uint8_t *codes, uint16_t *scale, uint16_t *mins) {
-    const int64_t G = k / 32, size = q51 ? 24 : 22;
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < rows; i++)
-        for (int64_t g = 0; g < G; g++) {
-            const uint8_t *b = raw + ((order ? order[i] : i) * G + g) * size, *qh = b + size - 20, *qs = qh + 4;
-            uint16_t d, m;
-            memcpy(&d, b, 2);
-            if (q51) memcpy(&m, b + 2, 2);
-            else m = to_half(-16.0f * _cvtsh_ss(d));
-            const uint32_t bits = (uint32_t)qh[0] | (uint32_t)qh[1] << 8 | (uint32_t)qh[2] << 16 | (uint32_t)qh[3] << 24;
-            uint8_t c[32];
-            for (int t = 0; t < 16; t++) {
-                c[t] = (uint8_t)((qs[t] & 15) | ((bits >> t) & 1) << 4);
-                c[t + 16] = (uint8_t)((qs[t] >> 4) | ((bits >> (t + 16)) & 1) << 4);
-            }
-            put_q5(codes, scale, mins, r0 + i, g, G, c, d, m);
-        }
+    legacy_to_q45(raw, order, rows, k, r0, q51, 1, codes, scale, mins);
 }
 
 /* Q6_K (210 bytes: 128 bytes of low nibbles, 64 of high 2-bit pairs, sixteen int8 scales, float16 d) -> its 256
