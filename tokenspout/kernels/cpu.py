@@ -247,19 +247,22 @@ def quantize_q4(lib, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     lib.ts_quantize_q4(w.data_ptr(), n, k, bf16, q.data_ptr(), scale.data_ptr(), lo.data_ptr())
     return q, scale, lo
 
-def _rows_arg(raw, order, size: int, k: int, block: int = 256):
-    """(GGUF rows [rows, k / block * size] as a C-contiguous uint8 array, the row order as int64 or None, rows out)"""
+def _rows_arg(raw, order, size: int, k: int, r0: int, codes: torch.Tensor, wt: int, block: int = 256):
+    """GGUF rows [rows, k / block * size] and their order, checked, for a C converter writing rows r0.. of a packed
+    weight of format wt whose codes are `codes`: (the arrays the call reads, which the caller keeps alive, and the
+    converter's leading arguments: rows, order or NULL, rows out, k, r0)."""
     import numpy as np
 
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
     if k % block or raw.ndim != 2 or raw.shape[1] != k // block * size:
         raise ValueError(f"rows of {raw.shape[-1]} bytes are not {k} weights in blocks of {size} bytes")
-    if order is None:
-        return raw, None, raw.shape[0]
-    order = np.ascontiguousarray(order, dtype=np.int64)
-    if order.size and (order.min() < 0 or order.max() >= raw.shape[0]):
-        raise ValueError("row order out of range")
-    return raw, order, order.size
+    if order is not None:
+        order = np.ascontiguousarray(order, dtype=np.int64)
+        if order.size and (order.min() < 0 or order.max() >= raw.shape[0]):
+            raise ValueError("row order out of range")
+    n = raw.shape[0] if order is None else order.size
+    _check_room(codes, r0, n, code_row_bytes(wt, k))
+    return (raw, order), (raw.ctypes.data, None if order is None else order.ctypes.data, n, k, r0)
 
 
 def _check_room(codes: torch.Tensor, r0: int, n: int, row_bytes: int) -> None:
@@ -273,11 +276,9 @@ def q4k_into(lib, raw, order, k: int, r0: int, codes: torch.Tensor, scale: torch
     """Q4_K super-blocks (numpy uint8 rows [R, k / 256 * 144]; output row i is raw row order[i], or i) -> rows r0..
     of a packed int4 weight of K = k (codes / scale / mins: its tensors, quantize.PackedWeight's layout), with
     gguf_model._q4k_blocks' values; in C (csrc/quant_cpu.c).  Returns the rows written."""
-    raw, order, n = _rows_arg(raw, order, 144, k)
-    _check_room(codes, r0, n, -(-k // 64) * 32)
-    lib.ts_q4k_to_q4(raw.ctypes.data, None if order is None else order.ctypes.data, n, k, r0, codes.data_ptr(),
-                     scale.data_ptr(), mins.data_ptr())
-    return n
+    _keep, args = _rows_arg(raw, order, 144, k, r0, codes, WT_Q4)
+    lib.ts_q4k_to_q4(*args, codes.data_ptr(), scale.data_ptr(), mins.data_ptr())
+    return args[2]
 
 
 def k_int8_into(lib, kind: str, raw, order, k: int, r0: int, codes: torch.Tensor, scale: torch.Tensor) -> int:
@@ -285,10 +286,9 @@ def k_int8_into(lib, kind: str, raw, order, k: int, r0: int, codes: torch.Tensor
     the gguf package's dequantization gives (gguf_model.q6k_rows: its Q6_K steps), quantized as quantize_q8, in one
     pass in C.  Returns the rows written."""
     size, fn = {"Q6_K": (210, lib.ts_q6k_to_q8), "Q5_K": (176, lib.ts_q5k_to_q8)}[kind]
-    raw, order, n = _rows_arg(raw, order, size, k)
-    _check_room(codes, r0, n, k)
-    fn(raw.ctypes.data, None if order is None else order.ctypes.data, n, k, r0, codes.data_ptr(), scale.data_ptr())
-    return n
+    _keep, args = _rows_arg(raw, order, size, k, r0, codes, WT_Q8)
+    fn(*args, codes.data_ptr(), scale.data_ptr())
+    return args[2]
 
 
 def blocks_into(lib, kind: str, raw, order, k: int, r0: int, codes: torch.Tensor, scale: torch.Tensor,
@@ -297,17 +297,13 @@ def blocks_into(lib, kind: str, raw, order, k: int, r0: int, codes: torch.Tensor
     -> of a packed int4 weight (mins: its minimums), with the file's codes and float16 terms (Q4_0's min = -8 x
     its scale: gguf_model._blocks_of's values), in one C pass.  Returns the rows written."""
     size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[kind]
-    raw, order, n = _rows_arg(raw, order, size, k, block=32)
-    args = (None if order is None else order.ctypes.data, n, k, r0)
+    _keep, args = _rows_arg(raw, order, size, k, r0, codes, WT_Q8 if kind == "Q8_0" else WT_Q4, block=32)
     if kind == "Q8_0":
-        _check_room(codes, r0, n, code_row_bytes(WT_Q8, k))
-        lib.ts_q8_0_to_q8(raw.ctypes.data, *args, codes.data_ptr(), scale.data_ptr())
+        lib.ts_q8_0_to_q8(*args, codes.data_ptr(), scale.data_ptr())
     else:
         assert mins is not None
-        _check_room(codes, r0, n, code_row_bytes(WT_Q4, k))
-        lib.ts_q4_to_q4(raw.ctypes.data, *args, int(kind == "Q4_1"), codes.data_ptr(), scale.data_ptr(),
-                        mins.data_ptr())
-    return n
+        lib.ts_q4_to_q4(*args, int(kind == "Q4_1"), codes.data_ptr(), scale.data_ptr(), mins.data_ptr())
+    return args[2]
 
 
 def code_row_bytes(wt: int, k: int) -> int:
@@ -322,18 +318,14 @@ def q5_into(lib, kind: str, raw, order, k: int, r0: int, codes: torch.Tensor, sc
     """Q5_0 / Q5_1 blocks (rows [R, k / 32 * 22 or 24]) or Q5_K super-blocks (rows [R, k / 256 * 176]) -> rows r0..
     of a packed int5 weight (codes / scale / mins: its tensors) with the file's codes (Q5_0's min = -16 x its
     scale; Q5_K's scale and min per group rounded to float16, as Q4_K's); in C.  Returns the rows written."""
-    if kind == "Q5_K":
-        raw, order, n = _rows_arg(raw, order, 176, k)
-    else:
-        raw, order, n = _rows_arg(raw, order, {"Q5_0": 22, "Q5_1": 24}[kind], k, block=32)
-    _check_room(codes, r0, n, code_row_bytes(WT_Q5, k))
-    args = (None if order is None else order.ctypes.data, n, k, r0)
+    size, block = (176, 256) if kind == "Q5_K" else ({"Q5_0": 22, "Q5_1": 24}[kind], 32)
+    _keep, args = _rows_arg(raw, order, size, k, r0, codes, WT_Q5, block=block)
     outs = (codes.data_ptr(), scale.data_ptr(), mins.data_ptr())
     if kind == "Q5_K":
-        lib.ts_q5k_to_q5(raw.ctypes.data, *args, *outs)
+        lib.ts_q5k_to_q5(*args, *outs)
     else:
-        lib.ts_q5_to_q5(raw.ctypes.data, *args, int(kind == "Q5_1"), *outs)
-    return n
+        lib.ts_q5_to_q5(*args, int(kind == "Q5_1"), *outs)
+    return args[2]
 
 
 def pack_into(lib, q: torch.Tensor, scale: torch.Tensor, lo: torch.Tensor | None, r0: int, codes: torch.Tensor,
