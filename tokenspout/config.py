@@ -173,6 +173,9 @@ class EngineConfig:
 
 def read_hf_config(path: Path) -> dict:
     """Reads config.json of a local model folder with errors that name the problem."""
+    if path.is_file():  # (was "does not exist": a file there is no missing folder)
+        raise ValueError(f"{path} is a file, not a model folder: a model is a Hugging Face model folder "
+                         "(config.json, tokenizer, *.safetensors) or a GGUF file")
     if not path.is_dir():
         raise FileNotFoundError(f"model folder {path} does not exist (tokenspout never downloads from a hub)")
     cfg_file = path / "config.json"
@@ -182,7 +185,12 @@ def read_hf_config(path: Path) -> dict:
         cfg = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{cfg_file} is not valid JSON: {e}") from e
+    if not isinstance(cfg, dict):  # (`[]` failed as an AttributeError naming nothing)
+        raise ValueError(f"{cfg_file} must be a JSON object, got {type(cfg).__name__}")
     archs = cfg.get("architectures") or []
+    # (a bare string was read letter by letter: "architecture 'LlamaForCausalLM' is not supported")
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ValueError(f"{cfg_file}: architectures must be a list of class names, got {archs!r}")
     if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise ValueError(
             f"{path}: architecture {archs or cfg.get('model_type')!r} is not supported; "

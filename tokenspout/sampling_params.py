@@ -60,6 +60,9 @@ class StructuredOutputsParams:
     # With reasoning_end: the reasoning is optional and opened by this text (qwen3: a reply that does not open with
     # `<think>` is all answer, so the grammar must apply from its first token).  None: the reply starts inside it.
     reasoning_start: str | None = None
+    # Set by the API server: the request field the constraint came from ("response_format", "guided_regex", ...),
+    # which an invalid grammar's error names.  Not part of the grammar (nor of its cache key).
+    source: str | None = None
 
     def __post_init__(self) -> None:
         set_fields = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
@@ -218,6 +221,9 @@ class SamplingParams:
             raise bad("stop_token_ids", "a list of non-negative token ids", self.stop_token_ids)
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            nan = next((k for k, v in self.logit_bias.items() if v != v), None)  # (+-inf clamp to +-100 as any bias)
+            if nan is not None:
+                raise ValueError(f"logit_bias must map token ids to numbers, got NaN for token {nan}")
         if not 0.0 <= self.guidance_scale <= 100.0 or self.guidance_scale != self.guidance_scale:
             raise bad("guidance_scale", "in [0, 100] (1 = off)", self.guidance_scale)
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:

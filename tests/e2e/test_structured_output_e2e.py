@@ -138,6 +138,31 @@ def test_openai_response_format_end_to_end():
         r = c.chat.completions.create(model=engine.model_name, messages=[{"role": "user", "content": "x"}],
                                       max_tokens=4, extra_body={"guided_regex": ""})
         assert r.choices[0].message.content == "" and r.choices[0].finish_reason == "stop"
+        # A counted repetition past llguidance's lexer limit passes validation (the grammar expands lazily) and
+        # breaks on the first token: a 400 naming the field, not a 200 that finishes "abort" (audit, s30).
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as e:
+                out = c.chat.completions.create(model=engine.model_name, messages=[{"role": "user", "content": "x"}],
+                                                max_tokens=4, stream=stream, extra_body={"guided_regex": "a{1000000}"})
+                if stream:
+                    list(out)
+            assert "guided_regex is invalid" in str(e.value) and "limit" in str(e.value), str(e.value)
+            if not stream:
+                assert e.value.body["param"] == "guided_regex"
+        # Invalid constraints name the field the client sent
+        for body, param in (({"guided_regex": "(a"}, "guided_regex"), ({"guided_regex": "a\\"}, "guided_regex"),
+                            ({"response_format": {"type": "json_schema", "json_schema": {
+                                "name": "x", "schema": {"type": "nope"}}}}, "response_format"),
+                            ({"structured_outputs": {"regex": "(a"}}, "structured_outputs.regex")):
+            with pytest.raises(openai.BadRequestError) as e:
+                c.chat.completions.create(model=engine.model_name, messages=[{"role": "user", "content": "x"}],
+                                          max_tokens=4, extra_body=body)
+            assert e.value.body["param"] == param, (body, e.value.body)
+        # Beam search checks max_tokens against the prompt's room at once, as sampling does
+        with pytest.raises(openai.BadRequestError) as e:
+            c.completions.create(model=engine.model_name, prompt="Hi", n=2, max_tokens=5000,
+                                 extra_body={"use_beam_search": True})
+        assert e.value.body["param"] == "max_tokens"
     finally:
         server.stop()
         engine.shutdown()

@@ -42,6 +42,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._removed: list[str] = []
         self._early_outputs: list[EngineCoreOutput] = []  # requests ended by the scheduler itself
+        self._grammar_failures: dict[str, str] = {}  # request id -> why its grammar broke this step (a 400)
         self._first_outputs: list[RequestTimestamps] = []  # requests that got their first token (metrics)
         self.num_preemptions = 0
         # The grammar manager's handle (None: an engine without grammars): a waiting request whose grammar is
@@ -346,6 +347,8 @@ class Scheduler:
             if status is not None:
                 out.finish_reason = status.value
                 out.stop_reason = req.stop_reason
+                if (failure := self._grammar_failures.pop(req.request_id, None)) is not None:
+                    out.finish_reason, out.stop_reason = "error", failure  # the frontend raises it (a 400)
                 self._finish(req, status)
             outputs.append(out)
         return outputs
@@ -373,7 +376,13 @@ class Scheduler:
     def _advance_grammar(self, req: Request, tok: int, status: RequestStatus | None) -> RequestStatus | None:
         so = self._grammars()
         assert so is not None  # the request has a grammar
-        if not so.accept(req.request_id, (tok,)):
+        try:
+            accepted = so.accept(req.request_id, (tok,))
+        except ValueError as e:  # the request's grammar broke on the token (a limit): reported as its bad input
+            logger.warning("request %s: %s", req.request_id, e)
+            self._grammar_failures[req.request_id] = str(e)
+            return RequestStatus.FINISHED_ABORTED
+        if not accepted:
             logger.error("request %s: sampled a token its grammar refuses (engine bug)", req.request_id)
             return status or RequestStatus.FINISHED_ABORTED
         if status is None and so.should_end(req.request_id):

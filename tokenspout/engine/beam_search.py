@@ -37,13 +37,21 @@ class _Prompt:
     done: bool = False
 
 
+# score = logprob sum / length ** length_penalty: bounded so that the power stays a finite, nonzero float
+MAX_LENGTH_PENALTY = 10.0
+MAX_BEAM_WIDTH = 10
+
+
 class BeamSearch:
     def __init__(self, prompts: list[list[int]], width: int, max_tokens: int, eos_token_id: int | None,
                  length_penalty: float = 1.0):
-        if not 1 <= width <= 10:
-            raise ValueError(f"beam width (n) must be in [1, 10], got {width}")
+        if not 1 <= width <= MAX_BEAM_WIDTH:
+            raise ValueError(f"n (the beam width) must be in [1, {MAX_BEAM_WIDTH}], got {width}")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        if not -MAX_LENGTH_PENALTY <= length_penalty <= MAX_LENGTH_PENALTY:  # (False for NaN)
+            raise ValueError(f"length_penalty must be in [-{MAX_LENGTH_PENALTY:g}, {MAX_LENGTH_PENALTY:g}], "
+                             f"got {length_penalty}")
         self.width = width
         self.max_tokens = max_tokens
         self.eos = eos_token_id

@@ -1,10 +1,17 @@
-"""--chat-template: a path to a Jinja file, or the template text itself (vLLM's rule), read once at startup."""
+"""--chat-template: a path to a Jinja file, or the template text itself (vLLM's rule), read once at startup; and
+the time limit every chat template renders under."""
 
 from __future__ import annotations
 
 import codecs
 import logging
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -39,3 +46,36 @@ def _check_syntax(text: str) -> None:
         Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
     except TemplateSyntaxError as e:
         raise ValueError(f"chat_template is not a valid Jinja template: {e} (line {e.lineno})") from None
+
+
+# Every chat template renders under this limit: a request's own (chat_render.py) and the model's, which is also
+# third-party code (a GGUF file's tokenizer.chat_template with two nested loops of 100,000 never returned).
+TEMPLATE_TIME_LIMIT_S = 5.0
+
+
+class TemplateTimeout(Exception):
+    """A chat template ran past its time limit and was stopped."""
+
+
+def run_with_time_limit(fn: Callable[[], T], seconds: float) -> T:
+    """fn() in this thread, stopped once it has run `seconds`: a trace function on the compiled template's frames
+    (Jinja compiles templates to Python, file name "<template>") raises inside them past the deadline.  Only those
+    frames are traced line by line; the rest of the call runs at full speed."""
+    deadline = time.monotonic() + seconds
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if time.monotonic() > deadline:
+            raise TemplateTimeout(f"the chat template ran longer than {seconds:g} s and was stopped")
+        return local
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        return local if frame.f_code.co_filename == "<template>" else None
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        return fn()
+    finally:
+        sys.settrace(previous)
+
+

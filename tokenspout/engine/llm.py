@@ -209,7 +209,9 @@ class LLM:
         """Beam search (transformers' semantics with early stopping); each RequestOutput holds the n (default:
         width) best finished beams, best first, with their cumulative logprobs."""
         ids = [self.processor.tokenize(p) for p in _prompt_list(prompts)]
-        search = BeamSearch(ids, width, max_tokens, self.processor.eos_token_id, length_penalty)
+        room = SamplingParams(max_tokens=max_tokens)  # a max_tokens past a prompt's room is an error, as in generate
+        search = BeamSearch(ids, width, min(self.processor.max_tokens_for(room, len(i)) for i in ids),
+                            self.processor.eos_token_id, length_penalty)
         params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * width, ignore_eos=True,
                                 detokenize=False)
         while not search.done:

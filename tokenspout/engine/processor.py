@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from tokenspout import guidance
+from tokenspout.engine.chat_template import TEMPLATE_TIME_LIMIT_S, run_with_time_limit
 from tokenspout.engine.messages import EngineCoreRequest
 from tokenspout.engine.parallel_sampling import ParentRequest
 from tokenspout.sampling_params import SamplingParams
@@ -177,6 +178,21 @@ class Processor:
                 f"{self.max_model_len} tokens and at least one must be left for generation")
         return ids, text
 
+    def max_tokens_for(self, params: SamplingParams, prompt_len: int) -> int:
+        """The tokens a prompt of `prompt_len` may generate under `params`: its max_tokens where that fits the room
+        the prompt leaves (an error where it does not), else the room (None: "until the context is full", or a
+        default the client did not choose: clamp_max_tokens)."""
+        room = self.max_model_len - prompt_len
+        max_tokens = params.max_tokens
+        if max_tokens is None or (max_tokens > room and params.clamp_max_tokens):
+            return room
+        if max_tokens > room:
+            raise ValueError(
+                f"max_tokens (or max_completion_tokens) is too large: {max_tokens}. This model's maximum context "
+                f"length (max_model_len) is {self.max_model_len} tokens and the prompt has {prompt_len} tokens "
+                f"({max_tokens} > {self.max_model_len} - {prompt_len})")
+        return max_tokens
+
     def _refuse_huge_prompt(self, prompt: str, add_special_tokens: bool) -> None:
         """A prompt far longer than the context in characters is refused from a prefix: tokenizing all of a 7 MB
         prompt took ~14 s (and ~1 GB) only to say it is too long.  Its first HUGE_PROMPT_CHARS x max_model_len
@@ -215,14 +231,7 @@ class Processor:
 
             validate_grammar(params.structured_outputs)  # an invalid schema/regex/grammar is the user's 400
         room = self.max_model_len - prompt_len
-        max_tokens = params.max_tokens
-        if max_tokens is None or (max_tokens > room and params.clamp_max_tokens):
-            max_tokens = room  # "until the context is full", or a default the client did not choose
-        elif max_tokens > room:
-            raise ValueError(
-                f"max_tokens (or max_completion_tokens) is too large: {max_tokens}. This model's maximum context "
-                f"length (max_model_len) is {self.max_model_len} tokens and the prompt has {prompt_len} tokens "
-                f"({max_tokens} > {self.max_model_len} - {prompt_len})")
+        max_tokens = self.max_tokens_for(params, prompt_len)
         if params.min_tokens > room:
             raise ValueError(
                 f"min_tokens is too large: {params.min_tokens}. This model's maximum context length (max_model_len) "
@@ -331,8 +340,9 @@ class Processor:
         from jinja2 import TemplateError
 
         try:
-            text = self.tokenizer.apply_chat_template(rendered, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt, **template_kwargs)
+            text = run_with_time_limit(lambda: self.tokenizer.apply_chat_template(
+                rendered, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs),
+                TEMPLATE_TIME_LIMIT_S)  # (the model's template is a file's code too)
         except TemplateError as e:  # e.g. a template that insists on alternating roles
             raise ValueError(f"messages rejected by the chat template: {e}") from e
         if not isinstance(text, str):

@@ -23,9 +23,15 @@ def _safetensors_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
+            data = json.loads(index.read_text())
+        except json.JSONDecodeError as e:
             raise ValueError(f"{index} is corrupt: {e}") from e
+        if not isinstance(data, dict) or "weight_map" not in data:
+            raise ValueError(f"{index} is corrupt: it must be a JSON object with a weight_map")
+        weight_map = data["weight_map"]
+        # (a list, or a map to non-strings, failed as an AttributeError / TypeError naming nothing)
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) and f for f in weight_map.values()):
+            raise ValueError(f"{index} is corrupt: weight_map must be an object mapping tensor names to files")
         files = sorted({path / f for f in weight_map.values()})
         for f in files:
             if not f.is_file():
@@ -149,6 +155,11 @@ class CheckpointReader:
                 return sf.get_tensor(k)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ValueError(f"cannot read tensor {k} of {f}: {e} (corrupt or truncated?)") from e
+
+    def layer_count(self) -> int:
+        """1 + the highest layer index among the tensors (layers.{i}.*)."""
+        return 1 + max((int(k.split(".")[1]) for k in self.where if k.startswith("layers.")
+                        and k.split(".")[1].isdigit()), default=-1)
 
     def shape(self, name: str) -> tuple[int, ...]:
         if name not in self.where:

@@ -62,6 +62,13 @@ def resolve_model_path(model: str | None) -> tuple[Path, str]:
 
     if is_gguf(path):  # the GGUF's config / tokenizer / template folder; the weights stay in the file
         return sidecar_folder(path), path.stem
+    # what the path is, where it is neither (both had said "... does not exist")
+    if path.is_dir() and path.suffix.lower() == ".gguf" and not (path / "config.json").is_file():
+        raise ValueError(f"{path} is a folder, not a GGUF file (and holds no config.json: not a Hugging Face model "
+                         "folder either)")
+    if path.is_file():
+        raise ValueError(f"{path} is a file, not a model folder, and not a GGUF file (it does not start with the "
+                         "GGUF magic bytes): --model takes a Hugging Face model folder or a GGUF file")
     return path, path.name
 
 

@@ -9,6 +9,8 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,11 +21,36 @@ logger = logging.getLogger(__name__)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}
 SOURCE_FILE = "gguf_source.json"
+# written last into a sidecar folder: the sha256 of every other file (a folder without it, or whose files differ, is
+# rebuilt; a truncated tokenizer.json or a deleted config.json had made a lasting "not a Hugging Face model folder")
+COMPLETE_FILE = "sidecar_complete.json"
+_MAGIC = b"GGUF"  # (gguf_header.MAGIC: not imported from there, it imports numpy and the API server imports this)
 _FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS")
 
 
 def is_gguf(path: Path) -> bool:
-    return path.suffix.lower() == ".gguf"
+    """A file named *.gguf, or any file that starts with the GGUF magic bytes (a GGUF renamed .bin was taken for a
+    model folder that "does not exist"); a folder never is, whatever its name.  A missing path counts by its name, so
+    a missing x.gguf is reported as a missing GGUF file."""
+    path = path.expanduser()
+    if path.is_dir():
+        return False
+    return path.suffix.lower() == ".gguf" or (path.is_file() and _starts_with_magic(path))
+
+
+def _starts_with_magic(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(len(_MAGIC)) == _MAGIC
+    except OSError:
+        return False
+
+
+def _need_file(gguf: Path) -> None:
+    if gguf.is_dir():
+        raise ValueError(f"{gguf} is a folder, not a GGUF file")
+    if not gguf.is_file():
+        raise FileNotFoundError(f"GGUF file {gguf} does not exist")
 
 
 def gguf_source(folder: Path) -> Path | None:
@@ -38,8 +65,7 @@ def open_reader(gguf: Path, raw: bool = False):
     truncated or corrupt."""
     from tokenspout.models.gguf_header import GGUFHeader
 
-    if not gguf.is_file():
-        raise FileNotFoundError(f"GGUF file {gguf} does not exist")
+    _need_file(gguf)
     try:
         return GGUFHeader(gguf, raw=raw)
     except Exception as e:  # noqa: BLE001 - ValueError from the checks, numpy's on a map of an empty file, ...
@@ -63,19 +89,43 @@ def architecture(reader) -> str:
 def sidecar_folder(gguf: Path) -> Path:
     """The folder (config, tokenizer, template) of a GGUF file, written once per file (path, size, mtime)."""
     gguf = gguf.expanduser().resolve()
-    if not gguf.is_file():
-        raise FileNotFoundError(f"GGUF file {gguf} does not exist")
+    _need_file(gguf)
     st = gguf.stat()
     key = hashlib.sha256(f"{gguf}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
     target = cache_dir() / "gguf" / f"{gguf.stem}-{key}"
-    if (target / SOURCE_FILE).is_file():
+    if _is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (target / SOURCE_FILE).is_file():
-            _write_sidecar(gguf, target)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits here, then finds the folder whole
+        if not _is_complete(target):
+            if target.exists():
+                logger.warning("the sidecar folder %s of %s is incomplete or damaged: rebuilding it", target, gguf.name)
+            _write_sidecar(gguf, target)  # (replaces a damaged folder whole: folder_written_whole)
     return target
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _is_complete(folder: Path) -> bool:
+    """Whether a sidecar folder is whole: its COMPLETE_FILE lists config.json and SOURCE_FILE, and every file it
+    lists has the bytes written (~3 ms where the vocabulary has 49k tokens: tokenizer.json is the bulk)."""
+    try:
+        listed = json.loads((folder / COMPLETE_FILE).read_text())
+        return (isinstance(listed, dict) and {"config.json", SOURCE_FILE} <= listed.keys()
+                and all(_digest(folder / name) == digest for name, digest in listed.items()))
+    except (OSError, ValueError, TypeError):  # a missing or unreadable file, a corrupt marker
+        return False
+
+
+def _mark_complete(folder: Path) -> None:
+    """Writes COMPLETE_FILE, last, after every other file of the folder (whole: written beside, then renamed)."""
+    digests = {p.name: _digest(p) for p in sorted(folder.iterdir()) if p.is_file()}
+    part = folder / f".{COMPLETE_FILE}.part"
+    part.write_text(json.dumps(digests, indent=1))
+    os.replace(part, folder / COMPLETE_FILE)
 
 
 @dataclass(frozen=True)
@@ -104,20 +154,16 @@ class _TransformersReader:
 
 
 def _write_sidecar(gguf: Path, target: Path) -> None:
-    from unittest import mock
-
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
 
     reader = open_reader(gguf, raw=True)
     arch = architecture(reader)
+    _check_hparams(gguf, reader.fields, arch)
+    _check_tokenizer(gguf, reader)
     logger.info("reading the tokenizer and config of %s (once)", gguf.name)
-    # transformers imports GGUFReader from the gguf package at each call (the tokenizer's, the config's): the header
-    # read above, in the gguf reader's shape, stands in for it
-    fast = _TransformersReader(reader)
-    with folder_written_whole(target) as tmp, mock.patch("gguf.GGUFReader", lambda *args, **kwargs: fast):
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tok, config = _converted_metadata(gguf, _TransformersReader(reader))
+    with folder_written_whole(target) as tmp:
         tok.save_pretrained(tmp)
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
         config.pop("quantization_config", None)
         config["architectures"] = [ARCHITECTURES[arch]]
         config["_name_or_path"] = gguf.stem
@@ -127,6 +173,91 @@ def _write_sidecar(gguf: Path, target: Path) -> None:
         GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.pad_token_id).save_pretrained(tmp)
         (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf), "architecture": arch}))
+        _mark_complete(tmp)
+
+
+def _converted_metadata(gguf: Path, fast: _TransformersReader) -> tuple:
+    """(tokenizer, config dict) of transformers' GGUF conversion.  What it raises past the checks below (an
+    IndexError, a KeyError, huggingface_hub's validation error, naming neither the file nor the key) is re-raised
+    as a ValueError naming the file."""
+    from unittest import mock
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        # transformers imports GGUFReader from the gguf package at each call (the tokenizer's, the config's): the
+        # header read once, in the gguf reader's shape, stands in for it
+        with mock.patch("gguf.GGUFReader", lambda *args, **kwargs: fast):
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
+    except Exception as e:  # noqa: BLE001 - whatever a malformed value makes of transformers' conversion
+        raise ValueError(f"GGUF file {gguf}: cannot read its tokenizer/config metadata: {type(e).__name__}: {e}") from e
+    return tok, config
+
+
+# {arch}.NAME hyperparameters transformers' config conversion reads: integers >= 1 (a count or size of 0 is no
+# model: head_count 0 was a ZeroDivisionError), the first three required (a missing one became transformers'
+# default, e.g. 32 layers of 4096, and a confusing tensor-shape error later)
+_REQUIRED_HPARAMS = ("block_count", "embedding_length", "attention.head_count")
+_POSITIVE_INT_HPARAMS = (*_REQUIRED_HPARAMS, "feed_forward_length", "context_length", "attention.head_count_kv",
+                         "attention.key_length", "attention.value_length", "rope.dimension_count", "vocab_size")
+# tokenizer.ggml.model -> the arrays its conversion cannot do without (one of them): a gpt2 tokenizer without
+# merges was a KeyError: 'scores'
+_TOKENIZER_NEEDS = {"gpt2": ("tokenizer.ggml.merges",), "llama": ("tokenizer.ggml.merges", "tokenizer.ggml.scores"),
+                    "t5": ("tokenizer.ggml.scores",)}
+# the special tokens transformers looks up in the vocabulary (llama.cpp ignores a bad one of the others)
+_SPECIAL_IDS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+def _check_hparams(gguf: Path, fields: dict, arch: str) -> None:
+    """The hyperparameters, checked from the header (`fields`: scalars, and per-layer arrays as lists)."""
+    for name in _REQUIRED_HPARAMS:
+        if f"{arch}.{name}" not in fields:
+            raise ValueError(f"GGUF file {gguf} has no {arch}.{name} (the model's shape is unknown without it)")
+    for name in _POSITIVE_INT_HPARAMS:
+        v = fields.get(key := f"{arch}.{name}")
+        items = v if isinstance(v, list) and v else [v]
+        if v is not None and not all(_is_int(x) and x >= 1 for x in items):
+            raise ValueError(f"GGUF file {gguf}: {key} must be an integer >= 1, got {v!r}")
+    theta = fields.get(key := f"{arch}.rope.freq_base")
+    if theta is not None and not (_is_number(theta) and theta > 0):  # (a base of 0: every rotation angle inf / nan)
+        raise ValueError(f"GGUF file {gguf}: {key} must be a number > 0, got {theta!r}")
+    eps = fields.get(key := f"{arch}.attention.layer_norm_rms_epsilon")
+    if eps is not None and not (_is_number(eps) and eps >= 0):
+        raise ValueError(f"GGUF file {gguf}: {key} must be a number >= 0, got {eps!r}")
+
+
+def _check_tokenizer(gguf: Path, header) -> None:
+    """The tokenizer metadata transformers' conversion indexes without a check (`header` read with raw=True: the
+    vocabulary and merges are in raw_fields only)."""
+    from tokenspout.models.gguf_header import _ARRAY, _STRING
+
+    kind = header.fields.get("tokenizer.ggml.model")
+    if kind is None:
+        raise ValueError(f"GGUF file {gguf} has no tokenizer (no tokenizer.ggml.model): tokenspout serves a GGUF "
+                         "file with the tokenizer it carries")
+    tokens = header.raw_fields.get("tokenizer.ggml.tokens")
+    if tokens is None or tokens[0] != [_ARRAY, _STRING] or not tokens[1]:
+        raise ValueError(f"GGUF file {gguf}: tokenizer.ggml.tokens (the vocabulary) is missing or not a list of "
+                         "strings")
+    n = len(tokens[1])
+    for name in _SPECIAL_IDS:
+        v = header.fields.get(key := f"tokenizer.ggml.{name}")
+        if v is not None and not _is_int(v):
+            raise ValueError(f"GGUF file {gguf}: {key} must be an integer token id, got {v!r}")
+        if v is not None and not 0 <= v < n:
+            raise ValueError(f"GGUF file {gguf}: {key} {v} is outside the vocabulary ({n} tokens)")
+    needs = _TOKENIZER_NEEDS.get(kind, ())
+    if needs and not any(k in header.raw_fields for k in needs):
+        raise ValueError(f"GGUF file {gguf}: a {kind!r} tokenizer needs {' or '.join(needs)}, which the file lacks")
 
 
 def default_quantization(gguf: Path) -> str | None:

@@ -23,6 +23,7 @@ they are permuted back here, on whole rows, so the packed blocks need no dequant
 
 from __future__ import annotations
 
+import functools
 import mmap
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,20 @@ _WIDER = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_K")
 # package's dequantization quantized by quantize_int8, when int4 or int8 is asked: Q6_K always, Q5_K in a layer
 # whose parts form more than two formats (converted part by part to int8, the exact int8 parts keeping their values)
 _C_INT8 = ("Q5_K", "Q6_K")
+
+
+@functools.cache
+def _readable(qtype: Any) -> bool:
+    """Whether the gguf package dequantizes this tensor type (it has no code for Q8_1, Q8_K, the integer types, F64,
+    Q1_0: a bare NotImplementedError at the first read otherwise), probed once per type on one zero block."""
+    from gguf.constants import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    try:
+        dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
 
 
 def _gguf_name(name: str) -> str:
@@ -101,7 +116,10 @@ class GGUFCheckpoint:
         g = _gguf_name(name)
         if g not in self.tensors:
             raise ValueError(f"weights are missing tensor {name!r} ({g} in {self.path.name})")
-        return self.tensors[g]
+        t = self.tensors[g]
+        if not _readable(t.tensor_type):
+            raise ValueError(f"unsupported GGUF tensor type {t.tensor_type.name} for tensor {g} in {self.path.name}")
+        return t
 
     def _permuted(self, name: str) -> bool:
         """Whether llama.cpp's converter permuted this tensor's rows (Q and K of Llama / Mistral files)."""
@@ -140,6 +158,11 @@ class GGUFCheckpoint:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(x) for x in reversed(self._tensor(name).shape))  # GGUF lists dims innermost first
+
+    def layer_count(self) -> int:
+        """1 + the highest block index among the tensors (blk.{i}.*)."""
+        return 1 + max((int(n.split(".")[1]) for n in self.tensors if n.startswith("blk.")
+                        and n.split(".")[1].isdigit()), default=-1)
 
     def warn_unused(self, plan: dict[str, list[str]]) -> None:
         pass  # (llama.cpp files carry tensors tokenspout computes itself, e.g. rope_freqs)
@@ -273,6 +296,8 @@ class GGUFEmbedding(torch.nn.Module):
     def __init__(self, gguf: Path, dtype: torch.dtype):
         super().__init__()
         self.table = GGUFCheckpoint(gguf).rows("embed_tokens.weight")  # (rows of a view of the map)
+        if len(self.table.shape) != 2:  # (the loader has checked it against the config: loader.check_shapes)
+            raise ValueError(f"{gguf.name}: token_embd.weight has shape {self.table.shape}, expected 2 dimensions")
         self.vocab, self.hidden = self.table.shape
         self.qtype, self.dtype = self.table.t.tensor_type, dtype
 

@@ -35,6 +35,7 @@ class LlamaArch:
 
     @classmethod
     def from_hf(cls, hf) -> LlamaArch:
+        _check_config(hf)
         arch = (hf.architectures or ["LlamaForCausalLM"])[0]
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         qkv_bias = bool(getattr(hf, "attention_bias", False)) or arch == "Qwen2ForCausalLM"
@@ -53,6 +54,34 @@ class LlamaArch:
             qkv_bias=qkv_bias,
             qk_norm=arch == "Qwen3ForCausalLM",
         )
+
+
+# The sizes a config must give as integers >= 1 (a crafted file's zero heads divided by zero, a string for a count
+# failed deep in transformers)
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+          "max_position_embeddings")
+
+
+def _positive_int(name: str, value: object) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"model config: {name} must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _check_config(hf) -> None:
+    """The config's sizes, before anything divides by them or builds a model of them: a query-head count that the
+    key / value heads do not divide gave silent garbage (the kernels' group size rounds down), an odd head_dim a
+    crash at the first request (rotary halves)."""
+    for name in _SIZES:
+        _positive_int(name, getattr(hf, name, None))
+    heads = hf.num_attention_heads
+    kv = _positive_int("num_key_value_heads", getattr(hf, "num_key_value_heads", None) or heads)
+    if heads % kv:
+        raise ValueError(f"model config: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv}")
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    if not isinstance(head_dim, int) or head_dim < 2 or head_dim % 2:
+        raise ValueError(f"model config: the head dimension must be an even integer (rotary embedding), got "
+                         f"{head_dim!r} (head_dim, or hidden_size / num_attention_heads)")
 
 
 class RMSNorm(nn.Module):

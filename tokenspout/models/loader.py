@@ -14,11 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 
 from tokenspout.config import ModelConfig, read_hf_config
-from tokenspout.models.checkpoint import load_weights, read_state_dict, weight_files
+from tokenspout.models.checkpoint import load_weights, open_checkpoint, read_state_dict, weight_files, weight_plan
 from tokenspout.models.default_model import resolve_model_path
 from tokenspout.models.gguf_file import gguf_source
 from tokenspout.models.llama import LlamaArch, LlamaForCausalLM, Rotary
@@ -128,6 +129,51 @@ def rope_inv_freq(hf, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv_freq, float(scaling)
 
 
+# Positions served at most: the rotary tables hold every position (a file claiming 2^31 asked for 64 GiB of them).
+# 2^20 is past any context a CPU serves (its tables: 512 MiB at head_dim 128).
+MAX_POSITIONS = 1 << 20
+
+
+def context_length(asked: int | None, model_positions: int) -> int:
+    """--max-model-len, else the model's own positions (at most MAX_POSITIONS)."""
+    if asked is not None and asked > MAX_POSITIONS:
+        raise ValueError(f"max_model_len {asked} is above what tokenspout serves ({MAX_POSITIONS} positions)")
+    if asked is None and model_positions > MAX_POSITIONS:
+        logger.warning("the model claims %d positions; serving %d (--max-model-len chooses)", model_positions,
+                       MAX_POSITIONS)
+        return MAX_POSITIONS
+    max_len = asked or model_positions
+    if max_len > model_positions:
+        logger.warning("max_model_len %d exceeds the model's %d positions", max_len, model_positions)
+    return max_len
+
+
+def check_layers(arch: LlamaArch, checkpoint: Any, path: Path) -> None:
+    """The config's layer count against the weights, before a model of that many layers is built (a crafted
+    file's block_count of 200,000 built layers for minutes, growing past 3 GB, before a tensor was missed)."""
+    held = checkpoint.layer_count()
+    if held < arch.num_layers:
+        source = gguf_source(path) or path
+        raise ValueError(f"{source.name}: the config has {arch.num_layers} layers (num_hidden_layers / block_count) "
+                         f"but the weights hold {held}")
+
+
+def check_shapes(meta_model: torch.nn.Module, arch: LlamaArch, checkpoint: Any) -> None:
+    """Every tensor the model is made of has the shape its parameter needs (fused parts: their rows add up), from
+    the checkpoint's tensor table, before any is read: the quantized path reads the embedding by itself, and an
+    embedding narrower than the config there corrupted the kernels' heap."""
+    params = dict(meta_model.named_parameters())
+    for pname, names in weight_plan(arch).items():
+        want = tuple(params[pname].shape)
+        shapes = [checkpoint.shape(n) for n in names]
+        rows = sum(s[0] for s in shapes if s)
+        if any(len(s) != len(want) or s[1:] != want[1:] for s in shapes) or rows != want[0]:
+            if len(names) == 1:
+                raise ValueError(f"weights: tensor {names[0]} has shape {shapes[0]}, the config needs {want}")
+            got = ", ".join(f"{n} {s}" for n, s in zip(names, shapes))
+            raise ValueError(f"weights: {got} do not add up to the {want} the config needs for {pname}")
+
+
 def load_model(cfg: ModelConfig, defer_cache_write: bool = False) -> LoadedModel:
     """defer_cache_write: a first start's quantized-weights cache file is left to LoadedModel.write_cache (the
     engine process writes it once it is ready) instead of being written before this returns."""
@@ -135,12 +181,13 @@ def load_model(cfg: ModelConfig, defer_cache_write: bool = False) -> LoadedModel
     hf = load_hf_config(path)
     arch = LlamaArch.from_hf(hf)
     dtype = resolve_dtype(cfg.dtype)
-    max_len = cfg.max_model_len or arch.max_position_embeddings
-    if max_len > arch.max_position_embeddings:
-        logger.warning("max_model_len %d exceeds the model's %d positions", max_len, arch.max_position_embeddings)
+    max_len = context_length(cfg.max_model_len, arch.max_position_embeddings)
+    checkpoint = open_checkpoint(path)
+    check_layers(arch, checkpoint, path)
     inv_freq, scaling = rope_inv_freq(hf, arch.head_dim)
     with torch.device("meta"):
         meta_model = model_class(arch.architecture)(arch)
+    check_shapes(meta_model, arch, checkpoint)
 
     def finish(model: LlamaForCausalLM) -> LlamaForCausalLM:
         # The rotary tables are built on the CPU (to_empty / a meta model leave none) and follow the model dtype.

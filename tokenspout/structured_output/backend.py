@@ -47,6 +47,20 @@ def spec_key(params: StructuredOutputsParams) -> tuple[str, str]:
     return kind, f"{text}\x00after:{params.reasoning_end}\x00opened-by:{params.reasoning_start}"
 
 
+def constraint_field(params: StructuredOutputsParams) -> str:
+    """The request field an error about this grammar names: the one it came from (params.source, set by the API
+    server), else structured_outputs.<kind>."""
+    if params.source is not None and params.source != "structured_outputs":
+        return params.source
+    return f"structured_outputs.{_spec_key(params)[0]}"
+
+
+class GrammarFailed(ValueError):  # noqa: N818 (a ValueError: bad input, the request's fault)
+    """The matcher failed while advancing over a token its mask allowed: one of the grammar engine's limits
+    (llguidance: "too many expressions constructed" for a huge counted repetition) that validation cannot see
+    before the lexer expands the grammar.  The request's grammar is at fault, not the engine."""
+
+
 def _spec_key(params: StructuredOutputsParams) -> tuple[str, str]:
     if params.json is not None:
         return ("json", params.json)
@@ -64,7 +78,8 @@ class Grammar(ABC):
 
     @abstractmethod
     def accept_tokens(self, token_ids: Sequence[int]) -> bool:
-        """Advances over all of `token_ids`, or over none of them and returns False if any is not allowed."""
+        """Advances over all of `token_ids`, or over none of them and returns False if any is not allowed
+        (GrammarFailed, with the grammar engine's message, where the grammar itself broke on them)."""
 
     @abstractmethod
     def validate_tokens(self, token_ids: Sequence[int]) -> int:

@@ -26,10 +26,11 @@ import numpy as np
 from tokenspout.sampling_params import StructuredOutputsParams
 from tokenspout.structured_output.backend import (
     Grammar,
+    GrammarFailed,
     StructuredOutputBackend,
     bitmask_width,
+    constraint_field,
     lark_regex_escape,
-    spec_key,
 )
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ def _invalid(params: StructuredOutputsParams, message: str) -> ValueError:
     message = message.strip()
     if len(message) > _MAX_MESSAGE:
         message = message[:_MAX_MESSAGE] + " ..."
-    return ValueError(f"structured_outputs.{spec_key(params)[0]} is invalid: {message}")
+    return ValueError(f"{constraint_field(params)} is invalid: {message}")
 
 
 def grammar_spec(params: StructuredOutputsParams) -> str:
@@ -103,6 +104,9 @@ def _answer_spec(params: StructuredOutputsParams) -> str:
     if params.json_object:
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
     if params.regex is not None:
+        # llguidance drops a lone trailing backslash (so "a\\" would mean "a"): an unfinished escape is an error
+        if (len(params.regex) - len(params.regex.rstrip("\\"))) % 2:
+            raise _invalid(params, "the regex ends in an unfinished escape (a lone trailing backslash)")
         return llguidance.LLMatcher.grammar_from_regex(params.regex)
     if params.choice is not None:
         # Lark string literals take JSON escapes, so json.dumps quotes any choice (quotes, backslashes, unicode).
@@ -158,6 +162,8 @@ class GuidanceGrammar(Grammar):
             n = end
         if n == len(ids):
             return True
+        if self._m.is_error():  # not a refusal: the matcher broke (its state cannot be rolled back)
+            raise GrammarFailed(self._m.get_error().split("\n", 1)[0].strip())  # (its first line says it)
         self.rollback(n)
         logger.debug("grammar refused token %d at offset %d", ids[n], n)
         return False

@@ -25,7 +25,14 @@ from typing import Any
 import torch
 
 from tokenspout.sampling_params import StructuredOutputsParams
-from tokenspout.structured_output.backend import Grammar, StructuredOutputBackend, bitmask_width, spec_key
+from tokenspout.structured_output.backend import (
+    Grammar,
+    GrammarFailed,
+    StructuredOutputBackend,
+    bitmask_width,
+    constraint_field,
+    spec_key,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +40,7 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class _RequestState:
     future: Future[Grammar]  # the pristine compiled grammar, shared through the cache
+    field: str  # the request field it came from, which errors name
     grammar: Grammar | None = None  # this request's own fork, made when the future is first seen done
     error: str | None = None
 
@@ -96,7 +104,7 @@ class StructuredOutputManager:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(key)
-        self._requests[request_id] = _RequestState(fut)
+        self._requests[request_id] = _RequestState(fut, constraint_field(params))
         self._resolve(self._requests[request_id])  # a cached grammar is usable this very step
 
     def is_ready(self, request_id: str) -> bool:
@@ -130,11 +138,18 @@ class StructuredOutputManager:
     def accept(self, request_id: str, token_ids: Sequence[int]) -> bool:
         """Advances the request's grammar over the step's accepted tokens (EOS included).  False, advancing over
         none, if the grammar refuses one: the sampler was given a mask that forbade it, so this is an engine bug
-        or a token forced past the mask; the engine should abort the request.  True for ids without a grammar."""
+        or a token forced past the mask; the engine should abort the request.  True for ids without a grammar.
+        Raises ValueError naming the request's field where the grammar itself broke on them (GrammarFailed: a
+        limit of the grammar engine), which the engine reports as the request's bad input."""
         grammar = self._grammar(request_id)
         if grammar is None or not token_ids:
             return True
-        ok = grammar.accept_tokens(token_ids)
+        try:
+            ok = grammar.accept_tokens(token_ids)
+        except GrammarFailed as e:
+            field = self._requests[request_id].field
+            raise ValueError(f"{field} is invalid: {e} (the grammar broke one of its limits while generating)") \
+                from None
         if not ok:
             logger.warning("request %s: grammar refused tokens %s", request_id, list(token_ids))
         return ok

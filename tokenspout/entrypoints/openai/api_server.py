@@ -13,6 +13,7 @@ described in /openapi.json.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import threading
@@ -61,6 +62,7 @@ from tokenspout.entrypoints.openai.serving_tokenization import install_tokenizat
 from tokenspout.entrypoints.openai.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S, Drain, DrainingServer, graceful_config
 from tokenspout.entrypoints.openai.sse import ClientDisconnected, SSEResponse, run_until_disconnect
 from tokenspout.metrics import DEFAULT_PREFIX, PROMETHEUS_CONTENT_TYPE, ServerMetrics, check_prefix
+from tokenspout.entrypoints.openai.json_body import JsonBodyRoute
 from tokenspout.offload import Offloader
 from tokenspout.platform import freeze_startup_heap, return_large_frees_to_the_os
 from tokenspout.playground import install_playground
@@ -118,10 +120,11 @@ def _install(app: FastAPI, engine: EngineClient, metrics: ServerMetrics | None, 
             engine.model_name, prefix=metrics_prefix, max_model_len=getattr(engine, "max_model_len", None))
     app.state.detach_metrics = metrics.attach_engine(engine)
     request_metrics = metrics if record_request_metrics else None
-    chat = OpenAIServingChat(engine, request_metrics, **(chat_options or {}))
+    prep = Offloader("tokenspout-prepare")  # request preparation, and the building of finished responses
+    chat = OpenAIServingChat(engine, request_metrics, offloader=prep, **(chat_options or {}))
     app.state.server = ServerState(
-        engine, metrics, chat, OpenAIServingCompletion(engine, request_metrics), AdmissionGate(limits),
-        Offloader("tokenspout-prepare"), drain or Drain(),
+        engine, metrics, chat, OpenAIServingCompletion(engine, request_metrics, offloader=prep),
+        AdmissionGate(limits), prep, drain or Drain(),
         OpenAIServingResponses(chat, store if store is not None else ResponseStore()), AnthropicServingMessages(chat),
     )
 
@@ -201,6 +204,7 @@ def build_app(
                     app.state.server.engine.shutdown()
 
     app = FastAPI(title="tokenspout", lifespan=lifespan)
+    app.router.route_class = JsonBodyRoute  # bodies parsed with the garbage collector paused (json_body.py)
     app.state.drain = drain
     app.state.trust_request_chat_template = trust_request_chat_template
     if factory is None:
@@ -386,7 +390,7 @@ def build_app(
                        allowed_headers=allowed_headers, allow_credentials=allow_credentials)
     # outermost: before any body is read
     app.add_middleware(BodyLimitMiddleware, max_bytes=limits.max_body_bytes, max_header_bytes=limits.max_header_bytes,
-                       bounds=limits.bounds)
+                       bounds=dataclasses.replace(limits.bounds, prompts=limits.max_fanout))
     return app
 
 

@@ -4,26 +4,20 @@ A request may bring its own Jinja chat template (`chat_template`, or `chat_templ
 `chat_template_kwargs`): that is code the server runs, so it is refused unless the server was started with
 --trust-request-chat-template (vLLM's flag).  Trusted, it renders in transformers' Jinja sandbox (no attribute
 access to Python internals, ranges of at most 100,000) under a time limit: a template whose loops run past
-REQUEST_TEMPLATE_TIME_LIMIT_S is stopped and the request is a 400.  The server's own template has no limit.
+REQUEST_TEMPLATE_TIME_LIMIT_S is stopped and the request is a 400.  The server's own template (the model's, or
+--chat-template) renders under the same limit in the engine's processor: past it, a 500.
 """
 
 from __future__ import annotations
 
-import sys
-import time
-from collections.abc import Callable, Mapping
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from typing import Any
 
+from tokenspout.engine.chat_template import TEMPLATE_TIME_LIMIT_S, TemplateTimeout, run_with_time_limit
 from tokenspout.entrypoints.openai.protocol import OpenAIServingError
 from tokenspout.entrypoints.openai.serving_common import EngineClient
 
-T = TypeVar("T")
-
-REQUEST_TEMPLATE_TIME_LIMIT_S = 5.0
-
-
-class _TemplateTimeout(Exception):
-    pass
+REQUEST_TEMPLATE_TIME_LIMIT_S = TEMPLATE_TIME_LIMIT_S
 
 
 def request_template(chat_template: str | None, chat_template_kwargs: Mapping[str, Any] | None) -> str | None:
@@ -39,28 +33,6 @@ def check_request_template(template: str | None, trusted: bool) -> None:
         raise OpenAIServingError(
             "Chat template is passed with the request, but --trust-request-chat-template is not set: refused "
             "(a request's Jinja template is code the server runs; use the server's template)", param="chat_template")
-
-
-def run_with_time_limit(fn: Callable[[], T], seconds: float) -> T:
-    """fn() in this thread, stopped once it has run `seconds`: a trace function on the compiled template's frames
-    (Jinja compiles templates to Python, file name "<template>") raises inside them past the deadline.  Only those
-    frames are traced line by line; the rest of the call runs at full speed."""
-    deadline = time.monotonic() + seconds
-
-    def local(frame: Any, event: str, arg: Any) -> Any:
-        if time.monotonic() > deadline:
-            raise _TemplateTimeout
-        return local
-
-    def tracer(frame: Any, event: str, arg: Any) -> Any:
-        return local if frame.f_code.co_filename == "<template>" else None
-
-    previous = sys.gettrace()
-    sys.settrace(tracer)
-    try:
-        return fn()
-    finally:
-        sys.settrace(previous)
 
 
 def render_chat_prompt(engine: EngineClient, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
@@ -90,7 +62,10 @@ def render_chat_prompt(engine: EngineClient, messages: list[dict[str, Any]], *, 
 
     try:
         return run_with_time_limit(render, REQUEST_TEMPLATE_TIME_LIMIT_S) if own is not None else render()
-    except _TemplateTimeout:
+    except TemplateTimeout:
+        if own is None:  # the server's own (or the model's) template: not the client's to fix
+            raise OpenAIServingError(f"the model's chat template ran longer than {TEMPLATE_TIME_LIMIT_S:g} s and "
+                                     "was stopped", status=500) from None
         raise OpenAIServingError(f"the request's chat template ran longer than {REQUEST_TEMPLATE_TIME_LIMIT_S:g} s "
                                  "and was stopped", param="chat_template") from None
     except (OverflowError, RecursionError, MemoryError) as e:  # the sandbox's range bound, runaway recursion

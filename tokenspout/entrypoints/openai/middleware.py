@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenspout.entrypoints.anthropic.protocol import auth_error_body, is_anthropic_path
 from tokenspout.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, OpenAIServingError
+from tokenspout.entrypoints.openai.protocol.common import MAX_REQUEST_ID_CHARS, is_printable_id
 from tokenspout.entrypoints.openai.request_ids import REQUEST_ID_HEADER, new_request_id, reset_current, set_current
 from tokenspout.entrypoints.openai.sse import send_json_error
 from tokenspout.playground import is_page
@@ -32,9 +33,6 @@ logger = logging.getLogger(__name__)
 # Every other path needs the key, so a route added later is protected by default.
 PUBLIC_PATHS = ("/health", "/ping", "/metrics", "/version", "/docs", "/docs/oauth2-redirect", "/redoc",
                 "/openapi.json")
-
-
-MAX_REQUEST_ID_CHARS = 256
 
 
 def is_public(path: str) -> bool:
@@ -119,8 +117,7 @@ class RequestIdMiddleware:
             return
         raw = next((v for k, v in scope["headers"] if k == REQUEST_ID_HEADER.encode()), b"")
         client_id = raw.decode("latin-1").strip()
-        if len(client_id) > MAX_REQUEST_ID_CHARS or not all(" " <= c <= "~" for c in client_id):
-            # echoed in the response and logged: bounded and printable ASCII only
+        if not is_printable_id(client_id):  # echoed in the response and logged
             await send_json_error(send, OpenAIServingError(
                 f"X-Request-Id must be at most {MAX_REQUEST_ID_CHARS} printable ASCII characters", param=None))
             return

@@ -16,9 +16,13 @@ from tokenspout.sampling_params import RequestOutputKind, SamplingParams
 
 
 async def beam_search_completion(engine, request_id: str, created: int, prompts: list[str | list[int]], width: int,
-                                 max_tokens: int, length_penalty: float, echo: bool) -> CompletionResponse:
+                                 request_params: SamplingParams, length_penalty: float,
+                                 echo: bool) -> CompletionResponse:
+    """`request_params`: the request's own params, for its max_tokens (checked against every prompt's room as a
+    sampled request's is: a max_tokens that does not fit is a 400 before any search)."""
     processor = engine.processor
     ids = [processor.tokenize(p) for p in prompts]
+    max_tokens = min(processor.max_tokens_for(request_params, len(i)) for i in ids)
     search = BeamSearch(ids, width, max_tokens, processor.eos_token_id, length_penalty)
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=2 * width, ignore_eos=True, detokenize=False,
                             output_kind=RequestOutputKind.FINAL_ONLY)

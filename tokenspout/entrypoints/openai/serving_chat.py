@@ -56,6 +56,7 @@ from tokenspout.entrypoints.openai.serving_common import (
     PromptState,
     check_model,
     merge_outputs,
+    off_loop,
     prompt_logprobs_json,
     safe_logprob,
     special_tokens_kwargs,
@@ -65,6 +66,7 @@ from tokenspout.entrypoints.openai.serving_common import (
 )
 from tokenspout.entrypoints.openai.sse import DONE_FRAME, ChunkEnvelope, error_frame, sse_frame
 from tokenspout.metrics import ServerMetrics
+from tokenspout.offload import Offloader
 from tokenspout.outputs import CompletionOutput, PositionLogprobs
 from tokenspout.reasoning import ReasoningParser, reasoning_parser_class
 from tokenspout.reasoning.budget import apply_budget
@@ -91,11 +93,13 @@ _TOOL_FIELDS = {"tools", "tool_choice", "parallel_tool_calls", "response_format"
 class OpenAIServingChat:
     def __init__(self, engine: EngineClient, metrics: ServerMetrics | None = None, *,
                  tool_call_parser: str | None = "auto", reasoning_parser: str | None = None,
-                 trust_request_chat_template: bool = False) -> None:
+                 trust_request_chat_template: bool = False, offloader: Offloader | None = None) -> None:
         """`tool_call_parser`: --tool-call-parser (a parser name, "auto" = by the chat template, None = no tool
         calls); `reasoning_parser`: --reasoning-parser (None = reasoning stays in content);
-        `trust_request_chat_template`: --trust-request-chat-template (chat_render.py)."""
+        `trust_request_chat_template`: --trust-request-chat-template (chat_render.py); `offloader`: where a
+        finished response is built (serving_common.off_loop; None: on the event loop)."""
         self.engine = engine
+        self.offloader = offloader
         self.trust_request_chat_template = trust_request_chat_template
         self.metrics = metrics
         self.tool_call_parser = tool_call_parser
@@ -176,6 +180,9 @@ class OpenAIServingChat:
             raise err from e
         finally:
             state.finish("abort")  # no-op unless cancelled (client gone)
+        return await off_loop(self.offloader, lambda: self._response(job, state))
+
+    def _response(self, job: ChatJob, state: PromptState) -> ChatCompletionResponse:
         top_n, req = job.params.logprobs, job.request
         messages = [self._message(job, c) for c in state.choices]
         choices = [

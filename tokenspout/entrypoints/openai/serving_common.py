@@ -6,9 +6,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from http import HTTPStatus
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import anyio
 
@@ -21,6 +21,7 @@ from tokenspout.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from tokenspout.metrics import FinishedChoice, RequestTimer, ServerMetrics
+from tokenspout.offload import Offloader
 from tokenspout.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from tokenspout.sampling_params import RequestOutputKind, SamplingParams
 
@@ -29,7 +30,8 @@ logger = logging.getLogger(__name__)
 # JSON has no -inf; OpenAI-compatible servers send a large negative number instead.
 _MIN_LOGPROB = -9999.0
 _VALUE_ERROR_FIELDS = {"prompt", "messages", "max_tokens", "logit_bias", "allowed_token_ids", "stop_token_ids",
-                       "bad_words", "n", "logprobs"}
+                       "bad_words", "n", "logprobs", "response_format", "guided_json", "guided_regex", "guided_choice",
+                       "guided_grammar", "structured_outputs", "negative_prompt"}
 
 
 class EngineClient(Protocol):
@@ -65,6 +67,16 @@ def check_model(engine: EngineClient, requested: str | None) -> None:
         )
 
 
+T = TypeVar("T")
+
+
+async def off_loop(offloader: Offloader | None, build: Callable[[], T]) -> T:
+    """build() on the offloader's thread (the server's preparation worker), or here without one.  A response of
+    a million logprobs (64 echoed prompts x 1,200 tokens x 20 alternatives, a valid request) is seconds of Python
+    to build; on the event loop that froze every stream and /health for as long (1.9 s measured)."""
+    return build() if offloader is None else await offloader.run(build)
+
+
 def to_serving_error(exc: BaseException) -> OpenAIServingError:
     """Maps what the engine raises to the HTTP error the client sees."""
     if isinstance(exc, OpenAIServingError):
@@ -74,8 +86,8 @@ def to_serving_error(exc: BaseException) -> OpenAIServingError:
         return OpenAIServingError(f"The engine is dead: {exc}", status=HTTPStatus.INTERNAL_SERVER_ERROR)
     if isinstance(exc, ValueError):  # bad input found by the engine: prompt too long, id outside the vocabulary
         msg = str(exc) or "invalid request"
-        head = msg.split(" ", 1)[0]
-        return OpenAIServingError(msg, param=head if head in _VALUE_ERROR_FIELDS else None)
+        head = msg.split(" ", 1)[0]  # the field, or a dotted path in it ("structured_outputs.regex")
+        return OpenAIServingError(msg, param=head if head.split(".", 1)[0] in _VALUE_ERROR_FIELDS else None)
     logger.exception("request failed", exc_info=exc)
     return OpenAIServingError(f"internal server error: {type(exc).__name__}", status=HTTPStatus.INTERNAL_SERVER_ERROR)
 

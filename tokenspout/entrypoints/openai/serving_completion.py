@@ -32,6 +32,7 @@ from tokenspout.entrypoints.openai.serving_common import (
     PromptState,
     check_model,
     merge_outputs,
+    off_loop,
     prompt_logprobs_json,
     prompt_text,
     safe_logprob,
@@ -42,6 +43,7 @@ from tokenspout.entrypoints.openai.serving_common import (
 )
 from tokenspout.entrypoints.openai.sse import DONE_FRAME, ChunkEnvelope, error_frame, sse_frame
 from tokenspout.metrics import ServerMetrics
+from tokenspout.offload import Offloader
 from tokenspout.outputs import Logprob, PositionLogprobs, RequestOutput
 from tokenspout.sampling_params import SamplingParams
 
@@ -59,9 +61,12 @@ class CompletionJob:
 
 
 class OpenAIServingCompletion:
-    def __init__(self, engine: EngineClient, metrics: ServerMetrics | None = None) -> None:
+    def __init__(self, engine: EngineClient, metrics: ServerMetrics | None = None,
+                 offloader: Offloader | None = None) -> None:
+        """`offloader`: where a finished response is built (serving_common.off_loop; None: on the event loop)."""
         self.engine = engine
         self.metrics = metrics
+        self.offloader = offloader
 
     def prepare(self, req: CompletionRequest) -> CompletionJob:
         check_model(self.engine, req.model)
@@ -95,7 +100,7 @@ class OpenAIServingCompletion:
         if req.use_beam_search:
             try:
                 return await beam_search_completion(self.engine, job.engine_id, job.created, job.prompts, req.n,
-                                                    req.max_tokens or 16, req.length_penalty, req.echo)
+                                                    job.params, req.length_penalty, req.echo)
             except Exception as e:
                 raise to_serving_error(e) from e
         states, merged = self._start(job, keep_text=True)
@@ -108,6 +113,9 @@ class OpenAIServingCompletion:
         finally:
             for s in states:
                 s.finish("abort")  # no-op unless cancelled (client gone)
+        return await off_loop(self.offloader, lambda: self._response(job, states))
+
+    def _response(self, job: CompletionJob, states: list[PromptState]) -> CompletionResponse:
         req, n, top_n = job.request, job.params.n, job.params.logprobs
         choices = []
         for p, (prompt, state) in enumerate(zip(job.prompts, states, strict=True)):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -57,6 +58,13 @@ logger = logging.getLogger(__name__)
 _RENAMES = {"messages": "input", "max_tokens": "max_output_tokens", "response_format": "text.format"}
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                     "frequency_penalty", "seed", "user", "request_id")
+
+
+def response_id(engine_id: str) -> str:
+    """A stored response's id (what GET / DELETE /v1/responses/{id} and previous_response_id name): from the
+    engine's id, which is unique even where the client chose the request id (a random suffix then), with anything
+    but letters, digits, '-', '_' and '.' replaced (a client's '/' or '?' would make the id's URL name another)."""
+    return "resp_" + re.sub(r"[^A-Za-z0-9_.-]", "_", engine_id.removeprefix("chatcmpl-"))
 
 
 def _renamed(err: OpenAIServingError) -> OpenAIServingError:
@@ -211,7 +219,7 @@ class OpenAIServingResponses:
             # The tokens would have to be split between reasoning, text and calls: served for plain text only.
             raise OpenAIServingError("include: message.output_text.logprobs is served for replies without tools "
                                      "or a reasoning parser", param="include")
-        return ResponsesJob(req, job, "resp_" + job.request_id.removeprefix("chatcmpl-"), history)
+        return ResponsesJob(req, job, response_id(job.engine_id), history)
 
     def _store(self, job: ResponsesJob, response: ResponseObject) -> None:
         if not job.request.store:

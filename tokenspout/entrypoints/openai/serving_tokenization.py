@@ -17,12 +17,12 @@ from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 from starlette.responses import Response
 
 from tokenspout.engine.chat_tools import effective_template, plan_chat, template_tool_messages, tools_template
-from tokenspout.entrypoints.openai.chat_render import render_chat_prompt
+from tokenspout.entrypoints.openai.chat_render import check_request_template, render_chat_prompt, request_template
+from tokenspout.entrypoints.openai.json_body import JsonBodyRoute
 from tokenspout.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -39,7 +39,8 @@ logger = logging.getLogger(__name__)
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # unknown fields are ignored, as on the OpenAI routes
+    # unknown fields are a 400 naming them, as on the OpenAI routes (a body with both `prompt` and `messages` too)
+    model_config = ConfigDict(extra="forbid")
 
 
 class TokenizeCompletionRequest(_Request):
@@ -57,6 +58,8 @@ class TokenizeChatRequest(_Request):
         default=False, description="Leave the last message open (prefill); excludes add_generation_prompt.")
     add_special_tokens: bool = Field(
         default=False, description="Add the tokenizer's special tokens on top of what the chat template writes.")
+    chat_template: str | None = Field(
+        default=None, description="The request's own template (needs --trust-request-chat-template), as on chat.")
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = Field(default=None, description="Rendered as the chat route renders them.")
     return_token_strs: bool | None = Field(default=False, description="Also return each token id's string.")
@@ -103,7 +106,7 @@ def tokenspout_version() -> str:
         return "0+unknown"
 
 
-class _OpenAIErrorRoute(APIRoute):
+class _OpenAIErrorRoute(JsonBodyRoute):
     """Body validation errors as a 400 in OpenAI's shape naming the field, like the other routes (not FastAPI's
     422).  The body is re-validated against the one model its keys select, so a union's errors do not pile up."""
 
@@ -187,17 +190,19 @@ def tokenize(engine: EngineClient, req: TokenizeCompletionRequest | TokenizeChat
         kwargs = dict(req.chat_template_kwargs or {})
         messages = chat.template_messages()
         # the chat route's choice for these tools (none when the request brings a template of its own)
-        fallback = None if kwargs.get("chat_template") is not None else tools_template(engine, None, req.tools)
+        own = request_template(req.chat_template, kwargs)
+        check_request_template(own, trusted)
+        fallback = None if own is not None else tools_template(engine, None, req.tools)
         if req.tools:  # as the chat route renders them (tool_choice "none": only a template that reads them)
             messages = template_tool_messages(messages)
             try:
-                plan_chat(chat.tool_dicts(), "none", None, template=effective_template(engine, fallback),
+                plan_chat(chat.tool_dicts(), "none", None, template=effective_template(engine, own or fallback),
                           parser_name=None, template_kwargs=kwargs)
             except ValueError as e:  # e.g. two tools of one name, as the chat route says
                 raise value_error_to_serving_error(e, {"tools"}) from None
         text = render_chat_prompt(engine, messages, add_generation_prompt=req.add_generation_prompt,
                                   continue_final_message=req.continue_final_message, chat_template_kwargs=kwargs,
-                                  trusted=trusted, server_template=fallback)
+                                  chat_template=req.chat_template, trusted=trusted, server_template=fallback)
     else:
         text = req.prompt
     ids = [int(t) for t in engine.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)]

@@ -60,4 +60,8 @@ def structured_outputs_from_request(req: Any) -> StructuredOutputsParams | None:
     if len(found) > 1:
         raise ValueError(f"{found[1][0]}: only one of response_format, guided_json, guided_regex, guided_choice, "
                          f"guided_grammar, structured_outputs may be given")
-    return found[0][1] if found else None
+    if not found:
+        return None
+    name, params = found[0]
+    params.source = name
+    return params

@@ -23,6 +23,8 @@ class RequestBounds:
     allowed_token_ids: int = 262144  # the largest vocabularies (Gemma's 256k) listed whole
     messages: int = 4096  # chat messages (also on /tokenize)
     tools: int = 128  # OpenAI's bound
+    # a completion's list of prompts: not a flag of its own, the server's fan-out (--max-request-fanout) binds it
+    prompts: int = 256
 
     def __post_init__(self) -> None:
         for f in fields(self):

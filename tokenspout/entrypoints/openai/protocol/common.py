@@ -3,9 +3,26 @@
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field
+
+# A client's request id (the X-Request-Id header, or a body's `request_id`): echoed in responses and written to the
+# logs, so bounded and printable ASCII only (a newline in it would forge a log line).
+MAX_REQUEST_ID_CHARS = 256
+
+
+def is_printable_id(value: str) -> bool:
+    return len(value) <= MAX_REQUEST_ID_CHARS and all(" " <= c <= "~" for c in value)
+
+
+def _printable_id(value: str) -> str:
+    if not is_printable_id(value):
+        raise ValueError(f"must be 1 to {MAX_REQUEST_ID_CHARS} printable ASCII characters")
+    return value
+
+
+RequestId = Annotated[str, Field(min_length=1, max_length=MAX_REQUEST_ID_CHARS), AfterValidator(_printable_id)]
 
 
 def unix_now() -> int:

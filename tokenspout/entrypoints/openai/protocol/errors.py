@@ -56,7 +56,16 @@ def _field_path(loc: tuple) -> str:
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
-_FIELD_PATH = re.compile(r"^[A-Za-z_][\w.]*$")
+# a model-level check's message starts with the (snake_case) field it is about; pydantic's own messages start with
+# a capital ("Field required", "Input should be ..."), which names no field
+_FIELD_PATH = re.compile(r"^[a-z_][\w.]*$")
+# errors about the body as a whole (not a JSON object, or no body at all)
+_BODY_TYPE_ERRORS = {"model_type", "model_attributes_type", "dict_type"}
+
+
+def _json_kind(value: Any) -> str:
+    return {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number",
+            type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def validation_error_to_serving_error(exc: ValidationError | Sequence[Mapping[str, Any]]) -> OpenAIServingError:
@@ -70,7 +79,11 @@ def validation_error_to_serving_error(exc: ValidationError | Sequence[Mapping[st
         if path in by_field:  # a union reports once per member type; the first says enough
             continue
         kind = err.get("type")
-        if kind == "extra_forbidden":
+        if not path and kind in _BODY_TYPE_ERRORS:
+            by_field[""] = f"request body must be a JSON object, got {_json_kind(err.get('input'))}"
+        elif not path and kind == "missing":
+            by_field[""] = "request body is missing: a JSON object is expected"
+        elif kind == "extra_forbidden":
             by_field[path] = "unsupported field: tokenspout does not implement it (see the README, Coming from vLLM)"
         elif kind == "json_invalid":
             by_field[""] = f"request body is not valid JSON: {err.get('ctx', {}).get('error', err.get('msg'))}"
@@ -95,5 +108,5 @@ def value_error_to_serving_error(exc: ValueError, fields: set[str]) -> OpenAISer
     """SamplingParams / engine messages start with the field name ("top_p must be in (0, 1], got 2.0"), or with it
     and a colon ("tools: ...")."""
     msg = str(exc)
-    head = msg.split(" ", 1)[0].removesuffix(":") if msg else ""
-    return OpenAIServingError(msg or "invalid request", param=head if head in fields else None)
+    head = msg.split(" ", 1)[0].removesuffix(":") if msg else ""  # a field, or a dotted path into one
+    return OpenAIServingError(msg or "invalid request", param=head if head.split(".", 1)[0] in fields else None)

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from tokenspout.entrypoints.openai.protocol.bounds import check_sizes
-from tokenspout.entrypoints.openai.protocol.common import unix_now
+from tokenspout.entrypoints.openai.protocol.common import RequestId, unix_now
 from tokenspout.entrypoints.openai.protocol.sampling import StrictModel
 from tokenspout.entrypoints.openai.protocol.sampling import _check_text as check_text
 from tokenspout.sampling_params import MAX_LOGPROBS, SEED_MAX, SEED_MIN
@@ -167,7 +167,7 @@ class ResponsesRequest(StrictModel):
     service_tier: Literal["auto", "default"] | None = None
     background: Literal[False] | None = None
     # vLLM extras (as on the chat route)
-    request_id: str | None = Field(default=None, min_length=1, max_length=256)
+    request_id: RequestId | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
