@@ -7,11 +7,13 @@ heads (silent garbage), a tensor type nothing reads, a 0-dimensional norm; a con
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from gguf import GGMLQuantizationType, GGUFValueType as V
 
 from tests.unit.test_model_file_errors import HPARAMS, TOKENIZER, TOKENS
@@ -110,3 +112,20 @@ def test_a_chat_template_that_never_ends_is_stopped():
         run_with_time_limit(loop.render, 0.3)
     assert time.perf_counter() - t < 5
     assert run_with_time_limit(lambda: Template("{{ 1 + 1 }}").render(), 0.3) == "2"  # a quick one is untouched
+
+
+def test_a_cache_file_damaged_at_its_full_size_is_rebuilt(tmp_path: Path):
+    """Zeroed data in the quantized-weights cache (a crash before its pages reached the disk) had loaded silently
+    and generated zeros ever after: the sampled digest written with the file finds it, and the file is rebuilt."""
+    path = build(tmp_path / "c.gguf")
+    first = load_model(ModelConfig(model=str(path), quantization="int8"))  # quantizes, writes the cache file
+    files = sorted((Path(os.environ["TOKENSPOUT_CACHE"]) / "quantized").rglob("c-*.safetensors"))
+    assert len(files) == 1, files
+    size = files[0].stat().st_size
+    with open(files[0], "r+b") as fh:  # zero the second half (data), keeping the size
+        fh.seek(size // 2)
+        fh.write(b"\0" * (size - size // 2))
+    again = load_model(ModelConfig(model=str(path), quantization="int8"))
+    assert first.quantized and again.quantized
+    for name, pw in first.quantized.items():
+        assert torch.equal(again.quantized[name].codes, pw.codes), name

@@ -85,7 +85,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     from tokenspout.entrypoints.openai.protocol.bounds import FLAGS, RequestBounds
 
     defaults = RequestBounds()
-    what = {"json_depth": "levels of JSON nesting anywhere in a request body", "stop": "stop strings",
+    what = {"json_depth": "levels of JSON nesting anywhere in a request body",
+            "json_containers": "JSON objects and lists in a request body, all together", "stop": "stop strings",
             "token_list": "entries of stop_token_ids, bad_words, logit_bias, guided_choice / structured choices",
             "allowed_token_ids": "allowed_token_ids entries", "messages": "chat messages (also on /tokenize)",
             "tools": "tools"}

@@ -219,18 +219,22 @@ def _is_number(v) -> bool:
 
 def _check_hparams(gguf: Path, fields: dict, arch: str) -> None:
     """The hyperparameters, checked from the header (`fields`: scalars, and per-layer arrays as lists)."""
+
+    def key_of(name: str) -> str:  # (a "mistral" file may carry llama's keys, as llama.cpp writes Mistral 7B)
+        return f"{arch}.{name}" if f"{arch}.{name}" in fields or f"llama.{name}" not in fields else f"llama.{name}"
+
     for name in _REQUIRED_HPARAMS:
-        if f"{arch}.{name}" not in fields:
+        if key_of(name) not in fields:
             raise ValueError(f"GGUF file {gguf} has no {arch}.{name} (the model's shape is unknown without it)")
     for name in _POSITIVE_INT_HPARAMS:
-        v = fields.get(key := f"{arch}.{name}")
+        v = fields.get(key := key_of(name))
         items = v if isinstance(v, list) and v else [v]
         if v is not None and not all(_is_int(x) and x >= 1 for x in items):
             raise ValueError(f"GGUF file {gguf}: {key} must be an integer >= 1, got {v!r}")
-    theta = fields.get(key := f"{arch}.rope.freq_base")
+    theta = fields.get(key := key_of("rope.freq_base"))
     if theta is not None and not (_is_number(theta) and theta > 0):  # (a base of 0: every rotation angle inf / nan)
         raise ValueError(f"GGUF file {gguf}: {key} must be a number > 0, got {theta!r}")
-    eps = fields.get(key := f"{arch}.attention.layer_norm_rms_epsilon")
+    eps = fields.get(key := key_of("attention.layer_norm_rms_epsilon"))
     if eps is not None and not (_is_number(eps) and eps >= 0):
         raise ValueError(f"GGUF file {gguf}: {key} must be a number >= 0, got {eps!r}")
 

@@ -14,8 +14,8 @@ Writers quantize under a file lock and write a temporary file that is renamed in
 half a file and two processes starting at once quantize once.  A server writes the file after it is ready
 (load_or_quantize's defer_write): on this VM buffered writes run at ~0.4 GB/s, so writing the 8B shape's 4.7 GB
 took 20-23 s of its first start, the 1.7B's 1.2 GB 3.5 s.  A file that cannot be read or does not match the
-model (truncated, foreign, stale) is deleted and rebuilt; any failure to write the cache only costs the next start
-its time.  Deleting the folder is always safe.
+model (truncated, foreign, stale, or whose data differs from a digest of sampled windows written with it) is
+deleted and rebuilt; any failure to write the cache only costs the next start its time.  Deleting the folder is always safe.
 """
 
 from __future__ import annotations
@@ -92,18 +92,21 @@ def load(file: Path, key: dict, model: LlamaForCausalLM, dtype: torch.dtype, lib
             meta = f.metadata() or {}
             if json.loads(meta.get("key", "null")) != key:
                 raise ValueError("key mismatch")
-            state = {k[len(_MODEL):]: f.get_tensor(k) for k in f.keys()  # noqa: SIM118
-                     if k.startswith(_MODEL)}
-            packed: dict[str, PackedWeight] = {}
-            def part(p: str, n: int, k: int, wt: int) -> PackedWeight:
-                lo = f.get_tensor(p + ".min") if wt in (WT_Q4, WT_Q5) else None
-                return PackedWeight(f.get_tensor(p + ".codes"), f.get_tensor(p + ".scale"), lo, n, k, wt)
+            mapped = {k: f.get_tensor(k) for k in f.keys() if not k.startswith("__pad")}  # noqa: SIM118
+        if meta.get("sample_sha256") != _sample_digest(mapped):
+            raise ValueError("its data differs from what was written (sampled digest)")
+        state = {k[len(_MODEL):]: t for k, t in mapped.items() if k.startswith(_MODEL)}
+        packed: dict[str, PackedWeight] = {}
 
-            for name, (n, k, wt, *tail) in json.loads(meta["packed"]).items():
-                p = _PACKED + name
-                packed[name] = part(p, n, k, wt)
-                if tail:  # [tail rows, tail wt]
-                    packed[name].tail = part(p + ".tail", tail[0], k, tail[1])
+        def part(p: str, n: int, k: int, wt: int) -> PackedWeight:
+            lo = mapped[p + ".min"] if wt in (WT_Q4, WT_Q5) else None
+            return PackedWeight(mapped[p + ".codes"], mapped[p + ".scale"], lo, n, k, wt)
+
+        for name, (n, k, wt, *tail) in json.loads(meta["packed"]).items():
+            p = _PACKED + name
+            packed[name] = part(p, n, k, wt)
+            if tail:  # [tail rows, tail wt]
+                packed[name].tail = part(p + ".tail", tail[0], k, tail[1])
         shapes = linear_shapes(model)
         expected = model.state_dict()
         if lib is not None:  # the linear layers will be QuantLinear modules: no float weight of theirs in the file
@@ -156,7 +159,8 @@ def save(file: Path, key: dict, model: LlamaForCausalLM, packed: dict[str, Packe
                 tensors[f"{_PACKED}{p}.min"] = part.min
     # [n, k, wt] (+ [tail rows, tail wt] for a weight of two formats)
     meta = {"key": json.dumps(key), "packed": json.dumps({
-        n: [pw.n, pw.k, pw.wt] + ([pw.tail.n, pw.tail.wt] if pw.tail is not None else []) for n, pw in packed.items()})}
+        n: [pw.n, pw.k, pw.wt] + ([pw.tail.n, pw.tail.wt] if pw.tail is not None else []) for n, pw in packed.items()}),
+        "sample_sha256": _sample_digest(tensors)}
     for stale in file.parent.glob(f".{_prefix(file)}*.tmp"):  # a writer killed mid-way (we hold the lock now)
         stale.unlink(missing_ok=True)
     tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")  # unique: writers hold the lock
@@ -169,6 +173,24 @@ def save(file: Path, key: dict, model: LlamaForCausalLM, packed: dict[str, Packe
     for old in file.parent.iterdir():
         if old != file and old.name.startswith(_prefix(file)) and old.suffix == ".safetensors":
             old.unlink(missing_ok=True)
+
+
+_SAMPLES, _WINDOW = 8, 4096
+
+
+def _sample_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 of each tensor's name and size and of eight 4 KiB windows spread over its bytes, in name order: a file
+    damaged at its full size (data zeroed by a crash before the page cache reached the disk, or by hand) had loaded
+    silently and answered zeros ever after.  A sample, not a checksum of every byte: ~2 MB read on a warm start of
+    any size (the first steps read those pages anyway)."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        b = tensors[name].contiguous().view(-1).view(torch.uint8)
+        n = b.numel()
+        h.update(f"{name}:{n};".encode())
+        for o in sorted({0} if n <= _WINDOW else {(n - _WINDOW) * i // (_SAMPLES - 1) for i in range(_SAMPLES)}):
+            h.update(b[o : o + _WINDOW].numpy().tobytes())
+    return h.hexdigest()
 
 
 def write_aligned(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:

@@ -18,6 +18,9 @@ from typing import Any
 @dataclass(frozen=True, slots=True)
 class RequestBounds:
     json_depth: int = 64  # objects and lists anywhere in the body (a JSON schema 30 levels deep still fits)
+    # objects and lists in a body, all together (4096 chat messages of 20 content parts each are ~170k; a million
+    # empty lists fit an 8 MiB body and took 1.7 s of the event loop to walk)
+    json_containers: int = 1 << 18
     stop: int = 64  # stop strings (OpenAI allows 4)
     token_list: int = 1024  # stop_token_ids, bad_words, logit_bias entries, guided / structured choices
     allowed_token_ids: int = 262144  # the largest vocabularies (Gemma's 256k) listed whole
@@ -33,7 +36,8 @@ class RequestBounds:
 
 
 # The server flag of each bound (named in the 400).
-FLAGS = {"json_depth": "--max-request-json-depth", "stop": "--max-request-stop",
+FLAGS = {"json_depth": "--max-request-json-depth", "json_containers": "--max-request-json-containers",
+         "stop": "--max-request-stop",
          "token_list": "--max-request-list-entries", "allowed_token_ids": "--max-request-allowed-token-ids",
          "messages": "--max-request-messages", "tools": "--max-request-tools"}
 

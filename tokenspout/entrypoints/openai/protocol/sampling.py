@@ -30,31 +30,33 @@ def _check_text(value: Any, path: str, depth: int = 0) -> None:
     recurses over a schema or a message can never meet a deeper one).  A fast walk first (no paths, numbers
     skipped: 3M token ids in an 8 MB body took 2-5 s of the event loop with a path built per element); the walk
     that names the faulty element only where it found one."""
-    if _clean(value, depth, request_bounds().json_depth):
+    bounds = request_bounds()
+    if _clean(value, depth, bounds.json_depth, [bounds.json_containers]):
         return
-    _locate_fault(value, path, depth)
+    _locate_fault(value, path, depth, [bounds.json_containers])
 
 
 _SCALARS = frozenset({int, float, bool, type(None)})
 
 
-def _clean(value: Any, depth: int, limit: int) -> bool:
-    """Whether _locate_fault would find nothing (the same rules, without a path)."""
+def _clean(value: Any, depth: int, limit: int, budget: list[int]) -> bool:
+    """Whether _locate_fault would find nothing (the same rules, in the same order, without a path); `budget`: the
+    objects and lists still allowed (counted down)."""
     if depth > limit:
         return False
     if isinstance(value, str):
         return value.isascii() or _encodable(value)
-    if isinstance(value, dict):
-        if value and depth + 1 > limit:
+    if isinstance(value, dict | list):
+        budget[0] -= 1
+        if budget[0] < 0 or (value and depth + 1 > limit):
             return False
-        return all(_clean(k, depth + 1, limit) and (type(v) in _SCALARS or _clean(v, depth + 1, limit))
+    if isinstance(value, dict):
+        return all(_clean(k, depth + 1, limit, budget) and (type(v) in _SCALARS or _clean(v, depth + 1, limit, budget))
                    for k, v in value.items())
     if isinstance(value, list):
-        if value and depth + 1 > limit:
-            return False
         if set(map(type, value)) <= _SCALARS:  # (a list of token ids: its element types collected in C)
             return True
-        return all(type(v) in _SCALARS or _clean(v, depth + 1, limit) for v in value)
+        return all(type(v) in _SCALARS or _clean(v, depth + 1, limit, budget) for v in value)
     return True
 
 
@@ -66,11 +68,16 @@ def _encodable(text: str) -> bool:
     return True
 
 
-def _locate_fault(value: Any, path: str, depth: int = 0) -> None:
+def _locate_fault(value: Any, path: str, depth: int, budget: list[int]) -> None:
     """Raises ValueError naming where _clean's rules fail (the first such place)."""
+    field = path.split(".", 1)[0] or "body"
     if depth > (limit := request_bounds().json_depth):
-        field = path.split(".", 1)[0] or "body"
         raise ValueError(f"{field}: JSON nested deeper than {limit} levels ({FLAGS['json_depth']})")
+    if isinstance(value, dict | list):
+        budget[0] -= 1
+        if budget[0] < 0:
+            raise ValueError(f"{field}: the body holds more than {request_bounds().json_containers} JSON objects "
+                             f"and lists ({FLAGS['json_containers']})")
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -79,11 +86,11 @@ def _locate_fault(value: Any, path: str, depth: int = 0) -> None:
                 from None
     elif isinstance(value, dict):
         for k, v in value.items():
-            _locate_fault(k, path, depth + 1)
-            _locate_fault(v, f"{path}.{k}" if path else str(k), depth + 1)
+            _locate_fault(k, path, depth + 1, budget)
+            _locate_fault(v, f"{path}.{k}" if path else str(k), depth + 1, budget)
     elif isinstance(value, list):
         for i, v in enumerate(value):
-            _locate_fault(v, f"{path}.{i}", depth + 1)
+            _locate_fault(v, f"{path}.{i}", depth + 1, budget)
 
 
 class StrictModel(BaseModel):
