@@ -267,3 +267,65 @@ def test_a_body_nested_past_the_parsers_recursion_is_a_400(client):
     deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     r = client.post("/v1/completions", content=deep, headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
+
+
+# ------------------------------------------------------------------------------------------------- agents' traffic
+# (the second audit: streams, Anthropic Messages, Responses, tool calls)
+
+
+def test_long_string_content_is_no_list_of_parts():
+    """max_length on a `str | list` union bounded a string's characters too: any Anthropic message or tool result
+    over 1024 characters, any Responses message or function output over 256, was a 400."""
+    from tokenspout.entrypoints.anthropic.protocol import InputMessage as AnthropicMessage
+    from tokenspout.entrypoints.anthropic.protocol import ToolResultBlock
+    from tokenspout.entrypoints.openai.protocol.responses import FunctionCallOutputInput
+    from tokenspout.entrypoints.openai.protocol.responses import InputMessage as ResponsesMessage
+
+    long = "x" * 5000
+    AnthropicMessage.model_validate({"role": "user", "content": long})
+    ToolResultBlock.model_validate({"type": "tool_result", "tool_use_id": "t1", "content": long})
+    ResponsesMessage.model_validate({"role": "user", "content": long})
+    FunctionCallOutputInput.model_validate({"type": "function_call_output", "call_id": "c", "output": long})
+    with pytest.raises(ValidationError):  # the list of parts keeps its bound
+        AnthropicMessage.model_validate({"role": "user", "content": [{"type": "text", "text": "a"}] * 5000})
+
+
+def test_a_stop_string_keeps_stop_where_it_may_have_cut_a_call():
+    from tokenspout.engine.chat_output import tool_finish_reason
+
+    assert tool_finish_reason("stop", None, True) == "tool_calls"  # EOS / the grammar complete
+    assert tool_finish_reason("stop", 2, True) == "tool_calls"  # a stop token id
+    assert tool_finish_reason("stop", "Paris", True) == "stop"  # a stop string the client asked for
+    assert tool_finish_reason("length", None, True) == "length"
+    assert tool_finish_reason("stop", None, False) == "stop"
+
+
+def test_anthropic_tool_input_reads_cut_arguments_as_the_client_reads_the_stream():
+    from tokenspout.entrypoints.anthropic.protocol import tool_input
+
+    assert tool_input('{"city": "Paris", "days": 2}') == {"city": "Paris", "days": 2}
+    assert tool_input('{"city":"Paris","') == {"city": "Paris"}  # what the stream's deltas accumulate to
+    assert tool_input("") == {} and tool_input("[1, 2]") == {}
+
+
+def test_a_required_call_cut_before_its_name_leaks_no_markup():
+    from tokenspout.engine.chat_output import ChatOutputParser
+    from tokenspout.tool_parsers.hermes import HermesToolParser
+
+    cut = '<tool_call>\n{"name'
+    free = ChatOutputParser(HermesToolParser(), None)  # tool_choice auto: text as written stays content
+    assert free.final(cut).content == cut
+    only = ChatOutputParser(HermesToolParser(), None, calls_only=True)  # required / named: calls only
+    parts = only.final(cut)
+    assert parts.content == "" and parts.tool_calls == []
+    streamed = ChatOutputParser(HermesToolParser(), None, calls_only=True)
+    sent = streamed.delta(cut[:5], False).content + streamed.delta(cut[5:], True).content
+    assert sent == ""
+    whole = only.final('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>')
+    assert [c["function"]["name"] for c in whole.tool_calls] == ["f"] and not whole.content
+
+
+def test_retrieving_a_response_as_a_stream_is_refused(client):
+    r = client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2}).json()
+    assert client.get(f"/v1/responses/{r['id']}", params={"stream": "true"}).status_code == 400
+    assert client.get(f"/v1/responses/{r['id']}", params={"stream": "false"}).status_code == 200

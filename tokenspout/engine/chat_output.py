@@ -28,9 +28,13 @@ class DeltaParts:
 class ChatOutputParser:
     """One choice's parser.  `tool_parser` is None when the request has no tools (or tool_choice "none")."""
 
-    def __init__(self, tool_parser: ToolParser | None, reasoning: ReasoningParser | None) -> None:
+    def __init__(self, tool_parser: ToolParser | None, reasoning: ReasoningParser | None,
+                 calls_only: bool = False) -> None:
+        """`calls_only`: the answer holds tool calls only (ChatPlan.calls_only): what the tool parser leaves as
+        content (a call cut off before its name, as written: `<tool_call>\n{"name`) is dropped."""
         self.tool_parser = tool_parser
         self.reasoning = reasoning
+        self.calls_only = calls_only
         self._text = ""
         self._reasoning_sent = ""
         self._answer_sent = ""
@@ -55,7 +59,8 @@ class ChatOutputParser:
         parse = self.tool_parser.parse(answer, True)
         calls = [{"id": self.tool_parser.new_call_id(), "type": "function",
                   "function": {"name": c.name, "arguments": c.arguments}} for c in parse.tool_calls()]
-        return MessageParts(parse.content or (None if calls or reasoning else ""), reasoning or None, calls)
+        content = "" if self.calls_only else parse.content
+        return MessageParts(content or (None if calls or reasoning else ""), reasoning or None, calls)
 
     def delta(self, new_text: str, final: bool) -> DeltaParts:
         """The parts `new_text` (appended to the reply so far) adds; `final` on the reply's last output."""
@@ -71,8 +76,19 @@ class ChatOutputParser:
                 self._answer_sent = answer
         else:
             out.content, out.tool_calls = self._calls.update(answer, final)
+            if self.calls_only:
+                out.content = ""
         return out
 
     @property
     def called_tools(self) -> bool:
         return self._calls is not None and self._calls.num_calls > 0
+
+
+def tool_finish_reason(finish_reason: str | None, stop_reason: int | str | None, called_tools: bool) -> str | None:
+    """"tool_calls" where a reply that called tools ended by itself (EOS, or its tool grammar complete).  A stop
+    string the client asked for keeps "stop" with that string: it may have cut a call short (its arguments are then
+    partial, as a call cut by max_tokens is), which "tool_calls" would report as a finished call."""
+    if called_tools and finish_reason == "stop" and not isinstance(stop_reason, str):
+        return "tool_calls"
+    return finish_reason

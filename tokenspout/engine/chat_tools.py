@@ -34,9 +34,12 @@ class ChatPlan:
     tool_parser: ToolParser | None = None  # None: the reply is not parsed for calls
     reasoning: ReasoningParser | None = None
     parallel: bool = True
+    # tool_choice "required" or a named function: the grammar allows calls only, so text outside them (a call cut
+    # off before its name was complete) is no content
+    calls_only: bool = False
 
     def output_parser(self) -> ChatOutputParser:
-        return ChatOutputParser(self.tool_parser, self.reasoning)
+        return ChatOutputParser(self.tool_parser, self.reasoning, self.calls_only)
 
     def final(self, text: str) -> MessageParts:
         """The whole reply's parts; with parallel_tool_calls false, one call at most."""
@@ -106,7 +109,8 @@ def plan_chat(tools: Sequence[Mapping[str, Any]] | None, tool_choice: ToolChoice
     parser, renders = plan_tools(tools, tool_choice, template=template, parser_name=parser_name)
     if renders:
         template_kwargs["tools"] = list(tools or [])
-    return ChatPlan(parser, None, parallel is not False)
+    return ChatPlan(parser, None, parallel is not False,
+                    calls_only=parser is not None and choice_kind(tool_choice, True) in ("required", "named"))
 
 
 def plan_tools(tools: Sequence[Mapping[str, Any]] | None, tool_choice: ToolChoice, *,

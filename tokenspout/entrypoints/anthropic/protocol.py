@@ -8,6 +8,7 @@ import json
 from http import HTTPStatus
 from typing import Annotated, Any, Literal
 
+import jiter
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, model_validator
 
 from tokenspout.entrypoints.openai.protocol import OpenAIServingError
@@ -85,7 +86,9 @@ class ToolUseBlock(StrictModel):
 class ToolResultBlock(StrictModel):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1, max_length=MAX_ID)
-    content: str | list[TextBlock] | None = Field(default=None, max_length=MAX_BLOCKS)
+    # (the bound on the list alone: on the union pydantic applied it to a string's characters too, refusing any
+    # tool result over 1024 characters)
+    content: str | Annotated[list[TextBlock], Field(max_length=MAX_BLOCKS)] | None = None
     is_error: bool | None = None
     cache_control: dict[str, Any] | None = None
     toolset_name: None = None
@@ -127,7 +130,7 @@ ContentBlock = Annotated[
 
 class InputMessage(StrictModel):
     role: Literal["user", "assistant"]
-    content: str | list[ContentBlock] = Field(max_length=MAX_BLOCKS)
+    content: str | Annotated[list[ContentBlock], Field(max_length=MAX_BLOCKS)]  # (the list's bound: see above)
 
 
 # ------------------------------------------------------------------------------------------------ tools
@@ -265,9 +268,14 @@ class CountTokensResponse(BaseModel):
 
 
 def tool_input(arguments: str) -> dict[str, Any]:
-    """A call's JSON arguments as tool_use.input (an object); arguments cut short by max_tokens give {}."""
+    """A call's JSON arguments as tool_use.input (an object).  Arguments cut short (max_tokens, a stop sequence)
+    are read as far as they go, as the anthropic client reads a stream's input_json_delta fragments (jiter's
+    partial mode), so a streamed and a non-streamed reply give the same input."""
     try:
         value = json.loads(arguments)
     except ValueError:
-        return {}
+        try:
+            value = jiter.from_json(arguments.encode(), partial_mode=True)
+        except ValueError:
+            return {}
     return value if isinstance(value, dict) else {}

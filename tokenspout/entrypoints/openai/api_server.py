@@ -332,6 +332,10 @@ def build_app(
 
     @app.get("/v1/responses/{response_id}", responses={200: {"model": ResponseObject}, **errors})
     async def get_response(response_id: str, request: Request) -> Response:
+        if request.query_params.get("stream", "false").lower() not in ("false", "0"):
+            # (the openai client's retrieve(stream=True) would read a JSON body as a stream of no events)
+            raise OpenAIServingError("stream: a stored response is retrieved whole; replaying its events is not "
+                                     "supported", param="stream")
         return Response(content=state(request).responses.retrieve(response_id), media_type="application/json")
 
     @app.delete("/v1/responses/{response_id}", responses={200: {"model": ResponseDeleted}, **errors})

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from tokenspout.engine.chat_output import DeltaParts
+from tokenspout.engine.chat_output import DeltaParts, tool_finish_reason
 from tokenspout.entrypoints.openai.serving_chat import ChatJob
 from tokenspout.entrypoints.openai.serving_common import (
     EngineClient,
@@ -43,7 +43,6 @@ async def chat_deltas(engine: EngineClient, job: ChatJob, state: PromptState) ->
             for c in out.outputs:
                 final = c.finish_reason is not None
                 parts = parser.delta(c.text, final) if parser is not None else DeltaParts(content=c.text)
-                reason = c.finish_reason
-                if parser is not None and parser.called_tools and reason == "stop":
-                    reason = "tool_calls"
+                reason = tool_finish_reason(c.finish_reason, c.stop_reason,
+                                            parser is not None and parser.called_tools)
                 yield ChatDelta(parts, reason, c.stop_reason, list(c.logprobs or ()))

@@ -20,7 +20,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from tokenspout import guidance
-from tokenspout.engine.chat_output import ChatOutputParser
+from tokenspout.engine.chat_output import ChatOutputParser, tool_finish_reason
 from tokenspout.engine.chat_tools import (
     ChatPlan,
     check_parser_names,
@@ -191,8 +191,7 @@ class OpenAIServingChat:
                 message=messages[i],
                 logprobs=self._logprobs(c.logprobs, top_n, req.return_tokens_as_token_ids)
                 if top_n is not None else None,
-                finish_reason="tool_calls" if messages[i].tool_calls and c.finish_reason == "stop"
-                else c.finish_reason,
+                finish_reason=tool_finish_reason(c.finish_reason, c.stop_reason, bool(messages[i].tool_calls)),
                 stop_reason=c.stop_reason,
                 token_ids=c.token_ids if req.return_token_ids else None,
             )
@@ -289,8 +288,7 @@ class OpenAIServingChat:
             parts = parser.delta(c.text, c.finish_reason is not None)
             delta = DeltaMessage(content=parts.content or None, tool_calls=parts.tool_calls or None,
                                  reasoning_content=parts.reasoning or None, reasoning=parts.reasoning or None)
-            if parser.called_tools and finish_reason == "stop":
-                finish_reason = "tool_calls"
+            finish_reason = tool_finish_reason(finish_reason, c.stop_reason, parser.called_tools)
         if parser is None:
             send = bool(c.text or c.token_ids)
         else:  # what the parser releases (held-back text is released at the end), or the tokens' own fields

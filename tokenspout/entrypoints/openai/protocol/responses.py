@@ -33,7 +33,9 @@ class InputTextPart(StrictModel):
 class InputMessage(StrictModel):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[InputTextPart] = Field(max_length=MAX_CONTENT_PARTS)
+    # (the bound on the list alone: on the union pydantic applied it to a string's characters too, refusing any
+    # message over 256 characters)
+    content: str | Annotated[list[InputTextPart], Field(max_length=MAX_CONTENT_PARTS)]
     id: str | None = Field(default=None, max_length=MAX_ID)  # set on an earlier response's output item sent back
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
@@ -53,7 +55,7 @@ class FunctionCallInput(StrictModel):
 class FunctionCallOutputInput(StrictModel):
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1, max_length=MAX_ID)
-    output: str | list[InputTextPart] = Field(max_length=MAX_CONTENT_PARTS)
+    output: str | Annotated[list[InputTextPart], Field(max_length=MAX_CONTENT_PARTS)]  # (the list's bound, as above)
     id: str | None = Field(default=None, max_length=MAX_ID)
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
