@@ -11,6 +11,15 @@ ACTIVATION_QUANTS = ("int16", "int8")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
+# Upper bounds of the engine's sizes (values past them reached allocators after the model loaded; -dp 10^18 built
+# engine configs for ever)
+MAX_BLOCK_SIZE = 4096
+MAX_KV_CACHE_GIB = 1 << 16
+MAX_NUM_SEQS = 1 << 16
+MAX_DATA_PARALLEL = 64
+MAX_THREADS = 1024
+
+
 @dataclass(slots=True)
 class ModelConfig:
     model: str | None = None  # local folder; None = the default model (converted once from its GGUF)
@@ -74,10 +83,13 @@ class CacheConfig:
     enable_prefix_caching: bool = True
 
     def validate(self) -> None:
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
-        if self.kv_cache_memory_gib <= 0:
-            raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory_gib}")
+        # (upper bounds: a block of 2^60 tokens or 10^18 GiB reached the allocator and failed after the model
+        # loaded, with a traceback)
+        if self.block_size < 1 or self.block_size & (self.block_size - 1) or self.block_size > MAX_BLOCK_SIZE:
+            raise ValueError(f"block_size must be a power of two up to {MAX_BLOCK_SIZE}, got {self.block_size}")
+        if not 0 < self.kv_cache_memory_gib <= MAX_KV_CACHE_GIB:  # (False for NaN)
+            raise ValueError(f"kv_cache_memory must be > 0 and at most {MAX_KV_CACHE_GIB} GiB, "
+                             f"got {self.kv_cache_memory_gib}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
 
@@ -92,8 +104,8 @@ class SchedulerConfig:
     async_scheduling: bool = False
 
     def validate(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if not 1 <= self.max_num_seqs <= MAX_NUM_SEQS:
+            raise ValueError(f"max_num_seqs must be in [1, {MAX_NUM_SEQS}], got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
@@ -160,8 +172,12 @@ class EngineConfig:
     engine_restart: bool = True
 
     def validate(self) -> None:
-        if not isinstance(self.data_parallel_size, int) or self.data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size must be an integer >= 1, got {self.data_parallel_size!r}")
+        if not isinstance(self.data_parallel_size, int) or not 1 <= self.data_parallel_size <= MAX_DATA_PARALLEL:
+            raise ValueError(f"data_parallel_size must be an integer in [1, {MAX_DATA_PARALLEL}], "
+                             f"got {self.data_parallel_size!r}")
+        if self.num_threads is not None and (not isinstance(self.num_threads, int)
+                                             or not 1 <= self.num_threads <= MAX_THREADS):
+            raise ValueError(f"num_threads must be an integer in [1, {MAX_THREADS}], got {self.num_threads!r}")
         if not 2.0 <= self.engine_hang_timeout_s <= 86400:
             raise ValueError(f"engine hang timeout must be 2..86400 s (the engine beats every second), "
                              f"got {self.engine_hang_timeout_s!r}")

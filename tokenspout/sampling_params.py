@@ -36,6 +36,17 @@ MAX_DRY_BREAKERS = 64  # dry_sequence_breakers: at most this many strings ...
 MAX_DRY_BREAKER_CHARS = 40  # ... of at most this many characters (llama.cpp truncates there)
 MAX_DRY_LAST_N = 1 << 20
 MAX_THINKING_BUDGET = 1 << 20
+MAX_N = 1 << 16  # choices per request offline (the server's bound is OpenAI's 128): n = 10^18 built ids for ever
+# The fields' types as the engine's message schema holds them (SamplingParams._validate_types)
+_INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens",
+               "no_repeat_ngram_size", "mirostat", "thinking_token_budget", "dry_allowed_length", "dry_penalty_last_n")
+_BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+                "detokenize")
+_INT_LIST_FIELDS = ("stop_token_ids", "allowed_token_ids")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                 "guidance_scale", "typical_p", "epsilon_cutoff", "eta_cutoff", "top_n_sigma", "xtc_probability",
+                 "xtc_threshold", "dynatemp_range", "dynatemp_exponent", "mirostat_tau", "mirostat_eta",
+                 "dry_multiplier", "dry_base")
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -165,6 +176,32 @@ class SamplingParams:
             self.top_n_sigma = 0.0
         self.validate()
 
+    def _validate_types(self, bad: Callable[[str, str, object], ValueError]) -> None:
+        """The types the engine's message schema holds them in (offline callers pass anything): a float logprobs
+        or a bool in allowed_token_ids reached the engine process and killed its input thread, which hung every
+        later request (audit, 2026-11-27).  bool is no integer here, though Python counts it as one."""
+        def is_int(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        for name in _INT_FIELDS:
+            v = getattr(self, name)
+            if v is not None and not is_int(v):
+                raise bad(name, "an integer", v)
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "true or false", getattr(self, name))
+        for name in _INT_LIST_FIELDS:
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, list | tuple) or not all(is_int(t) for t in v)):
+                raise bad(name, "a list of integer token ids", v)
+        for name in _FLOAT_FIELDS:
+            v = getattr(self, name)
+            if not (isinstance(v, float | int) and not isinstance(v, bool)):
+                raise bad(name, "a number", v)
+        if self.bad_words is not None and (not isinstance(self.bad_words, list | tuple)
+                                           or not all(isinstance(w, str) for w in self.bad_words)):
+            raise bad("bad_words", "a list of strings", self.bad_words)
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
@@ -173,8 +210,9 @@ class SamplingParams:
         def bad(name: str, rule: str, value: object) -> ValueError:
             return ValueError(f"{name} must be {rule}, got {value!r}")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", "an integer >= 1", self.n)
+        self._validate_types(bad)
+        if not isinstance(self.n, int) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"an integer in [1, {MAX_N}]", self.n)
         if not 0.0 <= self.temperature <= 100.0 or self.temperature != self.temperature:
             raise bad("temperature", "in [0, 100]", self.temperature)
         if not 0.0 < self.top_p <= 1.0:

@@ -225,7 +225,27 @@ class EngineCoreProc:
                 continue
             kind_frame, payload = self.in_sock.recv_multipart(copy=False)
             kind = kind_frame.bytes
-            self.inputs.put((kind, _decoders[kind].decode(payload.buffer)))
+            try:
+                self.inputs.put((kind, _decoders[kind].decode(payload.buffer)))
+            except (msgspec.DecodeError, KeyError) as e:  # (ValidationError is a DecodeError)
+                self._reject(kind, payload.buffer, e)
+
+    def _reject(self, kind: bytes, payload: Any, error: Exception) -> None:
+        """A message the engine cannot decode (an offline SamplingParams field of the wrong type, e.g.
+        logprobs=2.5, reached it unchecked): this thread stayed alive no longer and every later request hung.  An
+        ADD fails its own request as bad input (the frontend raises it); anything else is logged and dropped."""
+        logger.warning("engine input of kind %r rejected: %s", kind, error)
+        if kind != ADD:
+            return
+        try:
+            request_id = msgspec.msgpack.decode(payload)[0]  # (EngineCoreRequest is array-like: its id first)
+        except (msgspec.DecodeError, IndexError, KeyError, TypeError):
+            return
+        if isinstance(request_id, str):
+            from tokenspout.engine.messages import EngineCoreOutput
+
+            self.outputs.put(EngineCoreOutputs(outputs=[EngineCoreOutput(
+                request_id, [], finish_reason="error", stop_reason=f"the engine rejected the request: {error}")]))
 
     def _output_loop(self) -> None:
         encoder = msgspec.msgpack.Encoder()

@@ -153,7 +153,7 @@ class LLM:
         plist = list(params) if isinstance(params, Sequence) else [params] * len(batch)
         if len(plist) != len(batch):
             raise ValueError(f"got {len(plist)} sampling params for {len(batch)} prompts")
-        ids = [self._add(p, sp, RequestOutputKind.FINAL_ONLY) for p, sp in zip(batch, plist)]
+        ids = self._add_all(batch, plist)
         results: dict[str, RequestOutput] = {}
         for out in self._run(set(ids)):
             results[out.request_id] = out
@@ -242,6 +242,19 @@ class LLM:
         self.shutdown()
 
     # ---- internals -----------------------------------------------------------------------------------------
+    def _add_all(self, batch: list[Prompt], plist: list[SamplingParams]) -> list[str]:
+        """Adds the batch's requests; when one is refused (bad input), those already added are aborted before the
+        error is raised (they ran on, unanswered, to the end of the context)."""
+        ids: list[str] = []
+        try:
+            for p, sp in zip(batch, plist):
+                ids.append(self._add(p, sp, RequestOutputKind.FINAL_ONLY))
+        except BaseException:
+            if ids:
+                self.client.abort_requests(self.output_processor.abort_requests(ids))
+            raise
+        return ids
+
     def _add(self, prompt: Prompt, params: SamplingParams, kind: RequestOutputKind) -> str:
         rid = str(next(self._ids))
         params = dataclasses.replace(params, output_kind=kind)

@@ -51,10 +51,14 @@ def read_generation_config(model_path: str | Path | None) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except (OSError, ValueError) as e:
         logger.warning("ignoring unreadable %s: %s", path, e)
         return {}
+    if not isinstance(config, dict):  # (a JSON list had failed the server's start with an AttributeError)
+        logger.warning("ignoring %s: not a JSON object", path)
+        return {}
+    return config
 
 
 # generation_config.json keys that are request sampling defaults (vLLM's --generation-config auto takes these).
@@ -63,17 +67,29 @@ SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_p
 
 def sampling_defaults(generation_config: Mapping[str, Any]) -> dict[str, Any]:
     """The sampling defaults a model folder sets, e.g. {"temperature": 0.6, "top_p": 0.9} (as vLLM, `do_sample` is
-    not read: the keys alone decide)."""
-    return {k: generation_config[k] for k in SAMPLING_DEFAULT_KEYS
-            if isinstance(generation_config.get(k), int | float) and not isinstance(generation_config.get(k), bool)}
+    not read: the keys alone decide).  A value outside its range is an error at startup naming the file: it had
+    made every request that omits the field a 400 blaming the client ("top_p must be in (0, 1], got 2")."""
+    defaults = {k: generation_config[k] for k in SAMPLING_DEFAULT_KEYS
+                if isinstance(generation_config.get(k), int | float) and not isinstance(generation_config.get(k), bool)}
+    for key, value in defaults.items():
+        try:
+            fields: dict[str, Any] = {key: float(value) if key != "top_k" else value}
+            SamplingParams(**fields).validate()
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"generation_config.json of the model: {e} (a sampling default for requests that omit "
+                             f"{key}; fix the file, or serve with --generation-config vllm to ignore it)") from None
+    return defaults
 
 
 def _as_id_list(value: Any) -> list[int]:
+    """Token ids as a config writes them (one, a list, or none); what is no integer is left out."""
     if value is None:
         return []
-    if isinstance(value, int):
+    if isinstance(value, int) and not isinstance(value, bool):
         return [value]
-    return [int(v) for v in value]
+    if not isinstance(value, list | tuple):
+        return []
+    return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
 
 
 class ChatPrompt(str):
@@ -112,7 +128,10 @@ class Processor:
             generation_config = read_generation_config(getattr(tokenizer, "name_or_path", None))
         eos_ids = _as_id_list(getattr(tokenizer, "eos_token_id", None))
         for t in _as_id_list(generation_config.get("eos_token_id")):
-            if t not in eos_ids:
+            if not 0 <= t < vocab_size:  # (it became every request's stop token id: each one a 400)
+                logger.warning("generation_config.json: eos_token_id %s is outside the vocabulary (%d): ignored", t,
+                               vocab_size)
+            elif t not in eos_ids:
                 eos_ids.append(t)
         self.eos_token_id: int | None = eos_ids[0] if eos_ids else None
         self.extra_eos_token_ids: list[int] = eos_ids[1:]

@@ -172,6 +172,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _port(value: str) -> int:
+    """0..65535 (0: any free port); 70000 had listened on 70000 - 65536 (the port wraps)."""
+    port = int(value)
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port must be in [0, 65535], got {port}")
+    return port
+
+
+def _seconds(value: str) -> float:
+    """A finite duration of 0 to 86400 s (inf / nan had failed only at shutdown)."""
+    s = float(value)
+    if not 0 <= s <= 86400:  # (False for NaN)
+        raise argparse.ArgumentTypeError(f"must be 0 to 86400 seconds, got {value}")
+    return s
+
+
 def _metrics_prefix(value: str) -> str:
     from tokenspout.metrics import check_prefix
 
@@ -190,6 +206,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tokenspout.engine.async_llm import make_async_client
     from tokenspout.engine.llm import build_engine_config
 
+    options = server_app_options(args)  # the server's own limits checked before any model loads
     config = build_engine_config(args.model, **engine_kwargs(args))  # converts the default model once, here
     # Start the engine process now: it loads the model while this process imports the web stack and loads the
     # tokenizer.  The server's lifespan waits for it: uvicorn accepts connections once the engine is ready.
@@ -200,7 +217,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         return run_server(lambda: AsyncLLM(config, client=client), host=args.host, port=args.port,
                           metrics_prefix=args.metrics_prefix, shutdown_timeout=args.shutdown_timeout,
-                          root_path=args.root_path, uds=args.uds, **server_app_options(args))
+                          root_path=args.root_path, uds=args.uds, **options)
     finally:
         client.shutdown()  # a no-op when the server has shut the engine down
 
@@ -212,9 +229,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     s = sub.add_parser("serve", help="serve the OpenAI-compatible API")
     add_engine_args(s)
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=_port, default=8000)
     add_server_args(s)
-    s.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+    s.add_argument("--shutdown-timeout", type=_seconds, default=30.0, metavar="SECONDS",
                    help="on SIGTERM / SIGINT, in-flight requests may finish for this long; then open streams end with "
                         "an error frame and [DONE]; a second signal exits at once")
     s.add_argument("--metrics-prefix", type=_metrics_prefix, default="tokenspout",

@@ -93,6 +93,8 @@ class _Slot:
                 or self.thinking is not None)
 
 
+_F32_TINY = float(torch.finfo(torch.float32).tiny)
+
 def _new_slot(params: SamplingParams, top_k: int, top_p: float, num_logprobs: int, prompt_token_ids: list[int],
               output_token_ids: list[int], device: torch.device, mirostat: MirostatState | None) -> _Slot:
     greedy = params.is_greedy
@@ -282,7 +284,9 @@ class SamplingState:
         (mu = 2 * tau) when None."""
         greedy = params.is_greedy
         top_k = params.top_k if 0 < params.top_k < self.vocab_size else 0
-        top_p = min(1.0, params.top_p)
+        # at least float32's smallest normal: 1e-300 became 0.0 in the float32 table, which kept no token at all
+        # (the row then drew token 0 every step); any p > 0 keeps the top token, as this does
+        top_p = min(1.0, max(params.top_p, _F32_TINY))
         n_lp = -1 if params.logprobs is None else params.logprobs
         self._fv[slot] = (1.0 if greedy else params.temperature, top_p, params.min_p, params.repetition_penalty,
                           params.presence_penalty, params.frequency_penalty)
