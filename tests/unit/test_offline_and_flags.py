@@ -86,3 +86,21 @@ def test_a_top_p_below_float32s_range_keeps_the_top_token():
     params = [SamplingParams(temperature=5.0, top_p=1e-300, seed=s) for s in range(4)]
     got = Sampler()(x.clone(), build_metadata(params, v)).sampled_token_ids  # type: ignore[arg-type]
     assert got.tolist() == x.argmax(-1).tolist()  # (was token 0 on every row)
+
+
+def test_offline_beam_search_and_a_shut_down_llm():
+    from tokenspout import LLM
+
+    llm = LLM(multiprocess=False, max_model_len=256, kv_cache_memory=0.05)
+    try:
+        for n in (-1, 0, 5, True):
+            with pytest.raises(ValueError, match="n must be an integer in"):
+                llm.beam_search("Hi", width=2, max_tokens=2, n=n)
+        with pytest.raises(ValueError, match="beam width"):
+            llm.beam_search("Hi", width=2.5, max_tokens=2)  # type: ignore[arg-type]
+        assert llm.beam_search([], width=2, max_tokens=2) == []
+        assert len(llm.beam_search("Hi", width=2, max_tokens=2, n=1)[0].outputs) == 1
+    finally:
+        llm.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate("Hi", SamplingParams(max_tokens=2))

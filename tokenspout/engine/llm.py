@@ -143,6 +143,7 @@ class LLM:
                                    chat_template=self.config.model.chat_template)
         self.output_processor = OutputProcessor(self.tokenizer, log_stats=False)
         self._ids = itertools.count()
+        self._shut_down = False
 
     # ---- public API ----------------------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -208,7 +209,11 @@ class LLM:
                     length_penalty: float = 1.0, n: int | None = None) -> list[RequestOutput]:
         """Beam search (transformers' semantics with early stopping); each RequestOutput holds the n (default:
         width) best finished beams, best first, with their cumulative logprobs."""
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= width):
+            raise ValueError(f"n must be an integer in [1, width={width}] (the beams kept), got {n!r}")
         ids = [self.processor.tokenize(p) for p in _prompt_list(prompts)]
+        if not ids:
+            return []
         room = SamplingParams(max_tokens=max_tokens)  # a max_tokens past a prompt's room is an error, as in generate
         search = BeamSearch(ids, width, min(self.processor.max_tokens_for(room, len(i)) for i in ids),
                             self.processor.eos_token_id, length_penalty)
@@ -233,6 +238,7 @@ class LLM:
         return self.tokenizer
 
     def shutdown(self) -> None:
+        self._shut_down = True
         self.client.shutdown()
 
     def __enter__(self) -> Self:
@@ -256,6 +262,8 @@ class LLM:
         return ids
 
     def _add(self, prompt: Prompt, params: SamplingParams, kind: RequestOutputKind) -> str:
+        if self._shut_down:  # (the engine's sockets are closed: a ZMQError said nothing of why)
+            raise RuntimeError("this LLM was shut down; create a new one")
         rid = str(next(self._ids))
         params = dataclasses.replace(params, output_kind=kind)
         self.output_processor.add_processed(self.processor.process(rid, prompt, params, time.time()), self.client)
