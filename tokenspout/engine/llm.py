@@ -262,7 +262,7 @@ class LLM:
         return ids
 
     def _add(self, prompt: Prompt, params: SamplingParams, kind: RequestOutputKind) -> str:
-        if self._shut_down:  # (the engine's sockets are closed: a ZMQError said nothing of why)
+        if getattr(self, "_shut_down", False):  # (the engine's sockets are closed: a ZMQError said nothing of why)
             raise RuntimeError("this LLM was shut down; create a new one")
         rid = str(next(self._ids))
         params = dataclasses.replace(params, output_kind=kind)
