@@ -13,6 +13,20 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, len(os.sched_getaffinity(0)))))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _prune_test_caches(tmp_path_factory):
+    """The session's temporary models (bf16 / fp16 folders, GGUF files) leave quantized-weights cache files and GGUF
+    sidecar folders in $TOKENSPOUT_CACHE, ~1 GB per run: removed at the end (a later write would prune them too,
+    but only once pytest has deleted their folders, three runs later)."""
+    yield
+    from tokenspout.models.gguf_file import prune_sidecars
+    from tokenspout.models.quant_cache import prune
+
+    base = tmp_path_factory.getbasetemp()
+    prune_sidecars(under=base)
+    prune(under=base)
+
+
 @pytest.fixture(scope="session")
 def model_path():
     from tokenspout.models.default_model import default_model_path

@@ -315,6 +315,47 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path: Path):
         sidecar_folder(tmp_path / "missing.gguf")
 
 
+def test_sidecars_of_gone_or_changed_files_are_pruned(tmp_path: Path, monkeypatch):
+    """A GGUF file deleted, or replaced in place (its folder is then another one), leaves its sidecar folder behind:
+    the next sidecar written removes it; `under` (the test suite's clean-up) removes those of files below a folder."""
+    import json
+    import os
+    import shutil
+
+    from tokenspout.models.gguf_file import SOURCE_FILE, _sidecar_name, prune_sidecars
+
+    monkeypatch.setenv("TOKENSPOUT_CACHE", str(tmp_path / "cache"))
+    root = tmp_path / "cache" / "gguf"
+
+    def fake_sidecar(gguf: Path) -> Path:  # what prune reads of a folder: its name and source marker
+        folder = root / _sidecar_name(gguf.resolve())
+        folder.mkdir(parents=True)
+        (folder / SOURCE_FILE).write_text(json.dumps({"gguf": str(gguf.resolve()), "architecture": "llama"}))
+        return folder
+
+    files = {}
+    for name in ("gone", "changed", "kept", "here"):
+        files[name] = (tmp_path / "models" if name != "here" else tmp_path / "here") / f"{name}.gguf"
+        files[name].parent.mkdir(exist_ok=True)
+        if name != "kept":
+            files[name].write_bytes(b"GGUF")
+        else:  # a real file (its sidecar is written): linked where /tmp and the venv share a file system
+            try:
+                os.link(gguf_path(), files[name])
+            except OSError:
+                shutil.copyfile(gguf_path(), files[name])
+    folders = {name: fake_sidecar(f) for name, f in files.items()}
+    files["gone"].unlink()
+    os.utime(files["changed"], ns=(0, files["changed"].stat().st_mtime_ns + 1))
+    (root / "no-marker").mkdir()  # a damaged folder: left to sidecar_folder's rebuild
+    real = sidecar_folder(files["kept"])  # a sidecar written: the pruning runs
+    assert real == folders["kept"] and real.is_dir() and (real / "config.json").is_file()
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == sorted(
+        [folders["kept"].name, folders["here"].name, "no-marker"])
+    assert prune_sidecars(under=tmp_path / "here") == [folders["here"]]
+    assert prune_sidecars() == [] and real.is_dir()
+
+
 def test_served_under_the_file_name():
     from tokenspout.engine.llm import build_engine_config
 

@@ -232,6 +232,27 @@ def test_stale_cache_files_are_pruned(tiny_model, cache):
     assert _cache_files(cache) == [old]
 
 
+def test_cache_of_a_gone_or_changed_model_is_pruned(tiny_model, cache, tmp_path):
+    """A model folder deleted (or its weights rewritten) since its cache file was made: the next cache file written,
+    of any model, removes that file; the `under` form (the test suite's clean-up) removes a living folder's too."""
+    import shutil
+
+    gone, changed = tmp_path / "gone", tmp_path / "changed"
+    for d in (gone, changed):
+        shutil.copytree(tiny_model, d)
+        _load(d, "int8")
+    files = {f.name.split("-")[0]: f for f in _cache_files(cache)}
+    assert files.keys() == {"gone", "changed"}
+    shutil.rmtree(gone)
+    weights = next(changed.glob("*.safetensors"))
+    os.utime(weights, ns=(0, weights.stat().st_mtime_ns + 1))
+    _load(tiny_model, "int4")  # another model's write prunes both
+    assert [f.name.split("-")[0] for f in _cache_files(cache)] == ["tiny0"]
+    assert quant_cache.prune(under=tmp_path) == []  # tiny0 lies elsewhere: kept
+    (kept,) = _cache_files(cache)
+    assert quant_cache.prune(under=tiny_model.parent) == [kept] and _cache_files(cache) == []
+
+
 def test_unwritable_cache_still_loads(tiny_model, tmp_path, monkeypatch):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("")

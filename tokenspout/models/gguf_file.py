@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,9 +91,7 @@ def sidecar_folder(gguf: Path) -> Path:
     """The folder (config, tokenizer, template) of a GGUF file, written once per file (path, size, mtime)."""
     gguf = gguf.expanduser().resolve()
     _need_file(gguf)
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    target = cache_dir() / "gguf" / f"{gguf.stem}-{key}"
+    target = cache_dir() / "gguf" / _sidecar_name(gguf)
     if _is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -102,7 +101,38 @@ def sidecar_folder(gguf: Path) -> Path:
             if target.exists():
                 logger.warning("the sidecar folder %s of %s is incomplete or damaged: rebuilding it", target, gguf.name)
             _write_sidecar(gguf, target)  # (replaces a damaged folder whole: folder_written_whole)
+            prune_sidecars()
     return target
+
+
+def _sidecar_name(gguf: Path) -> str:
+    """<stem>-<hash of the resolved path, size and mtime>: a file replaced in place gets a new folder."""
+    st = gguf.stat()
+    return f"{gguf.stem}-{hashlib.sha256(f'{gguf}:{st.st_size}:{st.st_mtime_ns}'.encode()).hexdigest()[:12]}"
+
+
+def prune_sidecars(under: Path | None = None) -> list[Path]:
+    """Deletes the sidecar folders whose GGUF file is gone or was changed since (its folder is now another one), and,
+    given `under`, those of files below that folder; returns them.  Run after each sidecar written: without it every
+    GGUF ever served (or replaced, or made in a temporary folder by a test run) kept its folder for ever.  A folder
+    without its source marker is left to sidecar_folder's rebuild; a server still running from a pruned folder has
+    read it already."""
+    root, pruned = cache_dir() / "gguf", []
+    below = under.resolve() if under is not None else None
+    for folder in sorted(root.iterdir()) if root.is_dir() else []:
+        if folder.name.startswith(".") or not folder.is_dir():
+            continue  # a lock file, or a folder being written (folder_written_whole's temporary name)
+        try:
+            src = gguf_source(folder)
+            if src is None:
+                continue
+            gone = not src.is_file() or _sidecar_name(src) != folder.name
+        except (OSError, ValueError, TypeError, KeyError):
+            continue
+        if gone or (below is not None and src.is_relative_to(below)):
+            shutil.rmtree(folder, ignore_errors=True)
+            pruned.append(folder)
+    return pruned
 
 
 def _digest(path: Path) -> str:

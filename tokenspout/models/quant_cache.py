@@ -173,6 +173,41 @@ def save(file: Path, key: dict, model: LlamaForCausalLM, packed: dict[str, Packe
     for old in file.parent.iterdir():
         if old != file and old.name.startswith(_prefix(file)) and old.suffix == ".safetensors":
             old.unlink(missing_ok=True)
+    prune(file.parent)
+
+
+def prune(folder: Path | None = None, under: Path | None = None) -> list[Path]:
+    """Deletes the cache files (in `folder`, default the cache's) made from weight files that are gone or changed
+    since, and, given `under`, those made from files below that folder; returns them.  Run after each file written:
+    without it the cache of every model folder ever quantized (deleted, moved, a GGUF's sidecar replaced, a test
+    run's temporary models) stayed on disk for ever, ~1 GB per test run.  Only the header is read (the key: each
+    file's path, size, mtime); a file that cannot be read is left to load()'s check.  Unlinking a file that a
+    running server maps is safe: its pages stay until the map goes; a model on a disk not mounted now counts as
+    gone (its next start quantizes again)."""
+    folder = folder if folder is not None else cache_dir() / "quantized"
+    below = under.resolve() if under is not None else None
+    pruned = []
+    for file in sorted(folder.glob("*.safetensors")) if folder.is_dir() else []:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                sources = [(Path(p), size, mtime) for p, size, mtime in json.loads(f.metadata()["key"])["files"]]
+        except (SafetensorError, OSError, ValueError, KeyError, TypeError):
+            continue
+        if below is not None and any(p.is_relative_to(below) for p, _, _ in sources) or any(
+                _changed(p, size, mtime) for p, size, mtime in sources):
+            file.unlink(missing_ok=True)
+            pruned.append(file)
+    return pruned
+
+
+def _changed(path: Path, size: int, mtime_ns: int) -> bool:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return True
+    except OSError:  # unreadable for now (permissions): not known to be gone
+        return False
+    return (st.st_size, st.st_mtime_ns) != (size, mtime_ns)
 
 
 _SAMPLES, _WINDOW = 8, 4096
