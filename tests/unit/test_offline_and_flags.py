@@ -104,3 +104,39 @@ def test_offline_beam_search_and_a_shut_down_llm():
         llm.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         llm.generate("Hi", SamplingParams(max_tokens=2))
+
+
+def test_context_longer_than_the_kv_cache(loaded_model):
+    """A KV cache holding fewer positions than max_model_len: an explicit max_model_len is a start-up error naming the
+    memory it needs; the model's own length is lowered to the cache's, so a prompt past it is refused up front (it
+    had been accepted, then ended at once: finish_reason "length", no text)."""
+    from tokenspout.config import ModelConfig
+    from tokenspout.core.engine_core import EngineCore
+    from tokenspout.engine.messages import EngineCoreRequest
+    from tokenspout.engine.processor import Processor
+    from tokenspout.engine.tokenizer import load_tokenizer
+
+    def core(max_model_len, blocks):
+        return EngineCore(EngineConfig(model=ModelConfig(model=str(loaded_model.path), max_model_len=max_model_len),
+                                       cache=CacheConfig(block_size=16, num_gpu_blocks_override=blocks)),
+                          loaded=loaded_model)
+
+    with pytest.raises(ValueError, match=r"max_model_len \(--max-model-len\) 2048 does not fit in the KV cache: "
+                                         r"4 blocks .* holds 64 positions; one sequence of 2048 needs 0\.\d\d GiB.* "
+                                         r"at most 64"):
+        core(2048, 4)
+    assert core(64, 4).max_model_len == 64  # exactly what it holds: fine
+    small = core(None, 4)
+    assert small.max_model_len == 64 and small.scheduler.max_model_len == 64
+    proc = Processor(load_tokenizer(loaded_model.path), small.max_model_len, loaded_model.arch.vocab_size)
+    with pytest.raises(ValueError, match="max_model_len"):
+        proc.process("r", "word " * 100, SamplingParams(max_tokens=4))
+    small.add_request(EngineCoreRequest("ok", list(range(1, 41)), SamplingParams(temperature=0.0, max_tokens=100,
+                                                                                 ignore_eos=True)))
+    got: list[int] = []
+    while small.has_unfinished_requests():
+        for o in small.step().outputs:
+            got += o.new_token_ids
+            if o.finish_reason:
+                assert o.finish_reason == "length"
+    assert len(got) == 24  # up to the 64 positions the cache holds

@@ -26,6 +26,30 @@ from tokenspout.worker.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 
+def fit_to_cache(max_model_len: int, config: EngineConfig, num_blocks: int, block_bytes: int) -> int:
+    """The context length served: max_model_len, or what the KV cache holds when that is less.  A sequence longer
+    than the whole cache can never run: such a prompt was accepted, then ended at once with finish_reason "length" and
+    no text.  An explicit max_model_len that does not fit is an error (vLLM's rule), naming the memory it needs; the
+    model's own length (e.g. 8192 where the default 1 GiB holds ~5.4k positions of the 1.7B shape) is lowered to the
+    cache's with a warning, so prompts past it are a clear 400.  (A guided request's companion shares the cache: the
+    scheduler still ends a pair that cannot fit together.)"""
+    block_size = config.cache.block_size
+    holds = num_blocks * block_size
+    if max_model_len <= holds:
+        return max_model_len
+    budget = (f"{num_blocks} blocks (the block count is forced)" if config.cache.num_gpu_blocks_override else
+              f"kv_cache_memory (--kv-cache-memory) {config.cache.kv_cache_memory_gib:g} GiB")
+    if config.model.max_model_len is not None:
+        need = -(-max_model_len // block_size) * block_bytes / (1 << 30)
+        raise ValueError(
+            f"max_model_len (--max-model-len) {max_model_len} does not fit in the KV cache: {budget} holds "
+            f"{holds} positions; one sequence of {max_model_len} needs {need:.2f} GiB. Raise kv_cache_memory or "
+            f"lower max_model_len to at most {holds}")
+    logger.warning("the KV cache (%s) holds %d positions, fewer than the model's context length %d: serving a "
+                   "context of %d (raise --kv-cache-memory for more)", budget, holds, max_model_len, holds)
+    return holds
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, defer_cache_write: bool = False):
         """defer_cache_write: see load_model (EngineCoreProc writes the file once it is ready)."""
@@ -37,7 +61,6 @@ class EngineCore:
         # (not with a separate draft model: one of the same folder would wait on the cache lock the write holds)
         defer = defer_cache_write and not (spec.method == "draft" and spec.draft_model)
         self.loaded = loaded or load_model(config.model, defer)
-        self.max_model_len = self.loaded.max_model_len
         self._tokenizer = None  # the HF tokenizer, for grammars: loaded by warm_up() or the first grammar request
         self._tokenizer_lock = threading.Lock()
         # The grammar manager is made on the first grammar request; its tokenizer is loaded by warm_up().
@@ -47,6 +70,9 @@ class EngineCore:
         self.runner = ModelRunner(self.loaded, config.cache, config.scheduler,
                                   extra_block_bytes=extra_kv_block_bytes(draft, config.cache.block_size),
                                   structured=self.structured)
+        # (a model loaded beforehand, as tests share one, was loaded with a max_model_len of its own)
+        self.max_model_len = fit_to_cache(config.model.max_model_len or self.loaded.max_model_len, config,
+                                          self.runner.num_blocks, self.runner.block_bytes)
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  enable_prefix_caching=config.cache.enable_prefix_caching)
         self.speculator = (Speculator(spec, self.runner, self.loaded, draft, self.structured)

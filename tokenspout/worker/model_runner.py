@@ -99,6 +99,7 @@ class ModelRunner:
         # extra_block_bytes: a draft model's KV cache, which shares the block ids (and so the count).
         self.kv_dtype = kv_dtype(loaded, cache)
         block_bytes = kv_block_bytes(loaded, cache.block_size, self.kv_dtype) + extra_block_bytes
+        self.block_bytes = block_bytes  # (both caches' when a draft model shares the block ids)
         self.num_blocks = cache.num_gpu_blocks_override or int(cache.kv_cache_memory_gib * (1 << 30) // block_bytes)
         slots = self.num_blocks * self.block_size
         self.kv_caches = zeroed_kv_caches(a.num_layers, slots, a.num_kv_heads, a.head_dim, self.kv_dtype)
