@@ -201,6 +201,14 @@ class SamplingParams:
         if self.bad_words is not None and (not isinstance(self.bad_words, list | tuple)
                                            or not all(isinstance(w, str) for w in self.bad_words)):
             raise bad("bad_words", "a list of strings", self.bad_words)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "a StructuredOutputsParams (e.g. StructuredOutputsParams(json=schema))",
+                      self.structured_outputs)
+        if self.logit_bias is not None:
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (AttributeError, TypeError, ValueError):
+                raise bad("logit_bias", "a dict of token ids to numbers", self.logit_bias) from None
 
     @property
     def is_greedy(self) -> bool:
@@ -258,7 +266,6 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative token ids", self.stop_token_ids)
         if self.logit_bias is not None:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             nan = next((k for k, v in self.logit_bias.items() if v != v), None)  # (+-inf clamp to +-100 as any bias)
             if nan is not None:
                 raise ValueError(f"logit_bias must map token ids to numbers, got NaN for token {nan}")

@@ -140,3 +140,30 @@ def test_context_longer_than_the_kv_cache(loaded_model):
             if o.finish_reason:
                 assert o.finish_reason == "length"
     assert len(got) == 24  # up to the 64 positions the cache holds
+
+
+@pytest.mark.parametrize("kw, field", [({"logit_bias": {"abc": 1}}, "logit_bias"), ({"logit_bias": [1, 2]}, "logit_bias"),
+                                       ({"logit_bias": {1: "x"}}, "logit_bias"),
+                                       ({"structured_outputs": {"json": {}}}, "structured_outputs")])
+def test_offline_fields_of_the_wrong_shape_name_the_field(kw, field):
+    with pytest.raises(ValueError, match=f"^{field} must be"):  # (were a TypeError / AttributeError naming nothing)
+        SamplingParams(**kw).validate()
+    ok = SamplingParams(logit_bias={"5": 2})
+    ok.validate()
+    assert ok.logit_bias == {5: 2.0}
+
+
+@pytest.mark.parametrize("tools, choice, field", [
+    (None, "sometimes", "tool_choice"), ([{"type": "function"}], None, r"tools\[0\]"),
+    ([{"function": {"name": "f"}}], None, r"tools\[0\]"), ("f", None, "tools"),
+    ([{"type": "function", "function": {"name": "f"}}], {"function": "f"}, "tool_choice"),
+    ([{"type": "function", "function": {"name": "f", "parameters": 3}}], None, r"tools\[0\]\.function\.parameters")])
+def test_offline_chat_checks_tool_shapes(tools, choice, field):
+    """LLM.chat's tools / tool_choice have no request model to check them: a tool_choice "sometimes" was ignored,
+    a tool without its "function" a KeyError."""
+    from tokenspout.engine.chat_tools import selected_tools
+
+    with pytest.raises(ValueError, match=f"^{field}: expected"):
+        selected_tools(tools, choice)
+    fine = [{"type": "function", "function": {"name": "f"}}]
+    assert selected_tools(fine, {"type": "function", "function": {"name": "f"}}) == fine

@@ -62,8 +62,33 @@ def choice_kind(tool_choice: ToolChoice, has_tools: bool) -> str:
     return "named"
 
 
+_CHOICES = ("none", "auto", "required")
+
+
+def check_shapes(tools: Any, tool_choice: Any) -> None:
+    """OpenAI's shapes of `tools` and `tool_choice`, for callers no request model checked (the offline LLM.chat: a
+    tool_choice "sometimes" was ignored, a tool without "function" was a KeyError); ValueErrors name the field."""
+    if tools is not None and (not isinstance(tools, Sequence) or isinstance(tools, str)):
+        raise ValueError(f"tools: expected a list of function tools, got {type(tools).__name__}")
+    for i, t in enumerate(tools or []):
+        f = t.get("function") if isinstance(t, Mapping) and t.get("type") == "function" else None
+        if not isinstance(f, Mapping) or not isinstance(f.get("name"), str) or not f["name"]:
+            raise ValueError(f"tools[{i}]: expected {{'type': 'function', 'function': {{'name': ..., "
+                             f"'parameters': {{...}}}}}}, got {str(t)[:200]}")
+        if not isinstance(f.get("parameters", {}) or {}, Mapping):
+            raise ValueError(f"tools[{i}].function.parameters: expected a JSON schema object")
+    if tool_choice is None or tool_choice in _CHOICES:
+        return
+    f = tool_choice.get("function") if isinstance(tool_choice, Mapping) and tool_choice.get("type") == "function" \
+        else None
+    if not isinstance(f, Mapping) or not isinstance(f.get("name"), str):
+        raise ValueError(f"tool_choice: expected one of {', '.join(_CHOICES)} or {{'type': 'function', 'function': "
+                         f"{{'name': ...}}}}, got {str(tool_choice)[:200]}")
+
+
 def selected_tools(tools: Sequence[Mapping[str, Any]] | None, tool_choice: ToolChoice) -> list[Mapping[str, Any]]:
     """The tools the reply may call; ValueErrors name the field."""
+    check_shapes(tools, tool_choice)
     tools = list(tools or [])
     kind = choice_kind(tool_choice, bool(tools))
     if kind in ("required", "named") and not tools:
