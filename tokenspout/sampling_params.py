@@ -11,6 +11,8 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tokenspout.checks import is_int, is_number
+
 # Temperatures below this are treated as greedy (as vLLM does); the sampler guards the division.
 GREEDY_EPS = 1e-5
 MAX_LOGPROBS = 20
@@ -180,9 +182,6 @@ class SamplingParams:
         """The types the engine's message schema holds them in (offline callers pass anything): a float logprobs
         or a bool in allowed_token_ids reached the engine process and killed its input thread, which hung every
         later request (audit, 2026-11-27).  bool is no integer here, though Python counts it as one."""
-        def is_int(v: object) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
         for name in _INT_FIELDS:
             v = getattr(self, name)
             if v is not None and not is_int(v):
@@ -196,7 +195,7 @@ class SamplingParams:
                 raise bad(name, "a list of integer token ids", v)
         for name in _FLOAT_FIELDS:
             v = getattr(self, name)
-            if not (isinstance(v, float | int) and not isinstance(v, bool)):
+            if not is_number(v):
                 raise bad(name, "a number", v)
         if self.bad_words is not None and (not isinstance(self.bad_words, list | tuple)
                                            or not all(isinstance(w, str) for w in self.bad_words)):
@@ -300,18 +299,15 @@ class SamplingParams:
                                  f"llama.cpp); it cannot be combined with {', '.join(clash)}")
 
     def _validate_repeats(self, bad: Callable[[str, str, object], ValueError]) -> None:
-        def integer(v: object) -> bool:
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        if not integer(self.no_repeat_ngram_size) or not 0 <= self.no_repeat_ngram_size <= MAX_NGRAM:
+        if not is_int(self.no_repeat_ngram_size) or not 0 <= self.no_repeat_ngram_size <= MAX_NGRAM:
             raise bad("no_repeat_ngram_size", f"an integer in [0, {MAX_NGRAM}] (0 = off)", self.no_repeat_ngram_size)
         if not isinstance(self.dry_multiplier, (int, float)) or not 0.0 <= self.dry_multiplier <= 100.0:
             raise bad("dry_multiplier", "in [0, 100] (0 = off)", self.dry_multiplier)
         if not isinstance(self.dry_base, (int, float)) or not 1.0 <= self.dry_base <= 100.0:
             raise bad("dry_base", "in [1, 100]", self.dry_base)
-        if not integer(self.dry_allowed_length) or not 0 <= self.dry_allowed_length <= 1024:
+        if not is_int(self.dry_allowed_length) or not 0 <= self.dry_allowed_length <= 1024:
             raise bad("dry_allowed_length", "an integer in [0, 1024]", self.dry_allowed_length)
-        if not integer(self.dry_penalty_last_n) or not -1 <= self.dry_penalty_last_n <= MAX_DRY_LAST_N:
+        if not is_int(self.dry_penalty_last_n) or not -1 <= self.dry_penalty_last_n <= MAX_DRY_LAST_N:
             raise bad("dry_penalty_last_n", f"-1 (the whole context), 0 (off) or an integer up to {MAX_DRY_LAST_N}",
                       self.dry_penalty_last_n)
         brk = self.dry_sequence_breakers
@@ -323,7 +319,7 @@ class SamplingParams:
     def _validate_warpers(self, bad: Callable[[str, str, object], ValueError]) -> None:
         for name, lo, hi, lo_open, rule in _WARPER_RANGES:
             v = getattr(self, name)
-            if (not isinstance(v, (int, float)) or isinstance(v, bool) or v != v or v < lo or v > hi
+            if (not is_number(v) or v != v or v < lo or v > hi
                     or (lo_open and v == lo) or (name in _HALF_OPEN and v == hi)):
                 raise bad(name, rule, v)
 

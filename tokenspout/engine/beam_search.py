@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenspout.checks import is_int
+
 
 @dataclass(slots=True)
 class BeamHypothesis:
@@ -45,7 +47,7 @@ MAX_BEAM_WIDTH = 10
 class BeamSearch:
     def __init__(self, prompts: list[list[int]], width: int, max_tokens: int, eos_token_id: int | None,
                  length_penalty: float = 1.0):
-        if not isinstance(width, int) or isinstance(width, bool) or not 1 <= width <= MAX_BEAM_WIDTH:
+        if not is_int(width) or not 1 <= width <= MAX_BEAM_WIDTH:
             raise ValueError(f"n (the beam width) must be in [1, {MAX_BEAM_WIDTH}], got {width}")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")

@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Self, cast
 
+from tokenspout.checks import is_int
 from tokenspout.config import (
     CACHE_DEFAULTS,
     SCHEDULER_DEFAULTS,
@@ -209,7 +210,7 @@ class LLM:
                     length_penalty: float = 1.0, n: int | None = None) -> list[RequestOutput]:
         """Beam search (transformers' semantics with early stopping); each RequestOutput holds the n (default:
         width) best finished beams, best first, with their cumulative logprobs."""
-        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= width):
+        if n is not None and (not is_int(n) or not 1 <= n <= width):
             raise ValueError(f"n must be an integer in [1, width={width}] (the beams kept), got {n!r}")
         ids = [self.processor.tokenize(p) for p in _prompt_list(prompts)]
         if not ids:

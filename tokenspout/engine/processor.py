@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from tokenspout import guidance
+from tokenspout.checks import is_int
 from tokenspout.engine.chat_template import TEMPLATE_TIME_LIMIT_S, run_with_time_limit
 from tokenspout.engine.messages import EngineCoreRequest
 from tokenspout.engine.parallel_sampling import ParentRequest
@@ -85,11 +86,11 @@ def _as_id_list(value: Any) -> list[int]:
     """Token ids as a config writes them (one, a list, or none); what is no integer is left out."""
     if value is None:
         return []
-    if isinstance(value, int) and not isinstance(value, bool):
+    if is_int(value):
         return [value]
     if not isinstance(value, list | tuple):
         return []
-    return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return [v for v in value if is_int(v)]
 
 
 class ChatPrompt(str):
@@ -176,7 +177,7 @@ class Processor:
             ids = list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
             text: str | None = str(prompt)  # a plain str downstream
         elif isinstance(prompt, Sequence):
-            if any(not isinstance(t, int) or isinstance(t, bool) for t in prompt):
+            if not all(map(is_int, prompt)):
                 raise ValueError("prompt must be a string or a list of integer token ids")
             ids = list(prompt)
             text = None

@@ -15,6 +15,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenspout.checks import is_int, is_number
 from tokenspout.models.cache_dir import cache_dir, folder_written_whole
 
 logger = logging.getLogger(__name__)
@@ -239,12 +240,8 @@ _TOKENIZER_NEEDS = {"gpt2": ("tokenizer.ggml.merges",), "llama": ("tokenizer.ggm
 _SPECIAL_IDS = ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+def _is_finite(v) -> bool:
+    return is_number(v) and math.isfinite(v)
 
 
 def _check_hparams(gguf: Path, fields: dict, arch: str) -> None:
@@ -259,13 +256,13 @@ def _check_hparams(gguf: Path, fields: dict, arch: str) -> None:
     for name in _POSITIVE_INT_HPARAMS:
         v = fields.get(key := key_of(name))
         items = v if isinstance(v, list) and v else [v]
-        if v is not None and not all(_is_int(x) and x >= 1 for x in items):
+        if v is not None and not all(is_int(x) and x >= 1 for x in items):
             raise ValueError(f"GGUF file {gguf}: {key} must be an integer >= 1, got {v!r}")
     theta = fields.get(key := key_of("rope.freq_base"))
-    if theta is not None and not (_is_number(theta) and theta > 0):  # (a base of 0: every rotation angle inf / nan)
+    if theta is not None and not (_is_finite(theta) and theta > 0):  # (a base of 0: every rotation angle inf / nan)
         raise ValueError(f"GGUF file {gguf}: {key} must be a number > 0, got {theta!r}")
     eps = fields.get(key := key_of("attention.layer_norm_rms_epsilon"))
-    if eps is not None and not (_is_number(eps) and eps >= 0):
+    if eps is not None and not (_is_finite(eps) and eps >= 0):
         raise ValueError(f"GGUF file {gguf}: {key} must be a number >= 0, got {eps!r}")
 
 
@@ -285,7 +282,7 @@ def _check_tokenizer(gguf: Path, header) -> None:
     n = len(tokens[1])
     for name in _SPECIAL_IDS:
         v = header.fields.get(key := f"tokenizer.ggml.{name}")
-        if v is not None and not _is_int(v):
+        if v is not None and not is_int(v):
             raise ValueError(f"GGUF file {gguf}: {key} must be an integer token id, got {v!r}")
         if v is not None and not 0 <= v < n:
             raise ValueError(f"GGUF file {gguf}: {key} {v} is outside the vocabulary ({n} tokens)")

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenspout.checks import is_int
 from tokenspout.models.attention import AttentionMetadata, paged_attention, write_kv
 
 
@@ -63,7 +64,7 @@ _SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
 
 
 def _positive_int(name: str, value: object) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"model config: {name} must be an integer >= 1, got {value!r}")
     return value
 
