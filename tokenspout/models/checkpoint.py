@@ -138,11 +138,13 @@ class CheckpointReader:
 
     def __init__(self, path: Path):
         self.where: dict[str, tuple[Path, str]] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}  # from the headers, read once (not a file open per tensor)
         for f in _safetensors_files(path):
             try:
                 with safe_open(str(f), framework="pt") as sf:
                     for k in sf.keys():  # noqa: SIM118 - safe_open is not iterable
                         self.where[k.removeprefix("model.")] = (f, k)
+                        self._shapes[k.removeprefix("model.")] = tuple(sf.get_slice(k).get_shape())
             except (SafetensorError, OSError, RuntimeError) as e:
                 raise ValueError(f"cannot read weights file {f}: {e} (corrupt or truncated?)") from e
 
@@ -164,9 +166,7 @@ class CheckpointReader:
     def shape(self, name: str) -> tuple[int, ...]:
         if name not in self.where:
             raise ValueError(f"weights are missing tensor {name!r}")
-        f, k = self.where[name]
-        with safe_open(str(f), framework="pt") as sf:
-            return tuple(sf.get_slice(k).get_shape())
+        return self._shapes[name]
 
     def warn_unused(self, plan: dict[str, list[str]]) -> None:
         used = {k for keys in plan.values() for k in keys} | {"lm_head.weight"}
