@@ -3,6 +3,7 @@ DecodeStream path and the slow prefix/read-offset path."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -210,3 +211,48 @@ def test_decode_token(tokenizer):
     assert texts(byte_piece) == tokenizer.decode([byte_piece])
     det = IncrementalDetokenizer.from_request(tokenizer, [], _params(), token_texts=texts)
     assert det.decode_token(hello[0]) == " hello"
+
+
+@pytest.fixture(scope="module")
+def byte_fallback_tokenizer():
+    """A tiny Llama-2-style tokenizer (BPE with byte fallback: `<0xC3>` tokens; Metaspace-like decoder), as
+    Llama 2, Mistral v0.1 and Gemma ship: its ByteFallback decoder renders a whole run of byte tokens at once."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    tk.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    special = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+    tk.train_from_iterator(["Hello world, hello again. The end.", "The capital of France is Paris."] * 20,
+                           trainers.BpeTrainer(vocab_size=400, special_tokens=special))
+    # the trainer made the byte tokens added (special) tokens: rebuilt from the vocabulary, they are ordinary ones
+    model = json.loads(tk.to_str())["model"]
+    out = Tokenizer(models.BPE(vocab=model["vocab"], merges=[tuple(m) for m in model["merges"]], unk_token="<unk>",
+                               byte_fallback=True))
+    out.normalizer, out.decoder = tk.normalizer, tk.decoder
+    out.add_special_tokens([AddedToken("</s>", special=True, normalized=False)])
+    return PreTrainedTokenizerFast(tokenizer_object=out, eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_byte_fallback_run_broken_after_a_character_keeps_the_text(byte_fallback_tokenizer, skip):
+    """An emitted "é" (<0xC3><0xA9>) followed by a stray continuation byte: the decoder re-renders the whole run as
+    U+FFFD x 3, so the stream's text stopped being a prefix and the replay dropped the held tokens' text with the
+    words after them ('éllo world' for 'é' + '\\ufffd' + ' hello world').  A stream cannot take back the "é": the
+    stray byte is U+FFFD, and everything after it is the decoder's text."""
+    tok = byte_fallback_tokenizer
+    v = tok.get_vocab()
+    b = [v["<0xC3>"], v["<0xA9>"]]
+    words = tok.encode("hello world", add_special_tokens=False)  # ("▁hello", ...: the normalizer prepends "▁")
+    prompt = tok.encode("Hello world", add_special_tokens=False)
+    for out, want in [(b + [v["<0xA9>"]] + words, "é\ufffd hello world"),
+                      (b + [v["<0xE4>"]] + words, "é\ufffd hello world"),  # a lead byte that never completes
+                      (b + [v["<0xE4>"], v["<0xB8>"], v["<0xAD>"]] + words, "é中 hello world"),  # one valid run
+                      (b + [v["<0xA9>"], v["</s>"]], "é\ufffd" + ("" if skip else "</s>")),
+                      (b + [v["<0xA9>"]], "é\ufffd")]:  # the stray byte last: released by flush
+        det, chunks = _stream(tok, prompt, out, skip=skip)
+        assert "".join(chunks) == det.output_text == want, out
+        # what a full decode shows, but for the run the stream had already shown part of
+        assert tok.decode(out, skip_special_tokens=skip).endswith(want[2:].lstrip("\ufffd")), out

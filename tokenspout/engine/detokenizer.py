@@ -10,7 +10,11 @@ Two implementations share one interface:
 Both are primed with the tail of the prompt, so the first generated token decodes with the right leading space or
 merge (a Metaspace decoder drops the leading space of the very first token of a sequence, for example).
 
-Text semantics (transformers 5): the concatenated output equals `tokenizer.decode(output_ids, skip_special_tokens=…)`.
+Text semantics (transformers 5): the concatenated output equals `tokenizer.decode(output_ids, skip_special_tokens=…)`,
+but for two things a stream cannot take back (vLLM's behaviour too): the first token keeps the leading space the
+prompt gives it (a Metaspace decoder drops it when decoding the output alone), and where a byte-fallback decoder
+re-renders a run of byte tokens ("é" already sent, then a stray continuation byte: `decode` shows U+FFFD for every
+byte of the run) the "é" stays and the stray bytes are U+FFFD each.
 transformers 5 no longer implements `spaces_between_special_tokens` in `decode`, so True (the default) means "what the
 tokenizer's decoder does"; False additionally strips whatever separator the decoder puts in front of an added token
 that directly follows another added token (only observable when special tokens are kept).
@@ -25,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from tokenizers import Tokenizer
@@ -232,34 +236,53 @@ class FastIncrementalDetokenizer(IncrementalDetokenizer):
         self._emitted_upto = len(self._ids)
         return text
 
+    def _contexts(self) -> Iterator[list[int]]:
+        """Left contexts to replay the held ids after, best first: the emitted tail, then that tail without its
+        last 1-4 ids, then the prompt's.  A byte-fallback decoder (Llama 2, Mistral: `<0xC3>` tokens) renders a run
+        of byte tokens as one: an emitted "é" followed by a stray continuation byte becomes "\ufffd" x 3, so no
+        context ending inside that run ever extends; one that ends before it decodes the held bytes on their own
+        (U+FFFD each, as a separate decode would) instead of dropping them with the text after them."""
+        ctx = self._context()
+        yield ctx
+        for cut in range(1, min(4, len(ctx)) + 1):
+            # (one ending mid-character would make DecodeStream emit that character's bytes again, whole)
+            if ctx[:-cut] and not self._decode(ctx[:-cut]).endswith(REPLACEMENT_CHAR):
+                yield ctx[:-cut]
+        yield self._prompt_ctx
+
     def _reset(self, error: Exception) -> str | None:
         """Re-primes a fresh stream with the already-emitted tail and replays the held ids.
 
         DecodeStream's window can end up in a state where the next decode no longer extends the previous one
-        (decoders that rewrite earlier text); a new stream has no such history.
+        (decoders that rewrite earlier text, byte-fallback runs: see _contexts); a new stream has no such history.
         """
-        logger.warning("detokenizer stream reset after %s: %s", type(error).__name__, error)
+        logger.info("detokenizer stream reset after %s: %s", type(error).__name__, error)
+        held = self._ids[self._emitted_upto:]
+        for ctx in self._contexts():
+            self._stream = DecodeStream(ids=ctx, skip_special_tokens=self.skip_special_tokens)
+            try:
+                return self._stream.step(self._be, held)
+            except Exception as e:  # noqa: BLE001 - tokenizers raises bare Exceptions: try the next context
+                last = e
+        # Give up on the held tokens' text rather than on the request.
+        logger.warning("detokenizer replay failed (%s); dropping the text of %d token(s)", last, len(held))
+        self._emitted_upto = len(self._ids)
         self._stream = DecodeStream(ids=self._context(), skip_special_tokens=self.skip_special_tokens)
-        try:
-            return self._stream.step(self._be, self._ids[self._emitted_upto:])
-        except Exception as e:  # noqa: BLE001 - tokenizers raises bare Exceptions; any is better than a dead request
-            # Give up on the held tokens' text rather than on the request.
-            logger.warning("detokenizer replay failed (%s); dropping the text of %d token(s)", e,
-                           len(self._ids) - self._emitted_upto)
-            self._emitted_upto = len(self._ids)
-            self._stream = DecodeStream(ids=self._context(), skip_special_tokens=self.skip_special_tokens)
-            return None
+        return None
 
     def _flush(self) -> str:
         held = self._ids[self._emitted_upto:]
         if not held:
             return ""
-        ctx = self._context()
-        base = self._decode(ctx)
-        full = self._decode(ctx + held)
+        text = ""
+        for ctx in self._contexts():
+            base, full = self._decode(ctx), self._decode(ctx + held)
+            if full.startswith(base):
+                text = full[len(base):]
+                break
         self._emitted_upto = len(self._ids)
         self._stream = DecodeStream(ids=self._context(), skip_special_tokens=self.skip_special_tokens)
-        return full[len(base):] if full.startswith(base) else ""
+        return text
 
 
 class SlowIncrementalDetokenizer(IncrementalDetokenizer):
