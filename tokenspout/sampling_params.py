@@ -38,6 +38,7 @@ MAX_DRY_BREAKERS = 64  # dry_sequence_breakers: at most this many strings ...
 MAX_DRY_BREAKER_CHARS = 40  # ... of at most this many characters (llama.cpp truncates there)
 MAX_DRY_LAST_N = 1 << 20
 MAX_THINKING_BUDGET = 1 << 20
+MAX_STOP_CHARS = 1024  # a stop string's length: streams follow each with an automaton built from it (stop_checker)
 MAX_N = 1 << 16  # choices per request offline (the server's bound is OpenAI's 128): n = 10^18 built ids for ever
 # The fields' types as the engine's message schema holds them (SamplingParams._validate_types)
 _INT_FIELDS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "truncate_prompt_tokens",
@@ -260,8 +261,10 @@ class SamplingParams:
             raise bad("truncate_prompt_tokens", "-1 or an integer >= 1", self.truncate_prompt_tokens)
         if self.truncation_side not in ("left", "right"):
             raise bad("truncation_side", "'left' or 'right'", self.truncation_side)
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise bad("stop", "a list of non-empty strings", self.stop)
+        if any(not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS for s in self.stop):
+            long = next((s for s in self.stop if isinstance(s, str) and len(s) > MAX_STOP_CHARS), None)
+            raise bad("stop", f"a list of non-empty strings of at most {MAX_STOP_CHARS} characters",
+                      self.stop if long is None else f"a string of {len(long)} characters")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative token ids", self.stop_token_ids)
         if self.logit_bias is not None:

@@ -87,6 +87,17 @@ def test_logit_bias_nan_over_http(client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
 
 
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "x", "stop": ["y" * 1025]}),
+    (CHAT, {"messages": MSG, "stop": "y" * 100_000}),
+    ("/v1/messages", {"messages": MSG, "max_tokens": 4, "stop_sequences": ["y" * 2000]})])
+def test_a_stop_string_past_its_bound_is_a_400(client, path, body):
+    """(each is followed by an automaton built from it while the text streams: 64 stop strings of 120k characters
+    had cost 45 ms of the event loop per streamed chunk)"""
+    r = client.post(path, json={"model": "fake-model", **body})
+    assert r.status_code == 400 and "at most 1024 characters" in r.text, r.text
+
+
 @pytest.mark.parametrize("rid", ["evil\n2026-11-27 12:00:00,000 engine ERROR FORGED", "caf\u00e9", "a\u202eb", "x" * 257, ""])
 @pytest.mark.parametrize("path", [CHAT, "/v1/completions", "/v1/responses"])
 def test_body_request_id_follows_the_header_rule(client, path, rid):

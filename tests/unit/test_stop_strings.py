@@ -154,6 +154,37 @@ def test_stop_checker_unit():
         StopChecker([""])
 
 
+def _held_reference(text: str, stops: list[str]) -> int:
+    """The longest suffix of text that is a proper prefix of some stop string, by brute force."""
+    return max((k for s in stops for k in range(1, min(len(s) - 1, len(text)) + 1) if text.endswith(s[:k])),
+               default=0)
+
+
+def test_holdback_follows_a_growing_text_like_brute_force():
+    """holdback() follows the text with an automaton per stop string (checked at every growth step, and for a text
+    that does not extend the previous one); periodic strings over two letters are where borders matter."""
+    rng = random.Random(7)
+    for trial in range(3000):
+        alpha = "ab" if trial % 2 else "abc "
+        stops = ["".join(rng.choice(alpha) for _ in range(rng.randint(1, 24))) for _ in range(rng.randint(1, 4))]
+        text = "".join(rng.choice(alpha) for _ in range(rng.randint(0, 50)))
+        sc, cut = StopChecker(stops), 0
+        while cut < len(text):
+            cut = min(len(text), cut + rng.randint(1, 5))
+            assert sc.holdback(text[:cut]) == _held_reference(text[:cut], stops), (text[:cut], stops)
+        other = "".join(rng.choice(alpha) for _ in range(rng.randint(1, 30)))
+        assert sc.holdback(other) == _held_reference(other, stops), (other, stops)
+
+
+def test_long_stop_strings_are_bounded():
+    from tokenspout.sampling_params import MAX_STOP_CHARS
+
+    SamplingParams(stop=["x" * MAX_STOP_CHARS]).validate()
+    with pytest.raises(ValueError, match=f"stop must be a list of non-empty strings of at most {MAX_STOP_CHARS} "
+                                         f"characters, got 'a string of {MAX_STOP_CHARS + 1} characters'"):
+        SamplingParams(stop=["ok", "x" * (MAX_STOP_CHARS + 1)]).validate()
+
+
 def _reference(tokenizer, ids, stops, include, min_tokens):
     """Naive oracle: decode every prefix, look for any stop string ending in the newest token's text."""
     prev = ""
