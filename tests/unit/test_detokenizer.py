@@ -256,3 +256,20 @@ def test_byte_fallback_run_broken_after_a_character_keeps_the_text(byte_fallback
         assert "".join(chunks) == det.output_text == want, out
         # what a full decode shows, but for the run the stream had already shown part of
         assert tok.decode(out, skip_special_tokens=skip).endswith(want[2:].lstrip("\ufffd")), out
+
+
+def test_token_bytes_rebuild_split_characters(tokenizer, byte_fallback_tokenizer):
+    """OpenAI's logprobs `bytes`: each token's own bytes, so a client can rebuild a character split over tokens (the
+    text of such a token alone is U+FFFD, whose bytes had stood for every one of them)."""
+    from tokenspout.engine.detokenizer import TokenBytes
+
+    text = "Hello 中 world 😀 café <|im_end|>"
+    for tok, lead in ((tokenizer, ""), (byte_fallback_tokenizer, " ")):  # (a SentencePiece text starts with "▁")
+        tb = TokenBytes(tok)
+        ids = tok.encode(text, add_special_tokens=False)
+        parts = [tb(i, tok.decode([i])) for i in ids]
+        assert b"".join(parts) == (lead + text).encode(), parts
+        partial = [p for p in parts if REPLACEMENT_CHAR in p.decode("utf-8", errors="replace")]
+        assert partial and all(b"\xef\xbf\xbd" not in p for p in partial)  # real bytes, never U+FFFD's
+    assert TokenBytes(byte_fallback_tokenizer)(byte_fallback_tokenizer.get_vocab()["<0xE4>"], "\ufffd") == b"\xe4"
+    assert TokenBytes(object())(5, "\ufffd") == b"\xef\xbf\xbd"  # no tokenizers backend: the text's bytes

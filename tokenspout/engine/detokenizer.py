@@ -28,6 +28,7 @@ full `decode` would.
 from __future__ import annotations
 
 import logging
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -91,6 +92,63 @@ class TokenTexts:
                 text = self._tokenizer.decode([token_id], skip_special_tokens=False)
             self._cache[token_id] = text
         return text
+
+
+def _byte_level_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the printable bytes stand for themselves, the other 68 for the
+    characters from U+0100 on, in byte order (what a ByteLevel pre-tokenizer writes into the vocabulary)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {chr(b): b for b in printable}
+    chars.update({chr(256 + i): b for i, b in enumerate(b for b in range(256) if b not in set(printable))})
+    return chars
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class TokenBytes:
+    """Each token's own bytes, for OpenAI's logprobs `bytes` (cached per id): a byte-level BPE token's vocabulary
+    string mapped back through GPT-2's byte alphabet, a byte-fallback token (`<0xE4>`) its byte, a SentencePiece
+    piece with "▁" as a space; added tokens and other tokenizers: the bytes of the token's text.  A token that is
+    only part of a UTF-8 character decodes to U+FFFD, whose bytes [239, 191, 189] had stood for every such token
+    (vLLM's too), so a client could not rebuild the character from the bytes as OpenAI intends."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._backend = backend_tokenizer(tokenizer)
+        self._cache: dict[int, bytes] = {}
+        self._kind = "text"
+        self._added: set[int] = set()
+        if self._backend is not None and self._backend.decoder is not None:
+            import json
+
+            spec = json.loads(self._backend.decoder.__getstate__())
+            kinds = {d.get("type") for d in spec.get("decoders", [spec])}
+            self._kind = "byte_level" if "ByteLevel" in kinds else "byte_fallback" if "ByteFallback" in kinds \
+                else "text"
+            self._added = set(self._backend.get_added_tokens_decoder())
+        self._chars = _byte_level_chars() if self._kind == "byte_level" else {}
+
+    def __call__(self, token_id: int, text: str) -> bytes:
+        """The bytes of `token_id`, whose text alone is `text`."""
+        if self._kind == "text" or token_id in self._added:
+            return text.encode("utf-8", errors="replace")
+        out = self._cache.get(token_id)
+        if out is None:
+            out = self._bytes(token_id, text)
+            self._cache[token_id] = out
+        return out
+
+    def _bytes(self, token_id: int, text: str) -> bytes:
+        assert self._backend is not None
+        piece = self._backend.id_to_token(token_id) if token_id >= 0 else None
+        if piece is None:
+            return text.encode("utf-8", errors="replace")
+        if self._kind == "byte_level":
+            if all(c in self._chars for c in piece):
+                return bytes(self._chars[c] for c in piece)
+            return text.encode("utf-8", errors="replace")
+        byte = _BYTE_TOKEN.fullmatch(piece)
+        return bytes([int(byte.group(1), 16)]) if byte else piece.replace("▁", " ").encode("utf-8")
 
 
 class IncrementalDetokenizer(ABC):

@@ -31,6 +31,7 @@ from tokenspout.engine.chat_tools import (
     template_tool_messages,
     tools_template,
 )
+from tokenspout.engine.detokenizer import TokenBytes
 from tokenspout.entrypoints.openai.chat_render import check_request_template, render_chat_prompt, request_template
 from tokenspout.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
@@ -106,6 +107,7 @@ class OpenAIServingChat:
         check_parser_names(tool_call_parser, reasoning_parser)  # an unknown name fails at startup
         self.reasoning_cls: type[ReasoningParser] | None = reasoning_parser_class(reasoning_parser)
         self._special_ids: dict[str, int] | None = None
+        self._token_bytes: TokenBytes | None = None  # built at the first logprobs
 
     def _plan(self, req: ChatCompletionRequest, template_kwargs: dict, chat_template: str | None) -> ChatPlan | None:
         """The tool parser for `req` (None without tools or with tool_choice "none"); adds `tools` to the
@@ -324,11 +326,21 @@ class OpenAIServingChat:
             content.append(ChatTokenLogprob(
                 token=text,
                 logprob=safe_logprob(lp.logprob),
-                bytes=list(text.encode("utf-8", errors="replace")),
+                bytes=self._bytes(token_id, text, as_ids),
                 top_logprobs=[
                     TopLogprob(token=(t := token_str(self.engine, tid, tlp, as_ids)), logprob=safe_logprob(tlp.logprob),
-                               bytes=list(t.encode("utf-8", errors="replace")))
+                               bytes=self._bytes(tid, t, as_ids))
                     for tid, tlp in tops
                 ],
             ))
         return ChatChoiceLogprobs(content=content)
+
+    def _bytes(self, token_id: int, text: str, as_ids: bool) -> list[int]:
+        """A logprob entry's `bytes`: the token's own (TokenBytes); with return_tokens_as_token_ids, or without a
+        tokenizer, those of its text (as vLLM)."""
+        tokenizer = getattr(self.engine, "tokenizer", None)
+        if as_ids or tokenizer is None:
+            return list(text.encode("utf-8", errors="replace"))
+        if self._token_bytes is None:
+            self._token_bytes = TokenBytes(tokenizer)
+        return list(self._token_bytes(token_id, text))
