@@ -258,6 +258,28 @@ def test_completion_logprobs_shape_and_echo(client, model):
     assert s.startswith(prompt)
 
 
+def test_completion_text_offsets_with_split_characters(client, model, engine):
+    """An emoji is four byte-level tokens here: their text_offset is the emoji's (counted on bytes); adding up each
+    token's text alone ("\ufffd" each) put ' ok' at 6 of 'Say 😀 ok' and the last offset past the text."""
+    if getattr(engine, "tokenizer", None) is None or "Fake" in type(engine.tokenizer).__name__:
+        pytest.skip("the fake engine's tokenizer has one character per token")
+    for stream in (False, True):
+        kw = {"model": model, "prompt": "Say 😀 ok", "max_tokens": 2, "echo": True, "logprobs": 0, "temperature": 0}
+        if stream:
+            chunks = [c.choices[0] for c in client.completions.create(**kw, stream=True) if c.choices]
+            text = "".join(c.text for c in chunks)
+            tokens = [t for c in chunks if c.logprobs for t in c.logprobs.tokens]
+            offsets = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
+        else:
+            ch = client.completions.create(**kw).choices[0]
+            text, tokens, offsets = ch.text, ch.logprobs.tokens, ch.logprobs.text_offset
+        ok = tokens.index(" ok")
+        assert offsets[ok] == text.index(" ok") and text[offsets[ok]:].startswith(" ok"), (stream, offsets)
+        assert offsets == sorted(offsets) and offsets[-1] < len(text)
+        # " \xf0\x9f\x98" starts at the space, "\x80" (which completes the emoji) at the emoji
+        assert [o for t, o in zip(tokens[:ok], offsets[:ok]) if "\ufffd" in t] == [3, 4], (tokens, offsets)
+
+
 # ---------------------------------------------------------------------------------------------- stop, max_tokens
 
 

@@ -31,7 +31,6 @@ from tokenspout.engine.chat_tools import (
     template_tool_messages,
     tools_template,
 )
-from tokenspout.engine.detokenizer import TokenBytes
 from tokenspout.entrypoints.openai.chat_render import check_request_template, render_chat_prompt, request_template
 from tokenspout.entrypoints.openai.protocol import (
     ChatChoiceLogprobs,
@@ -54,6 +53,7 @@ from tokenspout.entrypoints.openai.request_ids import request_ids
 from tokenspout.entrypoints.openai.serving_common import (
     ChoiceState,
     EngineClient,
+    LogprobBytes,
     PromptState,
     check_model,
     merge_outputs,
@@ -107,7 +107,7 @@ class OpenAIServingChat:
         check_parser_names(tool_call_parser, reasoning_parser)  # an unknown name fails at startup
         self.reasoning_cls: type[ReasoningParser] | None = reasoning_parser_class(reasoning_parser)
         self._special_ids: dict[str, int] | None = None
-        self._token_bytes: TokenBytes | None = None  # built at the first logprobs
+        self._token_bytes = LogprobBytes(engine)
 
     def _plan(self, req: ChatCompletionRequest, template_kwargs: dict, chat_template: str | None) -> ChatPlan | None:
         """The tool parser for `req` (None without tools or with tool_choice "none"); adds `tools` to the
@@ -336,11 +336,5 @@ class OpenAIServingChat:
         return ChatChoiceLogprobs(content=content)
 
     def _bytes(self, token_id: int, text: str, as_ids: bool) -> list[int]:
-        """A logprob entry's `bytes`: the token's own (TokenBytes); with return_tokens_as_token_ids, or without a
-        tokenizer, those of its text (as vLLM)."""
-        tokenizer = getattr(self.engine, "tokenizer", None)
-        if as_ids or tokenizer is None:
-            return list(text.encode("utf-8", errors="replace"))
-        if self._token_bytes is None:
-            self._token_bytes = TokenBytes(tokenizer)
-        return list(self._token_bytes(token_id, text))
+        """A logprob entry's `bytes`: the token's own; with return_tokens_as_token_ids those of its text (vLLM)."""
+        return list(text.encode("utf-8", errors="replace") if as_ids else self._token_bytes(token_id, text))

@@ -4,6 +4,7 @@ several prompts, per-request accounting (usage + metrics) and token strings for 
 from __future__ import annotations
 
 import asyncio
+import codecs
 import logging
 import math
 from collections.abc import AsyncGenerator, Callable
@@ -12,6 +13,7 @@ from typing import Any, Protocol, TypeVar
 
 import anyio
 
+from tokenspout.engine.detokenizer import TokenBytes
 from tokenspout.engine.exceptions import EngineDeadError
 from tokenspout.entrypoints.openai.protocol import (
     OpenAIServingError,
@@ -267,6 +269,39 @@ def prompt_logprobs_json(engine: EngineClient, positions: list[PositionLogprobs 
     return [None if pos is None else {
         str(tid): PromptLogprob(logprob=safe_logprob(lp.logprob), rank=lp.rank, decoded_token=token_str(engine, tid, lp))
         for tid, lp in pos.items()} for pos in positions]
+
+
+class LogprobBytes:
+    """Each logprob token's own bytes (engine/detokenizer.py TokenBytes, built at the first use from the engine's
+    tokenizer; the bytes of the token's text where there is none), and the text offsets they make."""
+
+    def __init__(self, engine: EngineClient) -> None:
+        self.engine = engine
+        self._of: TokenBytes | None = None
+
+    def __call__(self, token_id: int, text: str) -> bytes:
+        if self._of is None:
+            tokenizer = getattr(self.engine, "tokenizer", None)
+            if tokenizer is None:
+                return text.encode("utf-8", errors="replace")
+            self._of = TokenBytes(tokenizer)
+        return self._of(token_id, text)
+
+
+class TextOffsets:
+    """Completions' `text_offset`: the characters of the text before each token, counted on the tokens' bytes with
+    an incremental UTF-8 decoder, so the tokens of one split character share its offset.  Adding up each token's
+    text alone counted U+FFFD for every part of a split character: the offsets drifted past the text (audit)."""
+
+    def __init__(self, start: int = 0) -> None:
+        self.offset = start
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def take(self, token_bytes: bytes) -> int:
+        """The offset of a token of these bytes; moves past its complete characters."""
+        at = self.offset
+        self.offset += len(self._decoder.decode(token_bytes))
+        return at
 
 
 def token_str(engine: EngineClient, token_id: int, lp: Logprob, as_id: bool = False) -> str:

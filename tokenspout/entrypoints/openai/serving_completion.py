@@ -29,7 +29,9 @@ from tokenspout.entrypoints.openai.request_ids import request_ids
 from tokenspout.entrypoints.openai.serving_beam import beam_search_completion
 from tokenspout.entrypoints.openai.serving_common import (
     EngineClient,
+    LogprobBytes,
     PromptState,
+    TextOffsets,
     check_model,
     merge_outputs,
     off_loop,
@@ -65,6 +67,7 @@ class OpenAIServingCompletion:
                  offloader: Offloader | None = None) -> None:
         """`offloader`: where a finished response is built (serving_common.off_loop; None: on the event loop)."""
         self.engine = engine
+        self._token_bytes = LogprobBytes(engine)
         self.metrics = metrics
         self.offloader = offloader
 
@@ -125,9 +128,10 @@ class OpenAIServingCompletion:
                 logprobs = None
                 if top_n is not None:
                     logprobs = CompletionLogprobs()
-                    offset = self._echo_logprobs(logprobs, state, top_n, req.return_tokens_as_token_ids) \
-                        if req.echo else 0
-                    self._extend_logprobs(logprobs, c.logprobs, offset, req.return_tokens_as_token_ids)
+                    offsets = TextOffsets()
+                    if req.echo:
+                        self._echo_logprobs(logprobs, state, top_n, offsets, req.return_tokens_as_token_ids)
+                    self._extend_logprobs(logprobs, c.logprobs, offsets, req.return_tokens_as_token_ids)
                 ids = req.return_token_ids
                 choices.append(CompletionChoice(index=p * n + j, text=echo + c.text, logprobs=logprobs,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason,
@@ -141,7 +145,7 @@ class OpenAIServingCompletion:
     async def stream(self, job: CompletionJob) -> AsyncIterator[bytes]:
         req, n, top_n, model = job.request, job.params.n, job.params.logprobs, self.engine.model_name
         states, merged = self._start(job, keep_text=False)
-        offsets = [0] * (len(job.prompts) * n)  # text_offset of the next token, per choice
+        offsets = [TextOffsets() for _ in range(len(job.prompts) * n)]  # text_offset of the next token, per choice
         started = False
 
         envelope = ChunkEnvelope(CompletionResponse(id=job.request_id, created=job.created, model=model, choices=[]))
@@ -178,10 +182,10 @@ class OpenAIServingCompletion:
                             lp = None
                             if top_n is not None:
                                 lp = CompletionLogprobs()
-                                offsets[p * n + j] = self._echo_logprobs(lp, state, top_n,
-                                                                         req.return_tokens_as_token_ids)
+                                self._echo_logprobs(lp, state, top_n, offsets[p * n + j],
+                                                    req.return_tokens_as_token_ids)
                             else:
-                                offsets[p * n + j] = len(text)
+                                offsets[p * n + j] = TextOffsets(len(text))
                             yield chunk(p * n + j, text, lp, prompt_token_ids=prompt_ids(p * n + j, state))
                     for c in out.outputs:
                         index = p * n + c.index
@@ -189,8 +193,8 @@ class OpenAIServingCompletion:
                             lp = None
                             if top_n is not None:
                                 lp = CompletionLogprobs()
-                                offsets[index] = self._extend_logprobs(lp, c.logprobs or [], offsets[index],
-                                                                       req.return_tokens_as_token_ids)
+                                self._extend_logprobs(lp, c.logprobs or [], offsets[index],
+                                                      req.return_tokens_as_token_ids)
                             yield chunk(index, c.text, lp, c.finish_reason, c.stop_reason,
                                         token_ids=list(c.token_ids) if req.return_token_ids else None,
                                         prompt_token_ids=prompt_ids(index, state))
@@ -211,12 +215,12 @@ class OpenAIServingCompletion:
         yield DONE_FRAME
 
     # ------------------------------------------------------------------------------------------ legacy logprobs
-    def _echo_logprobs(self, out: CompletionLogprobs, state: PromptState, top_n: int, as_ids: bool = False) -> int:
+    def _echo_logprobs(self, out: CompletionLogprobs, state: PromptState, top_n: int, offsets: TextOffsets,
+                       as_ids: bool = False) -> None:
         """The prompt's tokens with their prompt logprobs (the first null, as OpenAI) and at most top_n + 1 entries
-        in top_logprobs (the prompt token, then its position's best, as for generated tokens); returns the text
-        offset after them (counted on the decoded text).  `as_ids`: return_tokens_as_token_ids, for the prompt's
+        in top_logprobs (the prompt token, then its position's best, as for generated tokens); their text offsets
+        from `offsets` (counted on the tokens' bytes).  `as_ids`: return_tokens_as_token_ids, for the prompt's
         tokens as for the generated ones (as vLLM)."""
-        offset = 0
         tok = self.engine.tokenizer
         scored = state.prompt_logprobs or []
         for i, token_id in enumerate(state.prompt_token_ids or ()):
@@ -233,14 +237,12 @@ class OpenAIServingCompletion:
                 out.token_logprobs.append(safe_logprob(pos[token_id].logprob))
                 out.top_logprobs.append({token_str(self.engine, t, tl, as_ids): safe_logprob(tl.logprob)
                                          for t, tl in items})
-            out.text_offset.append(offset)
-            offset += len(text)
-        return offset
+            out.text_offset.append(offsets.take(self._token_bytes(token_id, text)))
 
-    def _extend_logprobs(self, out: CompletionLogprobs, positions: list[PositionLogprobs], offset: int,
-                         as_ids: bool = False) -> int:
-        """Appends generated positions (sampled token + its alternatives); returns the next text offset (counted
-        on the decoded text, also when the tokens are shown as "token_id:N")."""
+    def _extend_logprobs(self, out: CompletionLogprobs, positions: list[PositionLogprobs], offsets: TextOffsets,
+                         as_ids: bool = False) -> None:
+        """Appends generated positions (sampled token + its alternatives) and their text offsets (counted on the
+        tokens' bytes, also when the tokens are shown as "token_id:N")."""
         for pos in positions:
             items: list[tuple[int, Logprob]] = list(pos.items())
             token_id, lp = items[0]  # the sampled token comes first
@@ -249,6 +251,4 @@ class OpenAIServingCompletion:
             out.token_logprobs.append(safe_logprob(lp.logprob))
             out.top_logprobs.append({token_str(self.engine, t, tl, as_ids): safe_logprob(tl.logprob)
                                      for t, tl in items})
-            out.text_offset.append(offset)
-            offset += len(text)
-        return offset
+            out.text_offset.append(offsets.take(self._token_bytes(token_id, text)))
