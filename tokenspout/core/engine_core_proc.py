@@ -89,6 +89,13 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
     ctx.term()
     if proc.orphaned:
         _remove_ipc_dir(input_addr)
+    if proc.warm_up_running:  # still in native code after the wait: leave without ending it mid-frame
+        logger.warning("warm-up still running at exit; exiting without interpreter shutdown")
+        logging.shutdown()
+        os._exit(0)
+
+
+_WARM_UP_JOIN_S = 30.0  # warm_up takes ~2.5 s; the frontend waits for the engine's exit (then terminates it)
 
 
 def _remove_ipc_dir(addr: str) -> None:
@@ -133,6 +140,7 @@ class EngineCoreProc:
         self.outputs: queue.Queue = queue.Queue()
         self.stopping = threading.Event()
         self.orphaned = False  # set when the frontend process went away
+        self._warming: threading.Thread | None = None  # warm_up(), started beside the first steps
 
     def run(self) -> None:
         reader = threading.Thread(target=self._input_loop, daemon=True, name="engine-input")
@@ -151,6 +159,15 @@ class EngineCoreProc:
             reader.join(timeout=2)  # it polls with a timeout and sees `stopping`; then its socket can close
             self.in_sock.close(linger=0)
             self.out_sock.close()
+            if self._warming is not None:
+                # An engine stopped in the ~2.5 s after READY exited with warm_up still building the tokenizer and
+                # llguidance's view of it in native code: Python's exit ended that daemon thread inside C++ frames
+                # ("terminate called without an active exception", SIGABRT, sometimes SIGSEGV; audit 2026-11-27).
+                self._warming.join(timeout=_WARM_UP_JOIN_S)
+
+    @property
+    def warm_up_running(self) -> bool:
+        return self._warming is not None and self._warming.is_alive()
 
     def _busy_loop(self) -> None:
         core = self.core
@@ -159,7 +176,8 @@ class EngineCoreProc:
         # manager and its llguidance tokenizer, ~2.5 s), so that request never builds them on the step loop's
         # thread.  (Built lazily there, the first grammar request of a busy engine held the GIL ~0.4-1.4 s: a
         # 418 ms gap in another request's stream, bench.chaos.)  Its Python gives the GIL back every few ms.
-        threading.Thread(target=self._warm_up, name="engine-warm-up", daemon=True).start()
+        self._warming = threading.Thread(target=self._warm_up, name="engine-warm-up", daemon=True)
+        self._warming.start()
         # A first start's quantized-weights cache file is written now, beside the steps (its file writes release
         # the GIL): ready 3.5 s (1.7B) to 20+ s (8B) sooner on this VM.  Not a daemon: an engine that stops
         # meanwhile finishes the file before it exits (one killed leaves a temporary file the next writer removes).
