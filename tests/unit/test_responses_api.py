@@ -67,6 +67,9 @@ def test_reasoning_items_plain_and_streamed():
     streamed = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
     assert streamed == reasoning["text"] == events[-3]["text"]
     assert events[-1]["response"]["output"][0]["content"][0]["text"] == streamed
+    # the item the cut went through is "incomplete" in its output_item.done as in the response (was "completed")
+    assert events[-2]["item"]["status"] == r["output"][0]["status"] == "incomplete"
+    assert events[-1]["response"]["output"][0]["status"] == "incomplete"
 
 
 def test_stream_error_before_the_first_event_is_a_json_error():

@@ -295,7 +295,7 @@ class OpenAIServingResponses:
                     yield frame
                 finish_reason = delta.finish_reason or finish_reason
                 delta = await anext(deltas, None)
-            for frame in events.close_all():
+            for frame in events.close_all(cut=finish_reason == "length"):
                 yield frame
             response = events.response
             response.usage = _usage(usage_of([state]))
@@ -375,12 +375,14 @@ class _EventWriter:
         self.open = _Open(index, kind)
         return frames
 
-    def close_text(self) -> list[bytes]:
+    def close_text(self, cut: bool = False) -> list[bytes]:
+        """Closes the open reasoning / message item: "completed", or with `cut` (max_output_tokens ended the reply
+        inside it) "incomplete", as response.incomplete then says of it."""
         op, self.open = self.open, None
         if op is None:
             return []
         item = self.response.output[op.index]
-        item.status = "completed"
+        item.status = "incomplete" if cut else "completed"
         if isinstance(item, ReasoningItem):
             item.content = [ReasoningText(text=op.text)]
             return [self.emit("response.reasoning_text.done", item_id=item.id, output_index=op.index,
@@ -432,12 +434,14 @@ class _EventWriter:
                                         output_index=index, delta=fragment))
         return frames
 
-    def close_all(self) -> list[bytes]:
-        frames = self.close_text()
+    def close_all(self, cut: bool = False) -> list[bytes]:
+        """Closes every open item; `cut`: the last one is "incomplete" (the reply ended at max_output_tokens)."""
+        last = len(self.response.output) - 1
+        frames = self.close_text(cut and self.open is not None and self.open.index == last)
         for index in self.calls.values():
             item = self.response.output[index]
             assert isinstance(item, FunctionCallItem)
-            item.status = "completed"
+            item.status = "incomplete" if cut and index == last else "completed"
             frames += [self.emit("response.function_call_arguments.done", item_id=item.id, output_index=index,
                                  name=item.name, arguments=item.arguments),
                        self.emit("response.output_item.done", output_index=index, item=item)]
