@@ -107,9 +107,18 @@ def test_openai_response_format_end_to_end():
             max_tokens=10, extra_body={"guided_choice": ["alpha", "beta"]})
         text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
         assert text in ("alpha", "beta")
-        # beam search through the API: n = width, the best beams first
+        # beam search through the API: n = width, the best beams first; counted in /metrics as a request
+        import httpx
+
+        def finished() -> float:
+            text = httpx.get(server.url + "/metrics").text
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith("tokenspout:request_success_total{"))
+
+        before = finished()
         b = c.completions.create(model=engine.model_name, prompt="The capital of France is", n=3, max_tokens=6,
                                  temperature=0.0, extra_body={"use_beam_search": True})
+        assert finished() == before + 3  # one per choice, as sampled ones (beam search was missing)
         assert [ch.index for ch in b.choices] == [0, 1, 2] and len({ch.text for ch in b.choices}) == 3
         assert b.usage.completion_tokens == sum(len(engine.tokenizer(ch.text).input_ids) for ch in b.choices) or \
             b.usage.completion_tokens > 0

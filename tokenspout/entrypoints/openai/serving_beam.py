@@ -12,14 +12,16 @@ import itertools
 
 from tokenspout.engine.beam_search import BeamSearch
 from tokenspout.entrypoints.openai.protocol import CompletionChoice, CompletionResponse, UsageInfo
+from tokenspout.entrypoints.openai.serving_common import PromptState
 from tokenspout.sampling_params import RequestOutputKind, SamplingParams
 
 
 async def beam_search_completion(engine, request_id: str, created: int, prompts: list[str | list[int]], width: int,
                                  request_params: SamplingParams, length_penalty: float,
-                                 echo: bool) -> CompletionResponse:
+                                 echo: bool, states: list[PromptState] | None = None) -> CompletionResponse:
     """`request_params`: the request's own params, for its max_tokens (checked against every prompt's room as a
-    sampled request's is: a max_tokens that does not fit is a 400 before any search)."""
+    sampled request's is: a max_tokens that does not fit is a 400 before any search).  `states`: one per prompt,
+    given each choice's finish reason and token count for the metrics (the caller finishes them)."""
     processor = engine.processor
     ids = [processor.tokenize(p) for p in prompts]
     max_tokens = min(processor.max_tokens_for(request_params, len(i)) for i in ids)
@@ -46,6 +48,10 @@ async def beam_search_completion(engine, request_id: str, created: int, prompts:
             choices.append(CompletionChoice(
                 index=p * width + j, text=prefix + engine.tokenizer.decode(h.token_ids, skip_special_tokens=True),
                 finish_reason="stop" if ended else "length"))
+            if states is not None:
+                states[p].prompt_token_ids = prompt_ids
+                states[p].choices[j].finish_reason = "stop" if ended else "length"
+                states[p].choices[j].num_tokens = len(h.token_ids)
     prompt_tokens = sum(len(i) for i in ids)
     return CompletionResponse(id=request_id, created=created, model=engine.model_name, choices=choices,
                               usage=UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,

@@ -47,7 +47,7 @@ from tokenspout.entrypoints.openai.sse import DONE_FRAME, ChunkEnvelope, error_f
 from tokenspout.metrics import ServerMetrics
 from tokenspout.offload import Offloader
 from tokenspout.outputs import Logprob, PositionLogprobs, RequestOutput
-from tokenspout.sampling_params import SamplingParams
+from tokenspout.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -100,12 +100,17 @@ class OpenAIServingCompletion:
     # ------------------------------------------------------------------------------------------ non-streaming
     async def complete(self, job: CompletionJob) -> CompletionResponse:
         req = job.request
-        if req.use_beam_search:
+        if req.use_beam_search:  # (counted in the metrics as its sampled twin would be: one request per prompt)
+            states = [PromptState(req.n, RequestOutputKind.FINAL_ONLY, self.metrics, keep_text=False)
+                      for _ in job.prompts]
             try:
                 return await beam_search_completion(self.engine, job.engine_id, job.created, job.prompts, req.n,
-                                                    job.params, req.length_penalty, req.echo)
+                                                    job.params, req.length_penalty, req.echo, states)
             except Exception as e:
-                raise to_serving_error(e) from e
+                raise self._fail(states, e, started=False) from e
+            finally:
+                for s in states:
+                    s.finish("abort")  # no-op unless the client went away mid-search
         states, merged = self._start(job, keep_text=True)
         try:
             async with aclosing(merged) as outs:
