@@ -27,6 +27,7 @@ full `decode` would.
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from abc import ABC, abstractmethod
@@ -119,8 +120,6 @@ class TokenBytes:
         self._kind = "text"
         self._added: set[int] = set()
         if self._backend is not None and self._backend.decoder is not None:
-            import json
-
             spec = json.loads(self._backend.decoder.__getstate__())
             kinds = {d.get("type") for d in spec.get("decoders", [spec])}
             self._kind = "byte_level" if "ByteLevel" in kinds else "byte_fallback" if "ByteFallback" in kinds \
