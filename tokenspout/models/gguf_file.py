@@ -106,10 +106,17 @@ def sidecar_folder(gguf: Path) -> Path:
     return target
 
 
+# Bumped when what a sidecar folder holds changes (2: RoPE scaling from the file's metadata): older folders are then
+# another name, rebuilt once, and pruned.
+_SIDECAR_VERSION = 2
+
+
 def _sidecar_name(gguf: Path) -> str:
-    """<stem>-<hash of the resolved path, size and mtime>: a file replaced in place gets a new folder."""
+    """<stem>-<hash of the resolved path, size, mtime and _SIDECAR_VERSION>: a file replaced in place gets a new
+    folder."""
     st = gguf.stat()
-    return f"{gguf.stem}-{hashlib.sha256(f'{gguf}:{st.st_size}:{st.st_mtime_ns}'.encode()).hexdigest()[:12]}"
+    key = f"{gguf}:{st.st_size}:{st.st_mtime_ns}:{_SIDECAR_VERSION}"
+    return f"{gguf.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
 def prune_sidecars(under: Path | None = None) -> list[Path]:
@@ -200,6 +207,8 @@ def _write_sidecar(gguf: Path, target: Path) -> None:
         config["_name_or_path"] = gguf.stem
         config["tie_word_embeddings"] = not any(t.name == "output.weight" for t in reader.tensors)
         config["dtype"] = "float32"
+        config["rope_parameters"] = rope_parameters(gguf, reader.fields, arch, config.get("rope_parameters") or {})
+        config.pop("rope_scaling", None)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                          pad_token_id=tok.pad_token_id).save_pretrained(tmp)
@@ -244,11 +253,48 @@ def _is_finite(v) -> bool:
     return is_number(v) and math.isfinite(v)
 
 
+def _key_of(fields: dict, arch: str, name: str) -> str:
+    """The key of hyperparameter NAME (a "mistral" file may carry llama's keys, as llama.cpp writes Mistral 7B)."""
+    return f"{arch}.{name}" if f"{arch}.{name}" in fields or f"llama.{name}" not in fields else f"llama.{name}"
+
+
+def rope_parameters(gguf: Path, fields: dict, arch: str, converted: dict) -> dict:
+    """The RoPE parameters of the file (`converted`: transformers' conversion's, which keep only the base
+    frequency): `rope.scaling.type` linear or yarn with its factor (and yarn's original context length and betas)
+    as transformers' rope_parameters.  Served without them, a linear-scaled file's logits were off by ~19 on a tiny
+    model (audit 2026-11-27).  Llama 3.1+ files carry their llama3 scaling as a `rope_freqs` tensor instead: the
+    loader divides the frequencies by it (gguf_model.GGUFCheckpoint.rope_freq_factors)."""
+    def value(name: str):
+        v = fields.get(_key_of(fields, arch, name))
+        return v[0] if isinstance(v, list) and v else v
+
+    params = dict(converted)
+    kind = value("rope.scaling.type")
+    if kind in (None, "none", ""):
+        return params
+    factor = value("rope.scaling.factor")
+    if not (_is_finite(factor) and factor >= 1):
+        raise ValueError(f"GGUF file {gguf}: RoPE scaling {kind!r} needs rope.scaling.factor >= 1, got {factor!r}")
+    if kind == "linear":
+        return {**params, "rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn":
+        original = value("rope.scaling.original_context_length")
+        if not (is_int(original) and original >= 1):
+            raise ValueError(f"GGUF file {gguf}: YaRN scaling needs rope.scaling.original_context_length, got "
+                             f"{original!r}")
+        params.update(rope_type="yarn", factor=float(factor), original_max_position_embeddings=original)
+        for key, name in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow")):
+            if _is_finite(beta := value(key)):
+                params[name] = float(beta)
+        return params
+    raise ValueError(f"GGUF file {gguf}: RoPE scaling type {kind!r} is not supported (none, linear, yarn)")
+
+
 def _check_hparams(gguf: Path, fields: dict, arch: str) -> None:
     """The hyperparameters, checked from the header (`fields`: scalars, and per-layer arrays as lists)."""
 
-    def key_of(name: str) -> str:  # (a "mistral" file may carry llama's keys, as llama.cpp writes Mistral 7B)
-        return f"{arch}.{name}" if f"{arch}.{name}" in fields or f"llama.{name}" not in fields else f"llama.{name}"
+    def key_of(name: str) -> str:
+        return _key_of(fields, arch, name)
 
     for name in _REQUIRED_HPARAMS:
         if key_of(name) not in fields:

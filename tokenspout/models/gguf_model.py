@@ -165,7 +165,22 @@ class GGUFCheckpoint:
                         and n.split(".")[1].isdigit()), default=-1)
 
     def warn_unused(self, plan: dict[str, list[str]]) -> None:
-        pass  # (llama.cpp files carry tensors tokenspout computes itself, e.g. rope_freqs)
+        pass  # (llama.cpp files carry tensors tokenspout reads apart, e.g. rope_freqs)
+
+    def rope_freq_factors(self, head_dim: int) -> torch.Tensor | None:
+        """`rope_freqs.weight`: what llama.cpp divides each rotary frequency by (how its converter stores Llama
+        3.1+'s llama3 scaling: no rope.scaling keys then).  Ignored, a Llama 3.1 file was served with unscaled
+        frequencies: logits off by ~21 on a tiny model, wrong long-range positions on a real one (audit)."""
+        t = self.tensors.get("rope_freqs.weight")
+        if t is None:
+            return None
+        from gguf.quants import dequantize
+
+        factors = torch.from_numpy(np.array(dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32)).reshape(-1)
+        if factors.numel() != head_dim // 2 or not bool(torch.isfinite(factors).all()) or bool((factors <= 0).any()):
+            raise ValueError(f"{self.path.name}: rope_freqs must hold {head_dim // 2} positive factors, got "
+                             f"{factors.numel()} values")
+        return factors
 
     def type_name(self, name: str) -> str:
         return self._tensor(name).tensor_type.name

@@ -177,6 +177,7 @@ def check_shapes(meta_model: torch.nn.Module, arch: LlamaArch, checkpoint: Any) 
 def load_model(cfg: ModelConfig, defer_cache_write: bool = False) -> LoadedModel:
     """defer_cache_write: a first start's quantized-weights cache file is left to LoadedModel.write_cache (the
     engine process writes it once it is ready) instead of being written before this returns."""
+    cfg.validate()  # (callers that build a ModelConfig by hand: quantization="none" went down the quantized path)
     path, name = resolve_model_path(cfg.model)
     hf = load_hf_config(path)
     arch = LlamaArch.from_hf(hf)
@@ -185,6 +186,9 @@ def load_model(cfg: ModelConfig, defer_cache_write: bool = False) -> LoadedModel
     checkpoint = open_checkpoint(path)
     check_layers(arch, checkpoint, path)
     inv_freq, scaling = rope_inv_freq(hf, arch.head_dim)
+    factors = checkpoint.rope_freq_factors(arch.head_dim) if hasattr(checkpoint, "rope_freq_factors") else None
+    if factors is not None:  # a GGUF file's llama3 scaling, as llama.cpp applies it
+        inv_freq = inv_freq / factors
     with torch.device("meta"):
         meta_model = model_class(arch.architecture)(arch)
     check_shapes(meta_model, arch, checkpoint)
