@@ -105,7 +105,8 @@ def test_q4_k_m_logits(q4_k_m: Path) -> None:
 @pytest.mark.parametrize("rope", [
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
      "original_max_position_embeddings": 64},  # llama.cpp writes it as a rope_freqs tensor (Llama 3.1+)
-    {"rope_type": "linear", "factor": 4.0}])  # as rope.scaling.type / rope.scaling.factor keys
+    {"rope_type": "linear", "factor": 4.0},  # as rope.scaling.type / rope.scaling.factor keys
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}])  # + original_context_length
 def test_rope_scaling_of_llama_cpp_files(rope, tmp_path: Path, model_path: Path) -> None:
     """A float32 file of a tiny RoPE-scaled Llama, made by llama.cpp's converter, gives the original model's logits.
     The sidecar config had kept transformers' conversion's plain RoPE, and the rope_freqs tensor was ignored: max
