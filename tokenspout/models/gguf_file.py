@@ -27,7 +27,10 @@ SOURCE_FILE = "gguf_source.json"
 # rebuilt; a truncated tokenizer.json or a deleted config.json had made a lasting "not a Hugging Face model folder")
 COMPLETE_FILE = "sidecar_complete.json"
 _MAGIC = b"GGUF"  # (gguf_header.MAGIC: not imported from there, it imports numpy and the API server imports this)
-_FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS")
+# 4-bit types on a uniform grid (int4 holds them exactly, or to float16 scales).  IQ4_NL / IQ4_XS use 16 non-uniform
+# levels: re-fitted to int4 they erred by 5% of each tensor's largest weight (Q6_K re-fitted to int8: 0.4%), so
+# they go to int8 like the other types int4 cannot hold (audit 2026-11-27)
+_FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")
 
 
 def is_gguf(path: Path) -> bool:
