@@ -323,7 +323,7 @@ def test_unsupported_architecture_is_a_clear_error(tmp_path: Path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ValueError, match="GGUF architecture 'gpt2' is not supported"):
+    with pytest.raises(ValueError, match="GGUF architecture 'gpt2' is not supported .*: tiny-gpt2.gguf"):
         sidecar_folder(path)
     with pytest.raises(FileNotFoundError):
         sidecar_folder(tmp_path / "missing.gguf")

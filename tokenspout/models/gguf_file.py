@@ -87,7 +87,9 @@ def field(reader, key: str):
 def architecture(reader) -> str:
     arch = field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})")
+        name = Path(getattr(reader.data, "filename", None) or "").name
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
+                         + (f": {name}" if name else ""))
     return arch
 
 
