@@ -172,15 +172,18 @@ def _read_streams(url: str, n: int, frames: list[list[str]], first: threading.Ba
     def run(i: int) -> None:
         body = {"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time", "max_tokens": 1000,
                 "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
-            assert r.status_code == 200
-            waited = False
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    frames[i].append(line[6:])
-                    if not waited:
-                        waited = True
-                        first.wait(30)
+        try:
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+                assert r.status_code == 200
+                waited = False
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        frames[i].append(line[6:])
+                        if not waited:
+                            waited = True
+                            first.wait(30)
+        except httpx.RemoteProtocolError:  # a server told to exit at once (a second SIGTERM) cuts the stream
+            frames[i].append("<connection cut>")
 
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(n)]
     for t in threads:
