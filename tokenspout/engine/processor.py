@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from tokenspout import guidance
-from tokenspout.checks import is_int
+from tokenspout.checks import is_int, is_number
 from tokenspout.engine.chat_template import TEMPLATE_TIME_LIMIT_S, run_with_time_limit
 from tokenspout.engine.messages import EngineCoreRequest
 from tokenspout.engine.parallel_sampling import ParentRequest
@@ -70,8 +70,7 @@ def sampling_defaults(generation_config: Mapping[str, Any]) -> dict[str, Any]:
     """The sampling defaults a model folder sets, e.g. {"temperature": 0.6, "top_p": 0.9} (as vLLM, `do_sample` is
     not read: the keys alone decide).  A value outside its range is an error at startup naming the file: it had
     made every request that omits the field a 400 blaming the client ("top_p must be in (0, 1], got 2")."""
-    defaults = {k: generation_config[k] for k in SAMPLING_DEFAULT_KEYS
-                if isinstance(generation_config.get(k), int | float) and not isinstance(generation_config.get(k), bool)}
+    defaults = {k: generation_config[k] for k in SAMPLING_DEFAULT_KEYS if is_number(generation_config.get(k))}
     for key, value in defaults.items():
         try:
             fields: dict[str, Any] = {key: float(value) if key != "top_k" else value}

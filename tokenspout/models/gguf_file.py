@@ -212,7 +212,7 @@ def _write_sidecar(gguf: Path, target: Path) -> None:
         config["_name_or_path"] = gguf.stem
         config["tie_word_embeddings"] = not any(t.name == "output.weight" for t in reader.tensors)
         config["dtype"] = "float32"
-        config["rope_parameters"] = rope_parameters(gguf, reader.fields, arch, config.get("rope_parameters") or {})
+        config["rope_parameters"] = rope_parameters(gguf, reader, arch, config.get("rope_parameters") or {})
         config.pop("rope_scaling", None)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
@@ -263,15 +263,14 @@ def _key_of(fields: dict, arch: str, name: str) -> str:
     return f"{arch}.{name}" if f"{arch}.{name}" in fields or f"llama.{name}" not in fields else f"llama.{name}"
 
 
-def rope_parameters(gguf: Path, fields: dict, arch: str, converted: dict) -> dict:
+def rope_parameters(gguf: Path, reader, arch: str, converted: dict) -> dict:
     """The RoPE parameters of the file (`converted`: transformers' conversion's, which keep only the base
     frequency): `rope.scaling.type` linear or yarn with its factor (and yarn's original context length and betas)
     as transformers' rope_parameters.  Served without them, a linear-scaled file's logits were off by ~19 on a tiny
     model (audit 2026-11-27).  Llama 3.1+ files carry their llama3 scaling as a `rope_freqs` tensor instead: the
     loader divides the frequencies by it (gguf_model.GGUFCheckpoint.rope_freq_factors)."""
     def value(name: str):
-        v = fields.get(_key_of(fields, arch, name))
-        return v[0] if isinstance(v, list) and v else v
+        return field(reader, _key_of(reader.fields, arch, name))
 
     params = dict(converted)
     kind = value("rope.scaling.type")

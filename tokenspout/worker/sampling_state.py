@@ -95,6 +95,7 @@ class _Slot:
 
 _F32_TINY = float(torch.finfo(torch.float32).tiny)
 
+
 def _new_slot(params: SamplingParams, top_k: int, top_p: float, num_logprobs: int, prompt_token_ids: list[int],
               output_token_ids: list[int], device: torch.device, mirostat: MirostatState | None) -> _Slot:
     greedy = params.is_greedy

@@ -273,7 +273,7 @@ def prompt_logprobs_json(engine: EngineClient, positions: list[PositionLogprobs 
 
 class LogprobBytes:
     """Each logprob token's own bytes (engine/detokenizer.py TokenBytes, built at the first use from the engine's
-    tokenizer; the bytes of the token's text where there is none), and the text offsets they make."""
+    tokenizer; the bytes of the token's text where there is none)."""
 
     def __init__(self, engine: EngineClient) -> None:
         self.engine = engine
