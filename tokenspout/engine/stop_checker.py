@@ -68,13 +68,16 @@ class StopChecker:
             return 0
         if self._fail is None:
             self._fail = [_prefix_function(s) for s in self.stop]
-        if not text.startswith(self._seen):  # (a text that does not extend the last one: follow it from the start)
-            self._state, self._seen = [], ""
-        if not self._state:
             self._state = [0] * len(self.stop)
-        new = text[len(self._seen):]
-        for j, (s, fail) in enumerate(zip(self.stop, self._fail)):
-            k, last = self._state[j], len(s) - 1
+        seen, state = self._seen, self._state
+        if not text.startswith(seen):  # (a text that does not extend the last one: follow it from the start)
+            seen, state[:] = "", [0] * len(state)
+        new = text[len(seen):]
+        for j, s in enumerate(self.stop):
+            k = state[j]
+            if not k and s[0] not in new:
+                continue  # (no prefix of s can start in the new text: the common case, at C speed)
+            fail, last = self._fail[j], len(s) - 1
             for ch in new:
                 while k and s[k] != ch:
                     k = fail[k - 1]
@@ -82,7 +85,7 @@ class StopChecker:
                     k += 1
                     if k > last:  # the whole string (find() reports it): keep its longest proper border
                         k = fail[last]
-            self._state[j] = k
+            state[j] = k
         self._seen = text
         return max(self._state, default=0)
 
