@@ -1,5 +1,6 @@
 """The decode kernels against torch references, at every ISA level this CPU has (AVX2, AVX-512 VNNI: each built and
-loaded on its own, as TOKENSPOUT_ISA would force it); skipped where the CPU or compiler cannot build them."""
+loaded on its own, as TOKENSPOUT_ISA would force it) and in the batch-invariant build (`--batch-invariant`);
+skipped where the CPU or compiler cannot build them."""
 
 from __future__ import annotations
 
@@ -17,9 +18,9 @@ from tokenspout.models.quantize import dequantize, pack_int5, quantize_int4, qua
 pytestmark = pytest.mark.skipif(cpu.load() is None, reason="decode kernels unavailable on this machine")
 
 
-@pytest.fixture(params=cpu.available_isas())
+@pytest.fixture(params=[*cpu.available_isas(), "avx2-invariant"])
 def lib(request):
-    return cpu.load(request.param)
+    return cpu.load(invariant=True) if request.param == "avx2-invariant" else cpu.load(request.param)
 
 
 def test_the_best_level_is_chosen_and_can_be_forced(monkeypatch):
@@ -72,7 +73,9 @@ def int16_activations(x: torch.Tensor, levels: float = 32767.0) -> torch.Tensor:
     or 127 for int8 activations)."""
     g = x.view(x.shape[0], -1, 32)
     amax = g.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, levels / amax, torch.zeros_like(amax))
+    # a tensor divided by a tensor: torch computes `levels / amax` (a scalar over a tensor) as a product with the
+    # reciprocal, which differs from the kernels' division in the last bit and moves a code at a half now and then
+    inv = torch.where(amax > 0, torch.full_like(amax, levels) / amax, torch.zeros_like(amax))
     return (torch.round(g * inv) * (amax / levels)).view_as(x)
 
 
@@ -105,17 +108,26 @@ def test_linear_quantized_packed_matches_dequantized(lib, fn, levels, m, n, k):
     err = (deq - w).abs().view(n, G, 32).amax(-1)
     # half a grid step, plus the float16 rounding of the scale (and min) both formats store
     assert (err <= 0.51 * span / levels + 2e-3 * groups.abs().amax(-1) + 1e-7).all()
-    xq = int16_activations(x)
+    xq = int16_activations(x).double()
     if packed.min is None:
-        ref = xq @ deq.T
+        ref, mag = xq @ deq.double().T, xq.abs() @ deq.double().abs().T
     else:
-        mins = unpack_min(packed)
-        ref = xq @ (deq - mins.repeat_interleave(32, 1)).T + x.view(m, G, 32).sum(-1) @ mins.T
+        mins = unpack_min(packed).double()
+        codes, sums = deq.double() - mins.repeat_interleave(32, 1), x.view(m, G, 32).sum(-1).double()
+        ref = xq @ codes.T + sums @ mins.T
+        mag = xq.abs() @ codes.abs().T + sums.abs() @ mins.abs().T
+    # float32 rounding of the kernels' terms: relative to their magnitudes (Q4's min term cancels most of the code
+    # term: results ~1 from terms ~1000), not to the result
+    tol = 2e-6 * mag + 1e-5
+
+    def check(got, want):
+        assert ((got.double() - want).abs() <= tol).all(), ((got.double() - want).abs() / tol).max()
+
     b = torch.randn(n, generator=g)
-    torch.testing.assert_close(cpu.linear(lib, x, packed), ref, atol=5e-4, rtol=1e-4)
-    torch.testing.assert_close(cpu.linear(lib, x, packed, bias=b), ref + b, atol=5e-4, rtol=1e-4)
+    check(cpu.linear(lib, x, packed), ref)
+    check(cpu.linear(lib, x, packed, bias=b), ref + b.double())
     y = torch.randn(m, n, generator=g)
-    torch.testing.assert_close(cpu.linear(lib, x, packed, out=y.clone(), accumulate=True), y + ref, atol=5e-4, rtol=1e-4)
+    check(cpu.linear(lib, x, packed, out=y.clone(), accumulate=True), y.double() + ref)
     # and the activation rounding costs little against the float product (a bound, not the oracle)
     assert (cpu.linear(lib, x, packed) - x @ deq.T).abs().max() < 1e-3 * (x @ deq.T).abs().max()
 
@@ -318,3 +330,27 @@ def test_int5_codes_at_their_maximum_with_int8_activations(lib, m):
     ref = quantized_reference(x, packed, deq, int16_activations(x, 127.0))
     got = cpu.linear(lib, x, dataclasses.replace(packed, act8=True))
     torch.testing.assert_close(got, ref, atol=1e-3, rtol=1e-5)
+
+
+def test_batch_invariant_kernels_give_a_row_its_result_alone_at_every_batch_size():
+    """The batch-invariant build: a row's outputs are bit-identical whether it is alone (the one-row kernels), among
+    2-15 rows (the row path) or 16+ (the tiled path, padding rows included), for every weight format, with bias and
+    accumulation, K ending on a lone group (96, 608) or a pair (1088), and N ending on a partial block of four."""
+    lib = cpu.load(invariant=True)
+    g = torch.Generator().manual_seed(5)
+    formats = {"int8": lambda w: quantize_int8(w)[0], "int4": lambda w: quantize_int4(w)[0],
+               "int5": lambda w: quantize_int5(w, lib)[0], "float32": lambda w: w, "bfloat16": lambda w: w.bfloat16()}
+    for name, fn in formats.items():
+        for k in (96, 608, 1088):
+            w = fn(torch.randn(38, k, generator=g))
+            x, b, y = torch.randn(40, k, generator=g) * 3, torch.randn(38, generator=g), torch.randn(40, 38, generator=g)
+            alone = torch.cat([cpu.linear(lib, x[i:i + 1], w, bias=b, out=y[i:i + 1].clone(), accumulate=True)
+                               for i in range(40)])
+            for m in (2, 3, 5, 8, 15, 16, 17, 33, 40):
+                got = cpu.linear(lib, x[:m], w, bias=b, out=y[:m].clone(), accumulate=True)
+                assert torch.equal(got, alone[:m]), (name, k, m)
+
+
+def test_batch_invariant_kernels_are_the_avx2_level():
+    with pytest.raises(ValueError, match="AVX2 level"):
+        cpu.load("avx512", invariant=True)

@@ -9,6 +9,10 @@ ISA levels (`ISA_LEVELS`), one build of the same sources each, picked at run tim
 The best level the CPU has is used unless TOKENSPOUT_ISA=avx2|avx512 forces one (tests force each level the
 machine has, so every level stays tested where it can run).
 
+`load(invariant=True)` is the batch-invariant build (`--batch-invariant`): the AVX2 level compiled with
+-DTS_BATCH_INVARIANT=1, where every batch size computes a row's outputs in one summation order (decode_cpu.c, "the
+row path"), on any CPU with AVX2 (AVX-512 ones too: the AVX-512 kernels keep their own orders).
+
 The library is plain C called through ctypes, compiled with the system gcc (no torch headers), each source by its
 own gcc side by side (~6 s on the 2-core AVX2 EPYC where one call for all of them took ~10 s): once per machine,
 ISA level and source version; a warm start only dlopens it.  `load()` returns None, and the model
@@ -125,10 +129,18 @@ def _build(out: Path, defines: tuple[str, ...] = (), isa: str = "avx2") -> None:
         os.replace(so, out)  # atomic: concurrent builders each produce a complete file
 
 
-def load(isa: str | None = None) -> ctypes.CDLL | None:
-    """The library for `isa` (default: `chosen_isa()`), or None where the kernels are off or cannot be built."""
+def load(isa: str | None = None, invariant: bool = False) -> ctypes.CDLL | None:
+    """The library for `isa` (default: `chosen_isa()`), or None where the kernels are off or cannot be built;
+    invariant: the batch-invariant build (AVX2 only; `isa` must be None or "avx2")."""
     if os.environ.get("TOKENSPOUT_KERNELS", "1") == "0":
         return None
+    if invariant:
+        if isa not in (None, "avx2"):
+            raise ValueError(f"the batch-invariant kernels are the AVX2 level's, not {isa!r}")
+        if "avx2" not in available_isas():
+            logger.info("CPU lacks AVX2/FMA/F16C: no batch-invariant kernels")
+            return None
+        return _load("avx2", invariant=True)
     picked = isa is None and not os.environ.get("TOKENSPOUT_ISA")
     isa = isa or chosen_isa()
     if isa is None:
@@ -144,19 +156,20 @@ def load(isa: str | None = None) -> ctypes.CDLL | None:
 
 
 @functools.cache
-def _load(isa: str) -> ctypes.CDLL | None:
+def _load(isa: str, invariant: bool = False) -> ctypes.CDLL | None:
     if isa not in available_isas():
         raise ValueError(f"ISA level {isa!r} is not available on this CPU (it has {available_isas()})")
     digest = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES + HEADERS)).hexdigest()[:16]
-    so = cache_dir() / f"decode_cpu-{isa}-{digest}.so"
+    variant = f"{isa}-invariant" if invariant else isa
+    so = cache_dir() / f"decode_cpu-{variant}-{digest}.so"
     try:
         if not so.is_file():
-            _build(so, isa=isa)
+            _build(so, defines=("TS_BATCH_INVARIANT=1",) if invariant else (), isa=isa)
         lib = ctypes.CDLL(str(so))
     except (OSError, RuntimeError) as e:
-        logger.warning("decode kernels (%s) unavailable, using the torch path: %s", isa, e)
+        logger.warning("decode kernels (%s) unavailable, using the torch path: %s", variant, e)
         return None
-    logger.info("CPU kernels: %s", isa)
+    logger.info("CPU kernels: %s", variant)
     lib.ts_linear.argtypes = [vp, i64, i64, ctypes.POINTER(Weight), vp, i64, i64, vp, i64, ctypes.c_int]
     lib.ts_linear.restype = None
     lib.ts_rmsnorm.argtypes = [vp, i64, i64, vp, f32, vp]

@@ -13,7 +13,7 @@
  *   weights  W[N, K] float32, bfloat16 or float16 (the torch layout; 16-bit values widened to float32 in registers), or quantized in groups of 32 along K and packed per block of four
  *            output rows (tokenspout/models/quantize.py): Q8 W = scale * q (q int8), Q4 W = scale * q + min
  *            (q 0..15, four per 16-bit word), Q5 W = scale * q + min (q 0..31, three per 16-bit word); codes Q8
- *            [N/4][K/32][4][32 bytes], Q4 [N/4][K/64 rounded up][4][32 bytes] (pairs of groups, see block_q), Q5
+ *            [N/4][K/32][4][32 bytes], Q4 [N/4][K/64 rounded up][4][32 bytes] (pairs of groups, see widen_group), Q5
  *            [N/4][K/96 rounded up][4][64 bytes] (triples of groups, see q5_group), scale/min [N/4][K/32][4] float16
  *            (llama.cpp's Q8_0 / Q4_1 / Q5_1 store them as float16 too);
  *   KV cache of a layer: [2, slots, Hkv, D] float32 or float16; slot of position p = block_ids[p / bs] * bs + p % bs.
@@ -41,6 +41,12 @@
 
 #ifndef TS_AVX512 /* 1 in the AVX-512 build (cpu.py's -DTS_AVX512=1); a value, so C expressions can test it */
 #define TS_AVX512 0
+#endif
+#ifndef TS_BATCH_INVARIANT /* 1 in the batch-invariant build (cpu.py, `--batch-invariant`; AVX2 only): see the row path */
+#define TS_BATCH_INVARIANT 0
+#endif
+#if TS_BATCH_INVARIANT && TS_AVX512
+#error "the batch-invariant build is AVX2's: the AVX-512 kernels keep their own summation orders"
 #endif
 
 #define WT_F32 0
@@ -135,15 +141,17 @@ static inline __attribute__((always_inline)) __m256 load8w(const void *p, int64_
 
 /* float weights (wt: float32 / bfloat16 / float16): four output rows n..n+3 against one or two batch rows (x1 may
  * be NULL): out0[r], out1[r].  With one batch row the k loop runs two steps per iteration into separate
- * accumulators: eight FMA chains hide the FMA latency.  16-bit weights read half the bytes: at one batch row,
- * bound by the weight bytes, that is twice float32's speed. */
+ * accumulators: eight FMA chains hide the FMA latency (not in the batch-invariant build: there one row sums in the
+ * order two rows do, as row1_f does).  16-bit weights read half the bytes: at one batch row, bound by the weight
+ * bytes, that is twice float32's speed. */
 #define LOADF(w, n, K, r, k) load8w((w), ((n) + (r)) * (K) + (k), wt)
 static inline __attribute__((always_inline)) void rows4_f(const void *w, const int wt, int64_t n, int64_t K,
                                                           const float *x0, const float *x1, float out0[4],
                                                           float out1[4]) {
     __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
     __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00;
-    if (x1) {
+    if (x1 || TS_BATCH_INVARIANT) {
+        if (!x1) x1 = x0; /* (the batch-invariant build's one row: computed twice, out1 discarded) */
         for (int64_t k = 0; k < K; k += 8) {
             __m256 xa = _mm256_loadu_ps(x0 + k), xb = _mm256_loadu_ps(x1 + k);
             __m256 w0 = LOADF(w, n, K, 0, k), w1 = LOADF(w, n, K, 1, k);
@@ -321,24 +329,6 @@ static void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, ts_q
         }
 }
 
-/* The four int32 vectors of partial sums of rows 0..3 -> one float vector: lane r (and r + 4) holds row r's. */
-static inline __m256 sum4(__m256i s0, __m256i s1, __m256i s2, __m256i s3) {
-    /* unpack + add: single-uop instructions, where each vphaddd is several */
-    const __m256i t01 = _mm256_add_epi32(_mm256_unpacklo_epi32(s0, s1), _mm256_unpackhi_epi32(s0, s1));
-    const __m256i t23 = _mm256_add_epi32(_mm256_unpacklo_epi32(s2, s3), _mm256_unpackhi_epi32(s2, s3));
-    return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_unpacklo_epi64(t01, t23), _mm256_unpackhi_epi64(t01, t23)));
-}
-
-/* Four scales (float16) of one block and group, duplicated into both 128-bit halves. */
-static inline __m256 scales4(const uint16_t *s) {
-    const __m128 v = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)s));
-    return _mm256_set_m128(v, v);
-}
-
-/* Four minimums (float16) of one block and group in lanes 0..3 only: sum4's result holds each row twice, and the
- * min term must be added once. */
-static inline __m256 mins4(const uint16_t *m) { return _mm256_blend_ps(scales4(m), _mm256_setzero_ps(), 0xF0); }
-
 /* Q8: one weight row's 32 codes of a group widened to int16, elements 0..15 in *lo and 16..31 in *hi. */
 static inline void widen_q8(const uint8_t *c, __m256i *lo, __m256i *hi) {
     *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)c));
@@ -347,7 +337,7 @@ static inline void widen_q8(const uint8_t *c, __m256i *lo, __m256i *hi) {
 
 /* Q4: quarter i (0..3) of a row's 32-byte pair of groups as sixteen int16 codes: 0, 1 = columns 0..15, 16..31 of the
  * pair's first group, 2, 3 = those of its second (16-bit word j holds columns j, 16+j, 32+j, 48+j in its nibbles,
- * low to high; see block_q).  i is a literal at every call: one or two instructions. */
+ * low to high; see widen_group).  i is a literal at every call: one or two instructions. */
 static inline __attribute__((always_inline)) __m256i q4_quarter(__m256i raw, const int i) {
     const __m256i nib = _mm256_set1_epi16(0x000F);
     if (i == 3) return _mm256_srli_epi16(raw, 12);
@@ -368,6 +358,309 @@ static inline void prefetch2(const uint8_t *p) {
 }
 
 #define MT 64 /* batch rows per pass: their accumulators live on the stack */
+
+/* Bytes of codes per block of four weight rows (Q8: a byte per weight; Q4: pairs of groups, 32 bytes per row each;
+ * Q5: triples of groups, 64 bytes per row each). */
+static inline int64_t block_bytes(int64_t wt, int64_t K) {
+    const int64_t G = K / 32;
+    return wt == WT_Q8 ? G * 4 * 32 : wt == WT_Q5 ? (G + 2) / 3 * 4 * 64 : (G + 1) / 2 * 4 * 32;
+}
+
+/* ---- Q5 (int5: a GGUF file's Q5_0 / Q5_1 / Q5_K) on the row path ----
+ * Codes in triples of groups: a row's 96 codes of groups 3t..3t+2 are 64 bytes, two halves of sixteen 16-bit words;
+ * word j of half h holds the codes of the triple's columns 48h + j, 48h + 16 + j and 48h + 32 + j in bits 0-4, 5-9
+ * and 10-14 (models/quantize.py), so widening 16 of them to int16 is a mask, a shift and a mask, or a shift: as
+ * cheap as Q4's nibbles, for 5.33 bits a code.  (A plane of fifth bits beside Q4's nibbles, 5 bits a code, took
+ * three more instructions per 16 codes to merge them: at one batch row, 2 threads, 1.2-1.4x Q4's time per weight;
+ * this layout ~1.0-1.1x.)  Scales and minimums as Q4's.  The AVX-512 build runs these AVX2 kernels too. */
+
+/* third s (0..2) of a half (sixteen words) as int16 codes; s a literal */
+static inline __attribute__((always_inline)) __m256i q5_third(__m256i v, const int s) {
+    if (s == 2) return _mm256_srli_epi16(v, 10);
+    return _mm256_and_si256(s ? _mm256_srli_epi16(v, 5) : v, _mm256_set1_epi16(0x1F));
+}
+
+/* group i (0..2, a literal) of a row's triple (halves A, B): columns 0..15 in *l, 16..31 in *h */
+static inline __attribute__((always_inline)) void q5_group(__m256i A, __m256i B, const int i, __m256i *l, __m256i *h) {
+    if (i == 0) { *l = q5_third(A, 0); *h = q5_third(A, 1); }
+    else if (i == 1) { *l = q5_third(A, 2); *h = q5_third(B, 0); }
+    else { *l = q5_third(B, 1); *h = q5_third(B, 2); }
+}
+
+/* group i (0..2, at run time) of the row triple at c */
+static inline void q5_group_at(const uint8_t *c, int64_t i, __m256i *l, __m256i *h) {
+    const __m256i A = _mm256_loadu_si256((const __m256i *)c), B = _mm256_loadu_si256((const __m256i *)(c + 32));
+    if (i == 0) q5_group(A, B, 0, l, h);
+    else if (i == 1) q5_group(A, B, 1, l, h);
+    else q5_group(A, B, 2, l, h);
+}
+
+/* groups g0..g1 (g1 - g0 <= CG) of row r of an int5 block (codes: the block's) as int16 codes in l[g - g0], h[g - g0]:
+ * whole triples from two loads where the range holds them, a short triple's groups one at a time */
+static inline void q5_widen_row(const uint8_t *codes, int r, int64_t g0, int64_t g1, __m256i *l, __m256i *h) {
+    for (int64_t g = g0; g < g1;) {
+        const uint8_t *c = codes + ((g / 3) * 4 + r) * 64;
+        const int64_t i = g - g0;
+        if (g % 3 == 0 && g + 3 <= g1) {
+            const __m256i A = _mm256_loadu_si256((const __m256i *)c), B = _mm256_loadu_si256((const __m256i *)(c + 32));
+            q5_group(A, B, 0, &l[i], &h[i]);
+            q5_group(A, B, 1, &l[i + 1], &h[i + 1]);
+            q5_group(A, B, 2, &l[i + 2], &h[i + 2]);
+            g += 3;
+        } else {
+            q5_group_at(c, g % 3, &l[i], &h[i]);
+            g++;
+        }
+    }
+}
+
+/* Row r of a block's group g as int16 codes (columns 0..15 in *l, 16..31 in *h), for any quantized format (codes:
+ * the block's).  Q4 codes come in pairs of groups: a row's 64 codes of groups 2p and 2p+1 are 32 bytes whose 16-bit
+ * word j holds the codes of columns j, 16+j, 32+j and 48+j in its four nibbles (models/quantize.py), so widening
+ * them to int16 is a shift and a mask per 16 codes, with no byte-to-word conversion (at one batch row: ~5-10%
+ * faster than 16 bytes per group widened with vpmovzxbw). */
+static inline __attribute__((always_inline)) void widen_group(const uint8_t *codes, const int wt, int64_t g,
+                                                             const int odd, int r, __m256i *l, __m256i *h) {
+    if (wt == WT_Q8) widen_q8(codes + (g * 4 + r) * 32, l, h);
+    else if (wt == WT_Q5) q5_group_at(codes + ((g / 3) * 4 + r) * 64, g % 3, l, h);
+    else { /* odd: g % 2, a literal where the caller knows it (the quarters' shifts are then literals too) */
+        const __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + (g / 2 * 4 + r) * 32));
+        *l = odd ? q4_quarter(raw, 2) : q4_quarter(raw, 0);
+        *h = odd ? q4_quarter(raw, 3) : q4_quarter(raw, 1);
+    }
+}
+
+/* ---- the row path (1 to TILE_MIN - 1 batch rows) ----
+ * Per block of four weight rows, groups are taken in pairs: groups g and g+1 are reduced together into one vector
+ * [g: rows 0..3 | g+1: rows 0..3], so one conversion and one FMA scale both (their eight float16 scales, and Q4's
+ * eight minimums, are one load each: [G][4] is contiguous).  Reducing each group's four rows on their own took ~40%
+ * of the instructions per group at one batch row; pairing them: ts_linear on 1.7B-shaped layers (2 threads, one
+ * row) int4 1.2-1.3x, int8 1.0-1.2x (closer to its memory bound).
+ *
+ * One summation order on every path (batch invariance): a row's result must not depend on how many batch rows
+ * share the call, since that picks the path (block_q1 at one row, block_q below TILE_MIN, the tiled path from
+ * there).  Every path computes, per output: each group's exact int32 dot product, converted to float once (D_g);
+ * four chains in ascending g, E = fma(D_g, ws_g * dx_g, E) over the even groups, O the same over the odd ones, and
+ * (Q4, Q5) EM = fma(min_g, sx_g, EM) over the even groups, OM over the odd ones; the output is (E + EM) + (O + OM).
+ * Here E | O and EM | OM are the 128-bit halves of two accumulators (the min term on its own chain: on the dot
+ * products' chain, two dependent FMAs per pair of groups made the one-row int4 kernel 5-8% slower); the tiled path
+ * keeps the four in four buffers (blocks_tile).  (The AVX-512 build's own kernels keep their orders and are not
+ * batch-invariant.) */
+static inline __m256i dot_rows(__m256i l, __m256i h, __m256i x0, __m256i x1) {
+    return _mm256_add_epi32(_mm256_madd_epi16(l, x0), _mm256_madd_epi16(h, x1));
+}
+
+/* four rows' int32 dot vectors -> [rows 0..3 over lanes 0..3 | rows 0..3 over lanes 4..7] (unpack + add:
+ * single-uop instructions, where each vphaddd is several) */
+static inline __m256i rows4(const __m256i d[4]) {
+#define PAIR32(u, v) _mm256_add_epi32(_mm256_unpacklo_epi32(u, v), _mm256_unpackhi_epi32(u, v))
+    const __m256i d01 = PAIR32(d[0], d[1]), d23 = PAIR32(d[2], d[3]);
+#undef PAIR32
+    return _mm256_add_epi32(_mm256_unpacklo_epi64(d01, d23), _mm256_unpackhi_epi64(d01, d23));
+}
+
+/* rows 0..3 of group A (a[r]) and of group B (b[r]) -> float [A: row 0..3 | B: row 0..3], each the conversion of
+ * the group's whole int32 dot (as the tiled path converts it: int8 codes' sums can exceed float's 24 bits) */
+static inline __m256 sum4x2(const __m256i a[4], const __m256i b[4]) {
+    const __m256i ra = rows4(a), rb = rows4(b);
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(ra, rb, 0x20),
+                                               _mm256_permute2x128_si256(ra, rb, 0x31)));
+}
+
+/* [p[0] x 4 | p[1] x 4]: the float of groups g and g + 1 (activation scales or sums) for their rows' lanes */
+static inline __m256 pair_bcast(const float *p) {
+    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)p))),
+                                    _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+}
+
+/* acc [E | O] += groups g, g + 1 (A: group g's four rows' dots, B: group g + 1's) scaled by their weight scales (sc)
+ * and the activations' (dx); accm [EM | OM] += their minimums (mn, NULL: none) times the activations' group sums (sx) */
+static inline __attribute__((always_inline)) void scale_pair(__m256 *acc, __m256 *accm, const __m256i A[4],
+                                                             const __m256i B[4], const uint16_t *sc, const uint16_t *mn,
+                                                             const float *dx, const float *sx, int64_t g) {
+    if (mn) *accm = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + g * 4))), pair_bcast(sx + g), *accm);
+    const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g * 4)));
+    *acc = _mm256_fmadd_ps(sum4x2(A, B), _mm256_mul_ps(ws, pair_bcast(dx + g)), *acc);
+}
+
+/* accm [EM | OM] of one batch row over every group of a block (dx, sx: the row's activation scales and sums): the
+ * minimums' chains on their own, as scale_pair and lone_group build them */
+static inline __m256 min_chains(const uint16_t *mn, const float *sx, int64_t G) {
+    __m256 accm = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 1 < G; g += 2)
+        accm = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + g * 4))), pair_bcast(sx + g), accm);
+    if (g < G)
+        accm = _mm256_insertf128_ps(accm, _mm_fmadd_ps(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(mn + g * 4))),
+                                                        _mm_set1_ps(sx[g]), _mm256_castps256_ps128(accm)), 0);
+    return accm;
+}
+
+/* four rows' int32 dots of one group -> their floats (the group's whole sums) */
+static inline __m128 sum4x1(const __m256i D[4]) {
+    const __m256i r = rows4(D);
+    return _mm_cvtepi32_ps(_mm_add_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+
+/* e (E or O) += group g's dots (D) scaled, em (EM or OM) += its minimums' term, as scale_pair does for a pair */
+static inline __attribute__((always_inline)) void scale_one(__m128 *e, __m128 *em, const __m256i D[4],
+                                                            const uint16_t *sc, const uint16_t *mn, float dx, float sx,
+                                                            int64_t g) {
+    if (mn) *em = _mm_fmadd_ps(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(mn + g * 4))), _mm_set1_ps(sx), *em);
+    const __m128 ws = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(sc + g * 4)));
+    *e = _mm_fmadd_ps(sum4x1(D), _mm_mul_ps(ws, _mm_set1_ps(dx)), *e);
+}
+
+/* out[0..3] = (E + EM) + (O + OM) */
+static inline void store_eo(__m256 acc, __m256 accm, float *out) {
+    const __m256 v = _mm256_add_ps(acc, accm);
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)));
+}
+
+/* the four rows' dots of block group g (codes: the block's) . batch row m, int16 activations */
+static inline __attribute__((always_inline)) void group_dots(__m256i D[4], const uint8_t *codes, const int wt,
+                                                             const ts_qact *a, int64_t m, int64_t K, int64_t g) {
+    const int16_t *x = a->q + m * K + g * 32;
+    const __m256i x0 = _mm256_loadu_si256((const __m256i *)x), x1 = _mm256_loadu_si256((const __m256i *)(x + 16));
+    for (int r = 0; r < 4; r++) {
+        __m256i l, h;
+        widen_group(codes, wt, g, (int)(g % 2), r, &l, &h);
+        D[r] = dot_rows(l, h, x0, x1);
+    }
+}
+
+/* acc, accm += the block's lone last group g (G odd, so g is even: E and EM, the low halves) . batch row m */
+static inline __attribute__((always_inline)) void lone_group(__m256 *acc, __m256 *accm, const uint8_t *codes,
+                                                             const int wt, const uint16_t *sc, const uint16_t *mn,
+                                                             const ts_qact *a, int64_t m, int64_t K, int64_t g) {
+    __m256i D[4];
+    group_dots(D, codes, wt, a, m, K, g);
+    __m128 e = _mm256_castps256_ps128(*acc), em = _mm256_castps256_ps128(*accm);
+    scale_one(&e, &em, D, sc, mn, a->d[m * (K / 32) + g], a->s[m * (K / 32) + g], g);
+    *acc = _mm256_insertf128_ps(*acc, e, 0);
+    *accm = _mm256_insertf128_ps(*accm, em, 0);
+}
+
+/* out[0..3] = rows of block b . batch row m (what block_q computes with mt = 1). */
+static inline __attribute__((always_inline)) void block_q1(const ts_weight *W, const int wt, int64_t b, int64_t K,
+                                                           const ts_qact *a, int64_t m, float *out) {
+    const int64_t G = K / 32;
+    const uint16_t *sc = W->scale + b * G * 4, *mn = HAS_MIN(wt) ? W->min + b * G * 4 : NULL;
+    const int16_t *xq = a->q + m * K;
+    const float *dx = a->d + m * G, *sx = a->s + m * G;
+    const uint8_t *codes = (const uint8_t *)W->w + b * block_bytes(wt, K);
+    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+    __m256i A[4], B[4];
+    int64_t g = 0;
+    for (; g + 1 < G; g += 2) {
+        const int16_t *x = xq + g * 32;
+        const __m256i xa0 = _mm256_loadu_si256((const __m256i *)x), xa1 = _mm256_loadu_si256((const __m256i *)(x + 16));
+        const __m256i xb0 = _mm256_loadu_si256((const __m256i *)(x + 32)), xb1 = _mm256_loadu_si256((const __m256i *)(x + 48));
+        if (wt == WT_Q8) { /* groups g, g + 1: 128 bytes each */
+            const uint8_t *c = codes + g * 4 * 32;
+            prefetch2(c + PF256);
+            prefetch2(c + 128 + PF256);
+            for (int r = 0; r < 4; r++) {
+                __m256i lo, hi;
+                widen_q8(c + r * 32, &lo, &hi);
+                A[r] = dot_rows(lo, hi, xa0, xa1);
+                widen_q8(c + 128 + r * 32, &lo, &hi);
+                B[r] = dot_rows(lo, hi, xb0, xb1);
+            }
+        } else { /* the pair of groups g, g + 1: one 32-byte load per row (see widen_group) */
+            const uint8_t *c = codes + g / 2 * 4 * 32;
+            prefetch2(c + PF256);
+            for (int r = 0; r < 4; r++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(c + r * 32));
+                A[r] = dot_rows(q4_quarter(raw, 0), q4_quarter(raw, 1), xa0, xa1);
+                B[r] = dot_rows(q4_quarter(raw, 2), q4_quarter(raw, 3), xb0, xb1);
+            }
+        }
+        scale_pair(&acc, &accm, A, B, sc, mn, dx, sx, g);
+    }
+    if (g < G) lone_group(&acc, &accm, codes, wt, sc, mn, a, m, K, g);
+    store_eo(acc, accm, out);
+}
+
+/* block_q1 for int4 codes and int8 activations (act8), AVX2: per row and pair of groups, the nibbles are masked
+ * in place and their bytes shuffled so that each 128-bit lane holds eight columns of group g and eight of g + 1
+ * (the row8 layout); vpmaddubsw multiplies them by the activations (quantize_act lays them out to match) and adds
+ * column pairs into int16 (at most 2 x 15 x 127, twice), one vpmaddwd widens to [g, g, g+1, g+1] per lane, and
+ * four rows reduce to [r0: g, g+1, r1: g, g+1 | r2 ... r3 ...] for one conversion and one FMA.  ~0.24 vector instructions a
+ * weight where block_q1 takes ~0.33 (no int16 widening of the codes, one multiply per 32 products). */
+static inline __attribute__((always_inline)) void block_q1_a8(const ts_weight *W, int64_t b, int64_t K, const ts_qact *a,
+                                                              int64_t m, float *out) {
+    const int64_t G = K / 32, P = (G + 1) / 2;
+    const uint16_t *sc = W->scale + b * G * 4, *mn = W->min + b * G * 4;
+    const int8_t *xq = a->q8 + m * P * 64;
+    const float *dx = a->d + m * G, *sx = a->s + m * G;
+    const uint8_t *codes = (const uint8_t *)W->w + b * block_bytes(WT_Q4, K);
+    const __m256i nib = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi16(1);
+    const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                           0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* [g: r0..3 | g+1: r0..3] -> s's lanes */
+    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 1 < G; g += 2) {
+        const uint8_t *c = codes + g / 2 * 4 * 32;
+        prefetch2(c + PF256);
+        const __m256i xl = _mm256_loadu_si256((const __m256i *)(xq + g / 2 * 64));
+        const __m256i xh = _mm256_loadu_si256((const __m256i *)(xq + g / 2 * 64 + 32));
+        __m256i R[4];
+        for (int r = 0; r < 4; r++) {
+            const __m256i raw = _mm256_loadu_si256((const __m256i *)(c + r * 32));
+            const __m256i lo = _mm256_shuffle_epi8(_mm256_and_si256(raw, nib), split);
+            const __m256i hi = _mm256_shuffle_epi8(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nib), split);
+            R[r] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)), one);
+        }
+        const __m256i t01 = _mm256_hadd_epi32(R[0], R[1]), t23 = _mm256_hadd_epi32(R[2], R[3]);
+        const __m256 s = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(t01, t23, 0x20),
+                                                             _mm256_permute2x128_si256(t01, t23, 0x31)));
+        const __m256 ws = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g * 4))), order);
+        const __m256 wm = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + g * 4))), order);
+        const __m256 dxp = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(dx + g)));
+        const __m256 sxp = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(sx + g)));
+        acc = _mm256_fmadd_ps(s, _mm256_mul_ps(ws, dxp), acc);
+        accm = _mm256_fmadd_ps(wm, sxp, accm);
+    }
+    float v[8];
+    _mm256_storeu_ps(v, _mm256_add_ps(acc, accm));
+    float o[4] = {v[0] + v[1], v[2] + v[3], v[4] + v[5], v[6] + v[7]};
+    if (g < G) { /* a lone last group: the int16 kernels over the same int8 values */
+        float lv[4];
+        __m256i D[4];
+        group_dots(D, codes, WT_Q4, a, m, K, g);
+        __m128 e = _mm_setzero_ps(), em = _mm_setzero_ps();
+        scale_one(&e, &em, D, sc, mn, dx[g], sx[g], g);
+        _mm_storeu_ps(lv, _mm_add_ps(e, em));
+        for (int r = 0; r < 4; r++) o[r] += lv[r];
+    }
+    memcpy(out, o, sizeof o);
+}
+
+/* ---- the row path at 2 to TILE_MIN - 1 batch rows: block_q (and block_q_q5), or block_q_inv ----
+ * block_q reduces each group's four int32 dot vectors to half sums (lanes r and r + 4: each half of the group's
+ * products, converted and scaled on its own) and shares the widened codes across the batch rows: the fastest
+ * order at these sizes, but not block_q1's, so a row's result depends on how many rows share the call.  The
+ * batch-invariant build (TS_BATCH_INVARIANT, `--batch-invariant`) takes block_q_inv instead, in block_q1's order:
+ * ts_linear on 1.7B-shaped layers, 2 threads, 1.1-1.2x block_q's time at 2-15 rows. */
+/* The four int32 vectors of partial sums of rows 0..3 -> one float vector: lane r (and r + 4) holds row r's. */
+static inline __m256 sum4(__m256i s0, __m256i s1, __m256i s2, __m256i s3) {
+    /* unpack + add: single-uop instructions, where each vphaddd is several */
+    const __m256i t01 = _mm256_add_epi32(_mm256_unpacklo_epi32(s0, s1), _mm256_unpackhi_epi32(s0, s1));
+    const __m256i t23 = _mm256_add_epi32(_mm256_unpacklo_epi32(s2, s3), _mm256_unpackhi_epi32(s2, s3));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_unpacklo_epi64(t01, t23), _mm256_unpackhi_epi64(t01, t23)));
+}
+
+/* Four scales (float16) of one block and group, duplicated into both 128-bit halves. */
+static inline __m256 scales4(const uint16_t *s) {
+    const __m128 v = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)s));
+    return _mm256_set_m128(v, v);
+}
+
+/* Four minimums (float16) of one block and group in lanes 0..3 only: sum4's result holds each row twice, and the
+ * min term must be added once. */
+static inline __m256 mins4(const uint16_t *m) { return _mm256_blend_ps(scales4(m), _mm256_setzero_ps(), 0xF0); }
 
 /* acc[m] += one group (g) of four weight rows, widened to int16 (row r: elements 0..15 in l[r], 16..31 in h[r]),
  * against batch rows m0..m0+mt-1: an integer dot per row and group, one conversion and one or two FMAs. */
@@ -438,215 +731,6 @@ static inline __attribute__((always_inline)) void block_q(const ts_weight *W, co
     }
 }
 
-/* Bytes of codes per block of four weight rows (Q8: a byte per weight; Q4: pairs of groups, 32 bytes per row each;
- * Q5: triples of groups, 64 bytes per row each). */
-static inline int64_t block_bytes(int64_t wt, int64_t K) {
-    const int64_t G = K / 32;
-    return wt == WT_Q8 ? G * 4 * 32 : wt == WT_Q5 ? (G + 2) / 3 * 4 * 64 : (G + 1) / 2 * 4 * 32;
-}
-
-/* ---- the row path at one batch row (a decode step of one sequence) ----
- * block_q reduces each group's four int32 dot vectors to one float vector (sum4) and scales it on its own; at one
- * batch row nothing shares that work, and the reduction plus scaling were ~40% of the instructions per group.  Here
- * groups g and g+1 are reduced together into one vector [g: rows 0..3 | g+1: rows 0..3], so one conversion and one
- * FMA scale both (their eight float16 scales, and Q4's eight minimums, are one load each: [G][4] is contiguous), and
- * the min term goes to its own accumulator.  ts_linear on 1.7B-shaped layers (2 threads, one row): int4 1.2-1.3x,
- * int8 1.0-1.2x (closer to its memory bound).  Each int32 lane holds at most 16 products (as in sum4): converted to
- * float before the two halves are added. */
-static inline __m256i dot_rows(__m256i l, __m256i h, __m256i x0, __m256i x1) {
-    return _mm256_add_epi32(_mm256_madd_epi16(l, x0), _mm256_madd_epi16(h, x1));
-}
-
-/* rows 0..3 of group A (a[r]) and of group B (b[r]) -> float [A: row 0..3 | B: row 0..3] */
-static inline __m256 sum4x2(const __m256i a[4], const __m256i b[4]) {
-#define PAIR32(u, v) _mm256_add_epi32(_mm256_unpacklo_epi32(u, v), _mm256_unpackhi_epi32(u, v))
-    const __m256i a01 = PAIR32(a[0], a[1]), a23 = PAIR32(a[2], a[3]), b01 = PAIR32(b[0], b[1]), b23 = PAIR32(b[2], b[3]);
-#undef PAIR32
-    /* [rows 0..3 | rows 0..3]: each half a partial sum of 16 products */
-    const __m256 fa = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_unpacklo_epi64(a01, a23), _mm256_unpackhi_epi64(a01, a23)));
-    const __m256 fb = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_unpacklo_epi64(b01, b23), _mm256_unpackhi_epi64(b01, b23)));
-    return _mm256_add_ps(_mm256_permute2f128_ps(fa, fb, 0x20), _mm256_permute2f128_ps(fa, fb, 0x31));
-}
-
-/* [p[0] x 4 | p[1] x 4]: the float of groups g and g + 1 (activation scales or sums) for their rows' lanes */
-static inline __m256 pair_bcast(const float *p) {
-    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)p))),
-                                    _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
-}
-
-/* acc += groups g, g + 1's dots (A: group g's four rows, B: group g + 1's) scaled by their weight scales (sc) and
- * the activations' (dx); accm += their minimums (mn, NULL: none) times the activations' group sums (sx). */
-static inline __attribute__((always_inline)) void scale_pair(__m256 *acc, __m256 *accm, const __m256i A[4],
-                                                             const __m256i B[4], const uint16_t *sc, const uint16_t *mn,
-                                                             const float *dx, const float *sx, int64_t g) {
-    if (mn) *accm = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + g * 4))), pair_bcast(sx + g), *accm);
-    const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g * 4)));
-    *acc = _mm256_fmadd_ps(sum4x2(A, B), _mm256_mul_ps(ws, pair_bcast(dx + g)), *acc);
-}
-
-/* out[0..3] = rows of block b . batch row m (what block_q computes with mt = 1). */
-static inline __attribute__((always_inline)) void block_q1(const ts_weight *W, const int wt, int64_t b, int64_t K,
-                                                           const ts_qact *a, int64_t m, float *out) {
-    const int64_t G = K / 32;
-    const uint16_t *sc = W->scale + b * G * 4, *mn = HAS_MIN(wt) ? W->min + b * G * 4 : NULL;
-    const int16_t *xq = a->q + m * K;
-    const float *dx = a->d + m * G, *sx = a->s + m * G;
-    const uint8_t *codes = (const uint8_t *)W->w + b * block_bytes(wt, K);
-    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
-    __m256i A[4], B[4];
-    int64_t g = 0;
-    for (; g + 1 < G; g += 2) {
-        const int16_t *x = xq + g * 32;
-        const __m256i xa0 = _mm256_loadu_si256((const __m256i *)x), xa1 = _mm256_loadu_si256((const __m256i *)(x + 16));
-        const __m256i xb0 = _mm256_loadu_si256((const __m256i *)(x + 32)), xb1 = _mm256_loadu_si256((const __m256i *)(x + 48));
-        if (wt == WT_Q8) { /* groups g, g + 1: 128 bytes each */
-            const uint8_t *c = codes + g * 4 * 32;
-            prefetch2(c + PF256);
-            prefetch2(c + 128 + PF256);
-            for (int r = 0; r < 4; r++) {
-                __m256i lo, hi;
-                widen_q8(c + r * 32, &lo, &hi);
-                A[r] = dot_rows(lo, hi, xa0, xa1);
-                widen_q8(c + 128 + r * 32, &lo, &hi);
-                B[r] = dot_rows(lo, hi, xb0, xb1);
-            }
-        } else { /* the pair of groups g, g + 1: one 32-byte load per row (see block_q) */
-            const uint8_t *c = codes + g / 2 * 4 * 32;
-            prefetch2(c + PF256);
-            for (int r = 0; r < 4; r++) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(c + r * 32));
-                A[r] = dot_rows(q4_quarter(raw, 0), q4_quarter(raw, 1), xa0, xa1);
-                B[r] = dot_rows(q4_quarter(raw, 2), q4_quarter(raw, 3), xb0, xb1);
-            }
-        }
-        scale_pair(&acc, &accm, A, B, sc, mn, dx, sx, g);
-    }
-    if (g < G) { /* a lone last group (an int4 one is the low half of its pair) */
-        __m256i l[4], h[4];
-        for (int r = 0; r < 4; r++) {
-            if (wt == WT_Q8) widen_q8(codes + (g * 4 + r) * 32, &l[r], &h[r]);
-            else {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + (g / 2 * 4 + r) * 32));
-                l[r] = q4_quarter(raw, 0);
-                h[r] = q4_quarter(raw, 1);
-            }
-        }
-        const __m256 wm = wt == WT_Q4 ? mins4(mn + g * 4) : _mm256_setzero_ps();
-        group_rows(&acc, a, g, G, K, m, 1, scales4(sc + g * 4), wm, wt, l, h);
-    }
-    acc = _mm256_add_ps(acc, accm);
-    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1)));
-}
-
-/* block_q1 for int4 codes and int8 activations (act8), AVX2: per row and pair of groups, the nibbles are masked
- * in place and their bytes shuffled so that each 128-bit lane holds eight columns of group g and eight of g + 1
- * (the row8 layout); vpmaddubsw multiplies them by the activations (quantize_act lays them out to match) and adds
- * column pairs into int16 (at most 2 x 15 x 127, twice), one vpmaddwd widens to [g, g, g+1, g+1] per lane, and
- * four rows reduce to [r0: g, g+1, r1: g, g+1 | r2 ... r3 ...] for one conversion and one FMA.  ~0.24 vector instructions a
- * weight where block_q1 takes ~0.33 (no int16 widening of the codes, one multiply per 32 products). */
-static inline __attribute__((always_inline)) void block_q1_a8(const ts_weight *W, int64_t b, int64_t K, const ts_qact *a,
-                                                              int64_t m, float *out) {
-    const int64_t G = K / 32, P = (G + 1) / 2;
-    const uint16_t *sc = W->scale + b * G * 4, *mn = W->min + b * G * 4;
-    const int8_t *xq = a->q8 + m * P * 64;
-    const float *dx = a->d + m * G, *sx = a->s + m * G;
-    const uint8_t *codes = (const uint8_t *)W->w + b * block_bytes(WT_Q4, K);
-    const __m256i nib = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi16(1);
-    const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
-                                           0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* [g: r0..3 | g+1: r0..3] -> s's lanes */
-    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
-    int64_t g = 0;
-    for (; g + 1 < G; g += 2) {
-        const uint8_t *c = codes + g / 2 * 4 * 32;
-        prefetch2(c + PF256);
-        const __m256i xl = _mm256_loadu_si256((const __m256i *)(xq + g / 2 * 64));
-        const __m256i xh = _mm256_loadu_si256((const __m256i *)(xq + g / 2 * 64 + 32));
-        __m256i R[4];
-        for (int r = 0; r < 4; r++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(c + r * 32));
-            const __m256i lo = _mm256_shuffle_epi8(_mm256_and_si256(raw, nib), split);
-            const __m256i hi = _mm256_shuffle_epi8(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nib), split);
-            R[r] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)), one);
-        }
-        const __m256i t01 = _mm256_hadd_epi32(R[0], R[1]), t23 = _mm256_hadd_epi32(R[2], R[3]);
-        const __m256 s = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(t01, t23, 0x20),
-                                                             _mm256_permute2x128_si256(t01, t23, 0x31)));
-        const __m256 ws = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g * 4))), order);
-        const __m256 wm = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + g * 4))), order);
-        const __m256 dxp = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(dx + g)));
-        const __m256 sxp = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(sx + g)));
-        acc = _mm256_fmadd_ps(s, _mm256_mul_ps(ws, dxp), acc);
-        accm = _mm256_fmadd_ps(wm, sxp, accm);
-    }
-    float v[8];
-    _mm256_storeu_ps(v, _mm256_add_ps(acc, accm));
-    float o[4] = {v[0] + v[1], v[2] + v[3], v[4] + v[5], v[6] + v[7]};
-    if (g < G) { /* a lone last group: the int16 kernels over the same int8 values */
-        __m256i l[4], h[4];
-        for (int r = 0; r < 4; r++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + (g / 2 * 4 + r) * 32));
-            l[r] = q4_quarter(raw, 0);
-            h[r] = q4_quarter(raw, 1);
-        }
-        __m256 last = _mm256_setzero_ps();
-        group_rows(&last, a, g, G, K, m, 1, scales4(sc + g * 4),
-                   mins4(mn + g * 4), WT_Q4, l, h);
-        float lv[8];
-        _mm256_storeu_ps(lv, last);
-        for (int r = 0; r < 4; r++) o[r] += lv[r] + lv[r + 4];
-    }
-    memcpy(out, o, sizeof o);
-}
-
-/* ---- Q5 (int5: a GGUF file's Q5_0 / Q5_1 / Q5_K) on the row path ----
- * Codes in triples of groups: a row's 96 codes of groups 3t..3t+2 are 64 bytes, two halves of sixteen 16-bit words;
- * word j of half h holds the codes of the triple's columns 48h + j, 48h + 16 + j and 48h + 32 + j in bits 0-4, 5-9
- * and 10-14 (models/quantize.py), so widening 16 of them to int16 is a mask, a shift and a mask, or a shift: as
- * cheap as Q4's nibbles, for 5.33 bits a code.  (A plane of fifth bits beside Q4's nibbles, 5 bits a code, took
- * three more instructions per 16 codes to merge them: at one batch row, 2 threads, 1.2-1.4x Q4's time per weight;
- * this layout ~1.0-1.1x.)  Scales and minimums as Q4's.  The AVX-512 build runs these AVX2 kernels too. */
-
-/* third s (0..2) of a half (sixteen words) as int16 codes; s a literal */
-static inline __attribute__((always_inline)) __m256i q5_third(__m256i v, const int s) {
-    if (s == 2) return _mm256_srli_epi16(v, 10);
-    return _mm256_and_si256(s ? _mm256_srli_epi16(v, 5) : v, _mm256_set1_epi16(0x1F));
-}
-
-/* group i (0..2, a literal) of a row's triple (halves A, B): columns 0..15 in *l, 16..31 in *h */
-static inline __attribute__((always_inline)) void q5_group(__m256i A, __m256i B, const int i, __m256i *l, __m256i *h) {
-    if (i == 0) { *l = q5_third(A, 0); *h = q5_third(A, 1); }
-    else if (i == 1) { *l = q5_third(A, 2); *h = q5_third(B, 0); }
-    else { *l = q5_third(B, 1); *h = q5_third(B, 2); }
-}
-
-/* group i (0..2, at run time) of the row triple at c */
-static inline void q5_group_at(const uint8_t *c, int64_t i, __m256i *l, __m256i *h) {
-    const __m256i A = _mm256_loadu_si256((const __m256i *)c), B = _mm256_loadu_si256((const __m256i *)(c + 32));
-    if (i == 0) q5_group(A, B, 0, l, h);
-    else if (i == 1) q5_group(A, B, 1, l, h);
-    else q5_group(A, B, 2, l, h);
-}
-
-/* groups g0..g1 (g1 - g0 <= CG) of row r of an int5 block (codes: the block's) as int16 codes in l[g - g0], h[g - g0]:
- * whole triples from two loads where the range holds them, a short triple's groups one at a time */
-static inline void q5_widen_row(const uint8_t *codes, int r, int64_t g0, int64_t g1, __m256i *l, __m256i *h) {
-    for (int64_t g = g0; g < g1;) {
-        const uint8_t *c = codes + ((g / 3) * 4 + r) * 64;
-        const int64_t i = g - g0;
-        if (g % 3 == 0 && g + 3 <= g1) {
-            const __m256i A = _mm256_loadu_si256((const __m256i *)c), B = _mm256_loadu_si256((const __m256i *)(c + 32));
-            q5_group(A, B, 0, &l[i], &h[i]);
-            q5_group(A, B, 1, &l[i + 1], &h[i + 1]);
-            q5_group(A, B, 2, &l[i + 2], &h[i + 2]);
-            g += 3;
-        } else {
-            q5_group_at(c, g % 3, &l[i], &h[i]);
-            g++;
-        }
-    }
-}
-
 /* block_q for Q5: per triple, its three groups widened and passed to group_rows */
 static inline __attribute__((always_inline)) void block_q_q5(const ts_weight *W, int64_t b, int64_t K, const ts_qact *a,
                                                              int64_t m0, int64_t mt, float *out) {
@@ -679,6 +763,88 @@ static inline __attribute__((always_inline)) void block_q_q5(const ts_weight *W,
     for (int64_t m = 0; m < mt; m++) {
         const __m128 r = _mm_add_ps(_mm256_castps256_ps128(acc[m]), _mm256_extractf128_ps(acc[m], 1));
         _mm_storeu_ps(out + m * 4, r);
+    }
+}
+
+/* block_q_inv's work for group g (of parity par, a literal): its codes widened once (eight vectors, in registers) for
+ * all the rows, then per pair of batch rows their dots' sums as one vector [row m: rows 0..3 | row m + 1: ...]
+ * (sum4x2's reduction across two batch rows instead of two groups), one conversion and one FMA into the pair's E
+ * (par 0) or O (acc), and the minimums' term into its EM or OM (accm, mn: NULL for none); an odd last batch row on
+ * its own (128 bits: last, lastm). */
+static inline __attribute__((always_inline)) void block_q_inv_group(const uint8_t *codes, const int wt, const uint16_t *sc,
+                                                                const uint16_t *mn, const ts_qact *a, int64_t m0,
+                                                                int64_t mt, int64_t K, int64_t g, const int par,
+                                                                __m256 *acc, __m256 *accm, __m128 *last, __m128 *lastm) {
+    const int64_t G = K / 32;
+    /* this group's codes and the next ones' (Q8: 128 bytes a group; Q4: 128 a pair; Q5: 256 a triple) */
+    if (wt == WT_Q8) prefetch2(codes + g * 128 + PF256);
+    else if (wt == WT_Q4 && !par) prefetch2(codes + g / 2 * 128 + PF256);
+    else if (wt == WT_Q5 && g % 3 == 0) {
+        prefetch2(codes + g / 3 * 256 + PF256);
+        prefetch2(codes + g / 3 * 256 + 128 + PF256);
+    }
+    __m256i l[4], h[4];
+    for (int r = 0; r < 4; r++) widen_group(codes, wt, g, par, r, &l[r], &h[r]);
+    const __m128 ws = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(sc + g * 4)));
+    const __m128 wm = mn ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(mn + g * 4))) : _mm_setzero_ps();
+    const int16_t *xq = a->q + m0 * K + g * 32;
+    const float *dx = a->d + m0 * G + g, *sx = a->s + m0 * G + g;
+#define ROW_DOTS(m)                                                                                                  \
+    ({                                                                                                               \
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + (m) * K));                                      \
+        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + (m) * K + 16));                                 \
+        __m256i D[4];                                                                                                \
+        for (int r = 0; r < 4; r++) D[r] = dot_rows(l[r], h[r], x0, x1);                                             \
+        rows4(D);                                                                                                    \
+    })
+    int64_t m = 0;
+    for (; m + 1 < mt; m += 2) {
+        const __m256i r0 = ROW_DOTS(m), r1 = ROW_DOTS(m + 1);
+        const __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(r0, r1, 0x20),
+                                                             _mm256_permute2x128_si256(r0, r1, 0x31)));
+        const __m256 s = _mm256_mul_ps(_mm256_set_m128(ws, ws),
+                                       _mm256_set_m128(_mm_set1_ps(dx[(m + 1) * G]), _mm_set1_ps(dx[m * G])));
+        acc[m / 2] = _mm256_fmadd_ps(f, s, acc[m / 2]);
+        if (mn)
+            accm[m / 2] = _mm256_fmadd_ps(_mm256_set_m128(wm, wm), _mm256_set_m128(_mm_set1_ps(sx[(m + 1) * G]),
+                                                                                   _mm_set1_ps(sx[m * G])), accm[m / 2]);
+    }
+    if (m < mt) {
+        const __m256i r0 = ROW_DOTS(m);
+        const __m128 f = _mm_cvtepi32_ps(_mm_add_epi32(_mm256_castsi256_si128(r0), _mm256_extracti128_si256(r0, 1)));
+        *last = _mm_fmadd_ps(f, _mm_mul_ps(ws, _mm_set1_ps(dx[m * G])), *last);
+        if (mn) *lastm = _mm_fmadd_ps(wm, _mm_set1_ps(sx[m * G]), *lastm);
+    }
+#undef ROW_DOTS
+}
+
+/* out rows n..n+3 (block b) for batch rows m0..m0+mt-1 (2 <= mt < TILE_MIN), any quantized format: block_q1's
+ * order for every row (see above), group by group (block_q_inv_group).  (Per row, 128 bits: 1.1-1.4x the time; pairs
+ * of groups as block_q1 takes them, sixteen widened vectors spilled: 1.05-1.15x; the minimums' chains in a loop of
+ * their own after the groups: a latency-bound chain, int4 1.1-1.4x.) */
+static inline __attribute__((always_inline)) void block_q_inv(const ts_weight *W, const int wt, int64_t b, int64_t K,
+                                                          const ts_qact *a, int64_t m0, int64_t mt, float *out) {
+    const int64_t G = K / 32;
+    const uint16_t *sc = W->scale + b * G * 4, *mn = HAS_MIN(wt) ? W->min + b * G * 4 : NULL;
+    const uint8_t *codes = (const uint8_t *)W->w + b * block_bytes(wt, K);
+    /* E and O (acc[0], acc[1]), EM and OM (accm) of batch rows 2p, 2p + 1; of an odd last row: last, lastm */
+    __m256 acc[2][MT / 2], accm[2][MT / 2];
+    __m128 last[2] = {_mm_setzero_ps(), _mm_setzero_ps()}, lastm[2] = {_mm_setzero_ps(), _mm_setzero_ps()};
+    for (int64_t p = 0; p < mt / 2; p++) acc[0][p] = acc[1][p] = accm[0][p] = accm[1][p] = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 1 < G; g += 2) {
+        block_q_inv_group(codes, wt, sc, mn, a, m0, mt, K, g, 0, acc[0], accm[0], &last[0], &lastm[0]);
+        block_q_inv_group(codes, wt, sc, mn, a, m0, mt, K, g + 1, 1, acc[1], accm[1], &last[1], &lastm[1]);
+    }
+    if (g < G) block_q_inv_group(codes, wt, sc, mn, a, m0, mt, K, g, 0, acc[0], accm[0], &last[0], &lastm[0]);
+    for (int64_t m = 0; m < mt; m++) {
+        const int64_t p = m / 2;
+#define HALF(v) (m % 2 ? _mm256_extractf128_ps(v, 1) : _mm256_castps256_ps128(v))
+        const int paired = p < mt / 2;
+        const __m128 e = paired ? HALF(acc[0][p]) : last[0], o = paired ? HALF(acc[1][p]) : last[1];
+        const __m128 em = paired ? HALF(accm[0][p]) : lastm[0], om = paired ? HALF(accm[1][p]) : lastm[1];
+#undef HALF
+        _mm_storeu_ps(out + m * 4, _mm_add_ps(_mm_add_ps(e, em), _mm_add_ps(o, om)));
     }
 }
 
@@ -735,14 +901,8 @@ static inline __attribute__((always_inline)) void block_q1_q5(const ts_weight *W
     }
 #undef Q5_PAIR
 #undef LD
-    if (g < G) { /* a lone last group */
-        __m256i l[4], h[4];
-        for (int r = 0; r < 4; r++) q5_group_at(codes + ((g / 3) * 4 + r) * 64, g % 3, &l[r], &h[r]);
-        group_rows(&acc, a, g, G, K, m, 1, scales4(sc + g * 4),
-                   mins4(mn + g * 4), WT_Q5, l, h);
-    }
-    acc = _mm256_add_ps(acc, accm);
-    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1)));
+    if (g < G) lone_group(&acc, &accm, codes, WT_Q5, sc, mn, a, m, K, g); /* a lone last group */
+    store_eo(acc, accm, out);
 }
 
 #ifndef PF512
@@ -755,7 +915,7 @@ static inline __attribute__((always_inline)) void block_q1_q5(const ts_weight *W
  * against the group's activations broadcast to both halves.  Per group and block of four rows: four vpdpwssd, a
  * fold of the two accumulators into one vector with four lanes per row (two shuffles, an add), one conversion and
  * one multiply-add with the rows' scales times the activations' scale.  Q4's 64 codes per row and pair of groups
- * are 32 bytes (see block_q), so a 64-byte load is rows r and r+1 of the pair: widening is a shift and a mask.
+ * are 32 bytes (see widen_group), so a 64-byte load is rows r and r+1 of the pair: widening is a shift and a mask.
  * The horizontal sums wait until the block's last group. */
 static inline __m512 scales16(const uint16_t *s, __m512i idx) {
     return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)s))));
@@ -918,9 +1078,23 @@ static void widen_codes(const ts_weight *W, const int wt, int64_t b, int64_t K, 
         }
 }
 
+/* Blocks of four weight rows per pass of the tiled path: each pass reads the activations once (from L2) and every
+ * block after the first reuses each tile of them from L1; 8 blocks = 32 output columns, 128 bytes of every batch
+ * row's output written together.  (2 blocks per pass: the activation reads and strided partial-line output
+ * writes cost ~20% of a c=64 step.) */
+#ifndef TB
+#define TB 8
+#endif
+
+/* The AVX2 tiled path keeps the row path's sums apart (see "the row path"): a pass's buffer f holds E and O at
+ * f + fsplit(mp) (tile_scale), and tile_finish adds the minimums' chains and the halves into E.  (The AVX-512
+ * build: one sum, the minimums in it, fsplit 0.) */
+#define EO_SPLIT (!TS_AVX512)
+static inline int64_t fsplit(int64_t mp) { return EO_SPLIT ? 4 * TB * mp : 0; }
+
 /* f[r * mp + m0 + 8j + i] += lane i of c[j][r] (the int32 dots of weight row r and eight batch rows over group g)
- * scaled: the group's scaling, once per (weight row, eight batch rows).  Locals, so that the stores to f do not make
- * gcc reload every pointer (f could alias them). */
+ * scaled, and the minimums' term into f's EM / OM buffer (f: E or O): the group's scaling, once per (weight row,
+ * eight batch rows).  Locals, so that the stores to f do not make gcc reload every pointer (f could alias them). */
 static inline __attribute__((always_inline)) void tile_scale(const ts_wtile *t, const int wt, int64_t g, const ts_qact *a,
                                                              int64_t m0, const int NV, const __m256i c[2][4], float *f) {
     const int64_t mp = a->mp;
@@ -933,10 +1107,34 @@ static inline __attribute__((always_inline)) void tile_scale(const ts_wtile *t, 
             float *restrict fo = o + r * mp + 8 * j;
             __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c[j][r]), _mm256_mul_ps(dx, _mm256_set1_ps(sc[r])),
                                        _mm256_loadu_ps(fo));
-            if (HAS_MIN(wt)) v = _mm256_fmadd_ps(sx, _mm256_set1_ps(mn[r]), v);
+            if (HAS_MIN(wt) && !EO_SPLIT) v = _mm256_fmadd_ps(sx, _mm256_set1_ps(mn[r]), v);
             _mm256_storeu_ps(fo, v);
         }
     }
+}
+
+/* The AVX2 tiled path's last step of a pass (EO_SPLIT): f's E = (E + EM) + (O + OM) for every output, the
+ * minimums' chains (Q4, Q5) built here in registers, as min_chains builds them on the row path (in tile_scale
+ * they cost a load and a store of a second buffer per group: int4 at 16-32 rows 1.1-1.2x the time). */
+static void tile_finish(const ts_wtile *t, int nb, const int wt, int64_t G, const ts_qact *a, float *f) {
+    const int64_t mp = a->mp, split = fsplit(mp);
+    for (int i = 0; i < nb; i++)
+        for (int r = 0; r < 4; r++)
+            for (int64_t m0 = 0; m0 < mp; m0 += 8) {
+                float *e = f + (4 * i + r) * mp + m0;
+                __m256 em = _mm256_setzero_ps(), om = em;
+                if (HAS_MIN(wt)) {
+                    const float *mn = t[i].mn + r, *sx = a->s + m0;
+                    int64_t g = 0;
+                    for (; g + 1 < G; g += 2) {
+                        em = _mm256_fmadd_ps(_mm256_loadu_ps(sx + g * mp), _mm256_set1_ps(mn[g * 4]), em);
+                        om = _mm256_fmadd_ps(_mm256_loadu_ps(sx + (g + 1) * mp), _mm256_set1_ps(mn[(g + 1) * 4]), om);
+                    }
+                    if (g < G) em = _mm256_fmadd_ps(_mm256_loadu_ps(sx + g * mp), _mm256_set1_ps(mn[g * 4]), em);
+                }
+                _mm256_storeu_ps(e, _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(e), em),
+                                                  _mm256_add_ps(_mm256_loadu_ps(e + split), om)));
+            }
 }
 
 /* f[r * mp + m0 + m] += row r of the block . batch row m0 + m over group g, for m < 8 * NV (NV = 1 or 2). */
@@ -1103,22 +1301,14 @@ TILE_FN(tile_q5a8x2, tile_group8, WT_Q5, 2)
 TILE_FN(tile_q5a8x1, tile_group8, WT_Q5, 1)
 #undef TILE_FN
 
-/* Blocks of four weight rows per pass of the tiled path: each pass reads the activations once (from L2) and every
- * block after the first reuses each tile of them from L1; 8 blocks = 32 output columns, 128 bytes of every batch
- * row's output written together.  (2 blocks per pass: the activation reads and strided partial-line output
- * writes cost ~20% of a c=64 step.) */
-#ifndef TB
-#define TB 8
-#endif
-
-/* f[(4i + r) * mp + m] = row r of block b + i . batch row m, for the nb (1..TB) blocks from b (their scales already in
- * t[i]) and every batch row m < mp (a multiple of TW).  Chunks of CG groups: the chunk's codes widened (from L2, where
- * the previous pass prefetched them) into t[i].w, then groups outer, batch rows inner: a tile's activations (16 pairs
- * of TW or 2 TW rows) are read from L2 once and from L1 by the other blocks. */
+/* f[(4i + r) * mp + m] (E, and O, EM, OM: see fsplit) = row r of block b + i . batch row m, for the nb (1..TB) blocks
+ * from b (their scales already in t[i]) and every batch row m < mp (a multiple of TW).  Chunks of CG groups: the chunk's
+ * codes widened (from L2, where the previous pass prefetched them) into t[i].w, then groups outer, batch rows inner:
+ * a tile's activations (16 pairs of TW or 2 TW rows) are read from L2 once and from L1 by the other blocks. */
 static void blocks_tile(const ts_weight *W, int64_t b, ts_wtile *t, int nb, const int wt, int64_t K, const ts_qact *a,
                         float *f, const char *pf, int64_t pf_bytes) {
     const int64_t G = K / 32, mp = a->mp, pf_step = (pf_bytes / G + 63) / 64 * 64;
-    memset(f, 0, sizeof(float) * (size_t)(4 * nb * mp));
+    for (int j = 0; j < (EO_SPLIT ? 2 : 1); j++) memset(f + j * fsplit(mp), 0, sizeof(float) * (size_t)(4 * nb * mp));
     /* Q5 widens whole triples of groups: chunks of 6 groups (within the buffers' CG) */
     const int64_t cg = wt == WT_Q5 ? 6 : CG;
     for (int64_t g0 = 0; g0 < G; g0 += cg) {
@@ -1135,20 +1325,22 @@ static void blocks_tile(const ts_weight *W, int64_t b, ts_wtile *t, int nb, cons
             /* the next pass's codes into L2 while this one computes: widen_codes then reads them from cache instead
              * of waiting on memory (its loads are the step's only reads of the weights from DRAM) */
             for (int64_t o = g * pf_step; pf && o < (g + 1) * pf_step && o < pf_bytes; o += 64) _mm_prefetch(pf + o, _MM_HINT_T1);
+            float *fg = f + (g % 2) * fsplit(mp); /* E or O */
             int64_t m0 = 0;
             if (a8) {
                 for (; m0 + 16 <= mp; m0 += 16)
-                    for (int i = 0; i < nb; i++) (wt == WT_Q5 ? tile_q5a8x2 : tile_q4a8x2)(t + i, g - g0, g, a, m0, f + 4 * i * mp);
+                    for (int i = 0; i < nb; i++) (wt == WT_Q5 ? tile_q5a8x2 : tile_q4a8x2)(t + i, g - g0, g, a, m0, fg + 4 * i * mp);
                 if (m0 < mp)
-                    for (int i = 0; i < nb; i++) (wt == WT_Q5 ? tile_q5a8x1 : tile_q4a8x1)(t + i, g - g0, g, a, m0, f + 4 * i * mp);
+                    for (int i = 0; i < nb; i++) (wt == WT_Q5 ? tile_q5a8x1 : tile_q4a8x1)(t + i, g - g0, g, a, m0, fg + 4 * i * mp);
                 continue;
             }
             for (; m0 + 2 * TW <= mp; m0 += 2 * TW)
-                for (int i = 0; i < nb; i++) (wt == WT_Q8 ? tile_q8x2 : tile_q4x2)(t + i, g - g0, g, a, m0, f + 4 * i * mp);
+                for (int i = 0; i < nb; i++) (wt == WT_Q8 ? tile_q8x2 : tile_q4x2)(t + i, g - g0, g, a, m0, fg + 4 * i * mp);
             if (m0 < mp)
-                for (int i = 0; i < nb; i++) (wt == WT_Q8 ? tile_q8x1 : tile_q4x1)(t + i, g - g0, g, a, m0, f + 4 * i * mp);
+                for (int i = 0; i < nb; i++) (wt == WT_Q8 ? tile_q8x1 : tile_q4x1)(t + i, g - g0, g, a, m0, fg + 4 * i * mp);
         }
     }
+    if (EO_SPLIT) tile_finish(t, nb, wt, G, a, f);
 }
 
 static inline void store(float *y, int64_t i, float v, const float *bias, int64_t n, int acc) {
@@ -1418,7 +1610,7 @@ static void linear_body(const float *x, int64_t ldx, int64_t M, const ts_weight 
         for (int i = 0; i < TB; i++)
             t[i] = (ts_wtile){(int16_t *)malloc(sizeof(int16_t) * (size_t)(4 * CG * 32)),
                               (float *)malloc(sizeof(float) * (size_t)(G * 4)), (float *)malloc(sizeof(float) * (size_t)(G * 4))};
-        float *f = (float *)malloc(sizeof(float) * (size_t)(4 * TB * a->mp));
+        float *f = (float *)malloc(sizeof(float) * (size_t)(4 * TB * a->mp + fsplit(a->mp)));
         /* guided, not static: the passes are equal work, but a vCPU of a shared host (or a core the API server
          * process wakes on) runs slower for a while, and static shares made the other thread wait for it at the
          * barrier.  Served 1.7B-shaped Q4_1 file, 2-core AVX2 EPYC, bench.serve 32 x 48 tokens at 16 clients,
@@ -1450,6 +1642,9 @@ static void linear_body(const float *x, int64_t ldx, int64_t M, const ts_weight 
             if (mt == 1 && W->wt == WT_Q8) BLOCK_Q1(W, WT_Q8, b, K, a, m0, o);
             /* Q5: AVX2 row kernels in every build (int8 activations: the int16 kernels over their values) */
             else if (mt == 1 && W->wt == WT_Q5) block_q1_q5(W, b, K, a, m0, o);
+            else if (TS_BATCH_INVARIANT && !a->act8 && W->wt == WT_Q8) block_q_inv(W, WT_Q8, b, K, a, m0, mt, o);
+            else if (TS_BATCH_INVARIANT && !a->act8 && W->wt == WT_Q5) block_q_inv(W, WT_Q5, b, K, a, m0, mt, o);
+            else if (TS_BATCH_INVARIANT && !a->act8) block_q_inv(W, WT_Q4, b, K, a, m0, mt, o);
             else if (W->wt == WT_Q5) block_q_q5(W, b, K, a, m0, mt, o);
 #if !TS_AVX512 /* (the AVX-512 build keeps its int16 row path for int8 activations: same results, not measured) */
             else if (mt == 1 && a->act8) block_q1_a8(W, b, K, a, m0, o);
