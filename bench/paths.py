@@ -9,7 +9,9 @@ closed loop, streamed, ignore_eos):
   16-bit weights, which only the kernels read);
 * dtype bfloat16 x none / int8 / int4 (the kernels take float32 models only: bfloat16 always runs the torch model);
 * `auto`: the server as `make serve` starts it (no flags), which is the row the defaults must keep within 5% of the
-  fastest.
+  fastest;
+* `batch-invariant`: `auto` with --batch-invariant, to show what the guarantee costs (not a speed path: left out of
+  the "fastest" comparisons; at one sequence it runs auto's kernels).
 The table marks the configuration `auto` resolves to (`*`).  With --rounds N every path is measured N times,
 interleaved (round 1 of every path, then round 2, ...), and the median per level is reported: the VM drifts
 between minutes.  Writes bench/results/paths.json (or --out NAME there: a partial run with --only need not replace
@@ -60,8 +62,11 @@ def auto_choice() -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+INVARIANT = "batch-invariant"
+
+
 def all_paths(levels: list[str]) -> list[ServePath]:
-    paths = [ServePath("auto", [])]
+    paths = [ServePath("auto", []), ServePath(INVARIANT, ["--batch-invariant"])]
     for quant in ("none", "bf16", "fp16", "int8", "int4"):
         # 16-bit float weights exist only in the kernels (with them off the torch model runs float32: the "none" row)
         for isa in [*levels, "off"] if quant not in ("bf16", "fp16") else levels:
@@ -115,18 +120,20 @@ def table(report: dict) -> str:
     levels = [(r["mode"], r["concurrency"]) for r in report["paths"][names[0]]["results"]]
     head = "| path (dtype/quantization/kernels) | " + " | ".join(f"c={c} {m} tok/s (ITL p50 ms)" for m, c in levels)
     lines = [head + " | peak RSS MiB |", "|" + "---|" * (len(levels) + 2)]
-    best = {lv: max(report["paths"][n]["results"][i]["output_tok_s"] for n in names if n != "auto")
-            for i, lv in enumerate(levels)}
+    best = {lv: max((report["paths"][n]["results"][i]["output_tok_s"] for n in names if n not in ("auto", INVARIANT)),
+                    default=None) for i, lv in enumerate(levels)}
     for n in names:
         res = report["paths"][n]["results"]
         cells = [f"{r['output_tok_s']:.0f} ({r['itl_p50_ms']:.1f})"
-                 + (" **fastest**" if n != "auto" and r["output_tok_s"] == best[lv] else "")
+                 + (" **fastest**" if n not in ("auto", INVARIANT) and r["output_tok_s"] == best[lv] else "")
                  for r, lv in zip(res, levels, strict=True)]
         mark = " *" if n == report["auto_resolves_to"] else ""
         label = f"auto = {report['auto_resolves_to']}" if n == "auto" else n + mark
         lines.append(f"| {label} | " + " | ".join(cells) + f" | {report['paths'][n]['peak_rss_mib'] or 0:.0f} |")
-    ratios = ", ".join(f"c={c} {m} {report['auto_vs_fastest'][f'{m}/c{c}']:.2f}x" for m, c in levels)
-    lines.append(f"\n`auto` vs the fastest row: {ratios}")
+    for key, what in (("auto_vs_fastest", "`auto` vs the fastest row"), ("invariant_vs_auto", "`batch-invariant` vs `auto`")):
+        if key in report:
+            ratios = ", ".join(f"c={c} {m} {report[key][f'{m}/c{c}']:.2f}x" for m, c in levels)
+            lines.append(f"\n{what}: {ratios}")
     return "\n".join(lines)
 
 
@@ -156,12 +163,18 @@ def main() -> None:
     # `auto` is judged by the row of the configuration it resolves to (the separate "auto" server is the same
     # configuration measured once more: the difference between the two is this VM's run-to-run noise)
     judged = resolved if resolved in report["paths"] else "auto"
-    if judged in report["paths"] and len(report["paths"]) > 1:
+    others = [n for n in report["paths"] if n not in ("auto", INVARIANT)]
+    if judged in report["paths"] and others:
         mine = report["paths"][judged]["results"]
         report["auto_vs_fastest"] = {
             f"{r['mode']}/c{r['concurrency']}": r["output_tok_s"] / max(
-                report["paths"][n]["results"][i]["output_tok_s"] for n in report["paths"] if n != "auto")
+                report["paths"][n]["results"][i]["output_tok_s"] for n in others)
             for i, r in enumerate(mine)}
+    if "auto" in report["paths"] and INVARIANT in report["paths"]:
+        report["invariant_vs_auto"] = {
+            f"{r['mode']}/c{r['concurrency']}": r["output_tok_s"] / a["output_tok_s"]
+            for r, a in zip(report["paths"][INVARIANT]["results"], report["paths"]["auto"]["results"], strict=True)}
+    if len(report["paths"]) > 1:
         print(table(report))
     print("wrote", write_json(args.out, report))
 

@@ -40,6 +40,11 @@ class ModelConfig:
     # ~1.1x at one row, at ~1 logit of error on the default model).  Without the kernels (or with float weights) it
     # changes nothing.
     activation_quant: str = "int16"
+    # A request's result independent of the batch it shares (--batch-invariant; vLLM's batch-invariant mode): the
+    # C kernels' batch-invariant build (one summation order for a row at every batch size, kernels/cpu.py) runs
+    # every step, prompts included.  Needs the kernels (AVX2 + FMA + F16C, float32 compute, a model they take) and
+    # int16 activations; costs ~10-20% of the linear layers' time at 2-15 rows a step (README).
+    batch_invariant: bool = False
 
     def folder(self) -> str:
         """The local model folder.  The frontend needs it resolved (build_engine_config converts the default model
@@ -65,6 +70,11 @@ class ModelConfig:
                              f"got {self.activation_quant!r}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be a bool, got {self.batch_invariant!r}")
+        if self.batch_invariant and self.activation_quant != "int16":
+            raise ValueError("batch_invariant needs activation_quant int16 (the int8 activations' kernels take "
+                             "another summation order at each batch size)")
 
 
 @dataclass(slots=True)

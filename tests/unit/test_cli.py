@@ -96,3 +96,17 @@ def test_cache_and_scheduler_defaults_are_the_engine_configs():
     for name, value in want.items():
         assert got[name] == value and params[name].default == value, name
     assert params["kv_cache_dtype"].default == cache.kv_cache_dtype
+
+
+def test_batch_invariant_flag():
+    """Off by default; --batch-invariant reaches the model config (the engine checks it can run: see
+    tests/parity/test_batch_invariance.py); with int8 activations the config refuses it."""
+    from tokenspout.engine.llm import build_engine_config
+
+    assert kwargs()["batch_invariant"] is False
+    assert kwargs("--batch-invariant")["batch_invariant"] is True
+    cfg = build_engine_config(**{k: v for k, v in kwargs("--batch-invariant").items()
+                                 if k in ("quantization", "batch_invariant")})
+    assert cfg.model.batch_invariant is True
+    with pytest.raises(ValueError, match="batch_invariant needs activation_quant int16"):
+        build_engine_config(batch_invariant=True, activation_quant="int8")

@@ -69,7 +69,7 @@ class EngineCore:
         draft = load_draft(spec, self.loaded, config.model.quantization)
         self.runner = ModelRunner(self.loaded, config.cache, config.scheduler,
                                   extra_block_bytes=extra_kv_block_bytes(draft, config.cache.block_size),
-                                  structured=self.structured)
+                                  structured=self.structured, batch_invariant=config.model.batch_invariant)
         # (a model loaded beforehand, as tests share one, was loaded with a max_model_len of its own)
         self.max_model_len = fit_to_cache(config.model.max_model_len or self.loaded.max_model_len, config,
                                           self.runner.num_blocks, self.runner.block_bytes)

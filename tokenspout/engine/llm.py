@@ -63,7 +63,8 @@ def build_engine_config(model: str | None = None, *, dtype: str = "float32", qua
                         async_scheduling: bool = False, generation_config: str = "auto",
                         chat_template: str | None = None, data_parallel_size: int = 1,
                         tokenizer: str | None = None, engine_hang_timeout: float = 30.0,
-                        engine_restart: bool = True, activation_quant: str = "int16") -> EngineConfig:
+                        engine_restart: bool = True, activation_quant: str = "int16",
+                        batch_invariant: bool = False) -> EngineConfig:
     """quantization: None serves a GGUF file in its own format (what the server's `--quantization auto` picks for
     it: a quantized file is never dequantized to float32 unless asked) and any other model with its float weights;
     "none" asks for float weights for a GGUF file too."""
@@ -88,7 +89,7 @@ def build_engine_config(model: str | None = None, *, dtype: str = "float32", qua
                           served_model_name=served_model_name or (name if model is None or path.name != name
                                                                   else None),
                           chat_template=load_chat_template(chat_template), tokenizer=tokenizer,
-                          activation_quant=activation_quant),
+                          activation_quant=activation_quant, batch_invariant=batch_invariant),
         cache=CacheConfig(block_size=block_size, kv_cache_memory_gib=kv_cache_memory, kv_cache_dtype=kv_cache_dtype,
                           num_gpu_blocks_override=num_kv_blocks, enable_prefix_caching=enable_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

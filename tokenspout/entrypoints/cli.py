@@ -39,6 +39,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "float32-level results.  int8: llama.cpp's numerics; prompts and batches of 16+ sequences "
                         "multiply int4 weights ~1.5-1.8x faster on AVX2, at ~1 logit of error on the default model "
                         "(greedy near-ties can flip).  No effect on float weights or without the C kernels")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="a request's tokens and logprobs do not depend on the other requests it shares steps with "
+                        "(vLLM's batch-invariant mode): every step runs the C kernels' batch-invariant build.  Needs "
+                        "the kernels (AVX2) and --activation-quant int16; ~10-20%% slower linear layers at 2-15 "
+                        "sequences a step, the same speed at 1 and at 16+")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory", type=float, default=CACHE_DEFAULTS.kv_cache_memory_gib,
                    help="GiB for the paged KV cache")
@@ -128,7 +133,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
             "async_scheduling": args.async_scheduling, "generation_config": args.generation_config,
             "chat_template": args.chat_template, "data_parallel_size": args.data_parallel_size,
             "tokenizer": args.tokenizer, "engine_hang_timeout": args.engine_hang_timeout,
-            "engine_restart": args.engine_restart, "activation_quant": args.activation_quant}
+            "engine_restart": args.engine_restart, "activation_quant": args.activation_quant,
+            "batch_invariant": args.batch_invariant}
 
 
 class Spinner:

@@ -13,6 +13,7 @@ both paths compute with the same effective weights and differ only in summation 
 from __future__ import annotations
 
 import ctypes
+import sys
 
 import torch
 
@@ -32,6 +33,26 @@ MAX_TOKENS = 64
 QUANTIZED_MAX_TOKENS = 512
 
 
+def build(loaded, kv_caches: list[torch.Tensor], block_size: int, num_layers: int | None = None,
+          invariant: bool = False) -> CpuDecoder | None:
+    """The C decoder for a loaded model (models.loader.LoadedModel) where this CPU and model take the kernels, else
+    None.  invariant (--batch-invariant): the kernels' batch-invariant build, running every step however large; a
+    ValueError where it cannot run."""
+    if not supported(loaded.model, loaded.dtype):
+        if invariant:
+            raise ValueError("--batch-invariant needs the C kernels, which this model does not take: float32 "
+                             "compute (--dtype float32 or auto), hidden / intermediate / head sizes multiples of 8, "
+                             "no per-head q/k norm (Qwen3)")
+        return None
+    lib = cpu.load(invariant=invariant)
+    if lib is None:
+        if invariant:
+            raise ValueError("--batch-invariant needs the C kernels: a CPU with AVX2, FMA and F16C and a C compiler "
+                             "(gcc), and TOKENSPOUT_KERNELS not 0")
+        return None
+    return CpuDecoder(lib, loaded.model, kv_caches, block_size, loaded.quantized, num_layers, unbounded=invariant)
+
+
 def supported(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
     a = model.arch
     dims = (a.hidden_size, a.intermediate_size, a.num_heads * a.head_dim, a.head_dim)
@@ -40,8 +61,9 @@ def supported(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
 
 class CpuDecoder:
     def __init__(self, lib: ctypes.CDLL, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_size: int,
-                 quantized: dict | None = None, num_layers: int | None = None):
-        """num_layers: run only the first layers (self-draft speculative decoding)."""
+                 quantized: dict | None = None, num_layers: int | None = None, unbounded: bool = False):
+        """num_layers: run only the first layers (self-draft speculative decoding); unbounded: take steps of any
+        size (--batch-invariant: no step goes to the torch model, whose summation orders differ)."""
         self.lib, self.model = lib, model
         a = model.arch
         self.arch = a
@@ -93,7 +115,7 @@ class CpuDecoder:
 
         # quantized models stream their packed codes at every batch size; float32 ones their float32 weights
         self.desc = descriptor(bool(q))
-        self.max_tokens = QUANTIZED_MAX_TOKENS if q else MAX_TOKENS
+        self.max_tokens = sys.maxsize if unbounded else QUANTIZED_MAX_TOKENS if q else MAX_TOKENS
         self.lm_head = q["lm_head"] if "lm_head" in q else model.lm_head.weight.data
         self.scratch_per_token = ((a.num_heads + 2 * a.num_kv_heads) * a.head_dim
                                   + a.num_heads * a.head_dim + 3 * a.intermediate_size)

@@ -101,13 +101,12 @@ def draft_block_bytes(draft: LoadedModel, block_size: int) -> int:
 
 
 def _decoder(loaded: LoadedModel, caches: list[torch.Tensor], block_size: int,
-             num_layers: int | None) -> CpuDecoder | None:
-    """The C decode kernels for the draft's small decode-only forwards (most of its forwards), when available."""
-    from tokenspout.kernels import cpu, decoder
+             num_layers: int | None, invariant: bool) -> CpuDecoder | None:
+    """The C decode kernels for the draft's small decode-only forwards (most of its forwards), when available
+    (invariant: the target's --batch-invariant, which the draft's proposals, and so the accepted tokens, follow)."""
+    from tokenspout.kernels import decoder
 
-    if not decoder.supported(loaded.model, loaded.dtype) or (lib := cpu.load()) is None:
-        return None
-    return decoder.CpuDecoder(lib, loaded.model, caches, block_size, loaded.quantized, num_layers)
+    return decoder.build(loaded, caches, block_size, num_layers, invariant=invariant)
 
 
 def forward_params(model: LlamaForCausalLM, num_layers: int | None) -> int:
@@ -139,12 +138,13 @@ class DraftProposer:
                                  f"got {layers}")
             caches = runner.kv_caches[:layers]
             source = DraftSource(runner.model, caches, layers, True,
-                                 _decoder(runner.loaded, caches, runner.block_size, layers))
+                                 _decoder(runner.loaded, caches, runner.block_size, layers, runner.batch_invariant))
         else:
             a = draft.arch
             slots = runner.num_blocks * runner.block_size
             caches = zeroed_kv_caches(a.num_layers, slots, a.num_kv_heads, a.head_dim, draft.dtype)
-            source = DraftSource(draft.model, caches, None, False, _decoder(draft, caches, runner.block_size, None))
+            source = DraftSource(draft.model, caches, None, False,
+                                 _decoder(draft, caches, runner.block_size, None, runner.batch_invariant))
         return cls(runner, source, spec.num_speculative_tokens)
 
     def forget(self, request_id: str) -> None:

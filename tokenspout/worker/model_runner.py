@@ -90,8 +90,12 @@ class PreparedStep:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, cache: CacheConfig, sched: SchedulerConfig,
-                 extra_block_bytes: int = 0, structured: LazyStructuredOutputs | None = None):
+                 extra_block_bytes: int = 0, structured: LazyStructuredOutputs | None = None,
+                 batch_invariant: bool = False):
         self.loaded = loaded
+        # ModelConfig.batch_invariant: the kernels' batch-invariant build runs every step (a start error where it
+        # cannot)
+        self.batch_invariant = batch_invariant
         self.model = loaded.model
         a = loaded.arch
         self.device = torch.device("cpu")
@@ -120,15 +124,11 @@ class ModelRunner:
                     self.num_blocks * block_bytes / (1 << 30), str(self.kv_dtype).removeprefix("torch."))
 
     def _cpu_decoder(self, loaded: LoadedModel):
-        """The C decode kernels for small decode-only steps, when this CPU and model can use them (else None)."""
-        from tokenspout.kernels import cpu, decoder
+        """The C decode kernels for small decode-only steps, when this CPU and model can use them (else None);
+        with batch_invariant, the batch-invariant build for every step."""
+        from tokenspout.kernels import decoder
 
-        if self.device.type != "cpu" or not decoder.supported(loaded.model, loaded.dtype):
-            return None
-        lib = cpu.load()
-        if lib is None:
-            return None
-        return decoder.CpuDecoder(lib, loaded.model, self.kv_caches, self.block_size, loaded.quantized)
+        return decoder.build(loaded, self.kv_caches, self.block_size, invariant=self.batch_invariant)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.decoder.logits(hidden) if self.decoder is not None else self.model.compute_logits(hidden)
