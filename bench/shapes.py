@@ -4,7 +4,8 @@
 
 Writes config.json, model.safetensors (random normal * 0.02, tensor by tensor: never the whole model in memory) and
 the default model's tokenizer files into DIR (default: $TOKENSPOUT_CACHE/shapes/<name>-<dtype>), and prints DIR.
-Shapes: SmolLM2-360M and SmolLM2-1.7B as published, and Llama-3.1-8B's layer shape with the default vocabulary.
+Shapes: SmolLM2-360M and SmolLM2-1.7B as published, Llama-3.1-8B's layer shape, and Qwen3-0.6B's (a Qwen3 model:
+per-head q / k RMSNorm, head_dim 128 where hidden / heads is 64), all with the default vocabulary.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ SHAPES: dict[str, dict] = {
                      "num_attention_heads": 32, "num_key_value_heads": 32, "tie_word_embeddings": True},
     "llama-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                  "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": False},
+    "qwen3-0.6b": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+                   "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True,
+                   "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"},
 }
 
 
@@ -33,9 +37,9 @@ def make(name: str, out: Path, dtype: torch.dtype = torch.bfloat16, seed: int = 
 
     src = Path(default_model_path())
     base = json.loads((src / "config.json").read_text())
-    cfg = {**base, **SHAPES[name], "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+    base.pop("head_dim", None)
+    cfg = {**base, "architectures": ["LlamaForCausalLM"], "model_type": "llama", **SHAPES[name],
            "torch_dtype": str(dtype).removeprefix("torch."), "dtype": str(dtype).removeprefix("torch.")}
-    cfg.pop("head_dim", None)
     done = out / "model.safetensors"
     if done.is_file() and json.loads((out / "config.json").read_text()) == cfg:
         return out
@@ -45,8 +49,8 @@ def make(name: str, out: Path, dtype: torch.dtype = torch.bfloat16, seed: int = 
             shutil.copy(f, out / f.name)
     g = torch.Generator().manual_seed(seed)
     e, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    d = e // cfg["num_attention_heads"]
-    kv = cfg["num_key_value_heads"] * d
+    d = cfg.get("head_dim") or e // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
 
     def rnd(*shape: int) -> torch.Tensor:
         return (torch.randn(*shape, generator=g) * 0.02).to(dtype)
@@ -56,8 +60,11 @@ def make(name: str, out: Path, dtype: torch.dtype = torch.bfloat16, seed: int = 
         tensors["lm_head.weight"] = rnd(v, e)
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        tensors |= {p + "self_attn.q_proj.weight": rnd(e, e), p + "self_attn.k_proj.weight": rnd(kv, e),
-                    p + "self_attn.v_proj.weight": rnd(kv, e), p + "self_attn.o_proj.weight": rnd(e, e),
+        if cfg["model_type"] == "qwen3":
+            tensors |= {p + "self_attn.q_norm.weight": torch.ones(d, dtype=dtype),
+                        p + "self_attn.k_norm.weight": torch.ones(d, dtype=dtype)}
+        tensors |= {p + "self_attn.q_proj.weight": rnd(q, e), p + "self_attn.k_proj.weight": rnd(kv, e),
+                    p + "self_attn.v_proj.weight": rnd(kv, e), p + "self_attn.o_proj.weight": rnd(e, q),
                     p + "mlp.gate_proj.weight": rnd(inter, e), p + "mlp.up_proj.weight": rnd(inter, e),
                     p + "mlp.down_proj.weight": rnd(e, inter), p + "input_layernorm.weight": torch.ones(e, dtype=dtype),
                     p + "post_attention_layernorm.weight": torch.ones(e, dtype=dtype)}

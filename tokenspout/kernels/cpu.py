@@ -61,7 +61,7 @@ Weight._fields_ = [("w", vp), ("scale", vp), ("min", vp), ("wt", i64), ("tail", 
 
 class Layer(ctypes.Structure):
     _fields_ = [("ln1", vp), ("ln2", vp), ("qkv", Weight), ("o", Weight), ("gate_up", Weight), ("down", Weight),
-                ("qkv_bias", vp), ("kv", vp)]
+                ("qkv_bias", vp), ("kv", vp), ("q_norm", vp), ("k_norm", vp)]
 
 
 class Model(ctypes.Structure):

@@ -1,8 +1,8 @@
 """The decode step through the C kernels: every decoder layer of a small decode-only batch in one call.
 
 Used by the model runner when a step holds only decode tokens (query length 1), no more than `max_tokens` of
-them, on a float32 model whose shapes the kernels take (K dims and head_dim multiples of 8, no per-head q/k norm).
-Everything else (prefill chunks, larger batches, bfloat16, Qwen3's q/k norm) runs the torch model: both paths read
+them, on a float32 model whose shapes the kernels take (K dims and head_dim multiples of 8; Qwen3's per-head q / k
+RMSNorm included).  Everything else (prefill chunks, larger batches, bfloat16) runs the torch model: both paths read
 and write the same paged KV cache, so a request moves between them freely from step to step.
 
 With quantized weights (ModelConfig.quantization, models/quantize.py) the kernels stream the packed codes; where
@@ -41,8 +41,7 @@ def build(loaded, kv_caches: list[torch.Tensor], block_size: int, num_layers: in
     if not supported(loaded.model, loaded.dtype):
         if invariant:
             raise ValueError("--batch-invariant needs the C kernels, which this model does not take: float32 "
-                             "compute (--dtype float32 or auto), hidden / intermediate / head sizes multiples of 8, "
-                             "no per-head q/k norm (Qwen3)")
+                             "compute (--dtype float32 or auto), hidden / intermediate / head sizes multiples of 8")
         return None
     lib = cpu.load(invariant=invariant)
     if lib is None:
@@ -56,7 +55,7 @@ def build(loaded, kv_caches: list[torch.Tensor], block_size: int, num_layers: in
 def supported(model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
     a = model.arch
     dims = (a.hidden_size, a.intermediate_size, a.num_heads * a.head_dim, a.head_dim)
-    return dtype == torch.float32 and not a.qk_norm and all(d % 8 == 0 for d in dims)
+    return dtype == torch.float32 and all(d % 8 == 0 for d in dims)
 
 
 class CpuDecoder:
@@ -101,12 +100,14 @@ class CpuDecoder:
                 p = f"layers.{i}."
                 att, mlp = layer.self_attn, layer.mlp
                 bias = att.qkv_proj.bias.data if att.qkv_proj.bias is not None else None
+                qn, kn = att.q_norm, att.k_norm  # (Qwen3; None elsewhere)
                 layers[i] = cpu.Layer(
                     ptr(layer.input_layernorm.weight.data), ptr(layer.post_attention_layernorm.weight.data),
                     weight(p + "self_attn.qkv_proj", att.qkv_proj, quant),
                     weight(p + "self_attn.o_proj", att.o_proj, quant),
                     weight(p + "mlp.gate_up_proj", mlp.gate_up_proj, quant),
-                    weight(p + "mlp.down_proj", mlp.down_proj, quant), ptr(bias), cache_ptr(kv))
+                    weight(p + "mlp.down_proj", mlp.down_proj, quant), ptr(bias), cache_ptr(kv),
+                    ptr(qn.weight.data if qn is not None else None), ptr(kn.weight.data if kn is not None else None))
             self._keep.append(layers)
             return cpu.Model(n, a.hidden_size, a.intermediate_size, a.num_heads, a.num_kv_heads,
                              a.head_dim, slots, block_size, a.rms_norm_eps, a.head_dim**-0.5, layers,

@@ -1928,6 +1928,7 @@ typedef struct {
     ts_weight qkv, o, gate_up, down;
     const float *qkv_bias; /* NULL when the model has none */
     void *kv;              /* this layer's cache [2, slots, Hkv, D], float32 or float16 (ts_model.kv_half) */
+    const float *q_norm, *k_norm; /* Qwen3's RMSNorm of every q / k head before RoPE, [D] each; NULL: none */
 } ts_layer;
 
 typedef struct {
@@ -1966,6 +1967,10 @@ void ts_decode_layers(const ts_model *md, float *x, int64_t M, const int64_t *po
             for (int64_t m = 0; m < M; m++) {
                 float *row = qkv + m * nqkv;
                 const float *c = md->cos + positions[m] * half, *s = md->sin + positions[m] * half;
+                if (L->q_norm) { /* (in place: ts_rmsnorm reads each value before it writes it) */
+                    ts_rmsnorm(row, H, D, L->q_norm, md->eps, row);
+                    ts_rmsnorm(row + H * D, Hkv, D, L->k_norm, md->eps, row + H * D);
+                }
                 rope(row, H, D, c, s);
                 rope(row + H * D, Hkv, D, c, s);
                 char *k = (char *)L->kv + slot_mapping[m] * tok * esz, *v = k + md->slots * tok * esz;
