@@ -786,34 +786,33 @@ static inline __attribute__((always_inline)) void block_q_inv_group(const uint8_
     __m256i l[4], h[4];
     for (int r = 0; r < 4; r++) widen_group(codes, wt, g, par, r, &l[r], &h[r]);
     const __m128 ws = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(sc + g * 4)));
-    const __m128 wm = mn ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(mn + g * 4))) : _mm_setzero_ps();
-    const int16_t *xq = a->q + m0 * K + g * 32;
+    const __m128 wm = HAS_MIN(wt) ? _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(mn + g * 4))) : _mm_setzero_ps();
+    const __m256 ws2 = _mm256_set_m128(ws, ws), wm2 = _mm256_set_m128(wm, wm);
+    const int16_t *x = a->q + m0 * K + g * 32;
     const float *dx = a->d + m0 * G + g, *sx = a->s + m0 * G + g;
-#define ROW_DOTS(m)                                                                                                  \
+#define ROW_DOTS(xr)                                                                                                 \
     ({                                                                                                               \
-        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + (m) * K));                                      \
-        const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + (m) * K + 16));                                 \
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xr));                                                \
+        const __m256i x1 = _mm256_loadu_si256((const __m256i *)((xr) + 16));                                         \
         __m256i D[4];                                                                                                \
         for (int r = 0; r < 4; r++) D[r] = dot_rows(l[r], h[r], x0, x1);                                             \
         rows4(D);                                                                                                    \
     })
-    int64_t m = 0;
-    for (; m + 1 < mt; m += 2) {
-        const __m256i r0 = ROW_DOTS(m), r1 = ROW_DOTS(m + 1);
+    const int64_t pairs = mt / 2;
+    for (int64_t p = 0; p < pairs; p++, x += 2 * K, dx += 2 * G, sx += 2 * G) {
+        const __m256i r0 = ROW_DOTS(x), r1 = ROW_DOTS(x + K);
         const __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(r0, r1, 0x20),
                                                              _mm256_permute2x128_si256(r0, r1, 0x31)));
-        const __m256 s = _mm256_mul_ps(_mm256_set_m128(ws, ws),
-                                       _mm256_set_m128(_mm_set1_ps(dx[(m + 1) * G]), _mm_set1_ps(dx[m * G])));
-        acc[m / 2] = _mm256_fmadd_ps(f, s, acc[m / 2]);
-        if (mn)
-            accm[m / 2] = _mm256_fmadd_ps(_mm256_set_m128(wm, wm), _mm256_set_m128(_mm_set1_ps(sx[(m + 1) * G]),
-                                                                                   _mm_set1_ps(sx[m * G])), accm[m / 2]);
+        const __m256 s = _mm256_mul_ps(ws2, _mm256_set_m128(_mm_set1_ps(dx[G]), _mm_set1_ps(dx[0])));
+        acc[p] = _mm256_fmadd_ps(f, s, acc[p]);
+        if (HAS_MIN(wt))
+            accm[p] = _mm256_fmadd_ps(wm2, _mm256_set_m128(_mm_set1_ps(sx[G]), _mm_set1_ps(sx[0])), accm[p]);
     }
-    if (m < mt) {
-        const __m256i r0 = ROW_DOTS(m);
+    if (mt % 2) { /* (x, dx, sx: the last row's) */
+        const __m256i r0 = ROW_DOTS(x);
         const __m128 f = _mm_cvtepi32_ps(_mm_add_epi32(_mm256_castsi256_si128(r0), _mm256_extracti128_si256(r0, 1)));
-        *last = _mm_fmadd_ps(f, _mm_mul_ps(ws, _mm_set1_ps(dx[m * G])), *last);
-        if (mn) *lastm = _mm_fmadd_ps(wm, _mm_set1_ps(sx[m * G]), *lastm);
+        *last = _mm_fmadd_ps(f, _mm_mul_ps(ws, _mm_set1_ps(dx[0])), *last);
+        if (HAS_MIN(wt)) *lastm = _mm_fmadd_ps(wm, _mm_set1_ps(sx[0]), *lastm);
     }
 #undef ROW_DOTS
 }
