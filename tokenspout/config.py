@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tokenspout.checks import is_int
+
 KV_CACHE_DTYPES = ("auto", "float16")
 ACTIVATION_QUANTS = ("int16", "int8")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -182,11 +184,10 @@ class EngineConfig:
     engine_restart: bool = True
 
     def validate(self) -> None:
-        if not isinstance(self.data_parallel_size, int) or not 1 <= self.data_parallel_size <= MAX_DATA_PARALLEL:
+        if not is_int(self.data_parallel_size) or not 1 <= self.data_parallel_size <= MAX_DATA_PARALLEL:
             raise ValueError(f"data_parallel_size must be an integer in [1, {MAX_DATA_PARALLEL}], "
                              f"got {self.data_parallel_size!r}")
-        if self.num_threads is not None and (not isinstance(self.num_threads, int)
-                                             or not 1 <= self.num_threads <= MAX_THREADS):
+        if self.num_threads is not None and (not is_int(self.num_threads) or not 1 <= self.num_threads <= MAX_THREADS):
             raise ValueError(f"num_threads must be an integer in [1, {MAX_THREADS}], got {self.num_threads!r}")
         if not 2.0 <= self.engine_hang_timeout_s <= 86400:
             raise ValueError(f"engine hang timeout must be 2..86400 s (the engine beats every second), "

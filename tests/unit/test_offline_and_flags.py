@@ -41,7 +41,10 @@ def test_engine_sizes_are_bounded(make, says):
 
 
 @pytest.mark.parametrize(("kw", "says"), [({"data_parallel_size": 10**18}, "data_parallel_size"),
-                                          ({"num_threads": 0}, "num_threads"), ({"num_threads": -3}, "num_threads")])
+                                          ({"num_threads": 0}, "num_threads"), ({"num_threads": -3}, "num_threads"),
+                                          # a bool is no count (Python's int would take True as 1)
+                                          ({"num_threads": True}, "num_threads"),
+                                          ({"data_parallel_size": True}, "data_parallel_size")])
 def test_engine_config_bounds(kw, says):
     import dataclasses
 
