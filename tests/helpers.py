@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from tokenspout.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from tokenspout.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from tokenspout.core.engine_core import EngineCore
 from tokenspout.engine.messages import EngineCoreRequest
 from tokenspout.models.quantize import pack_int5
@@ -17,9 +17,11 @@ from tokenspout.sampling_params import SamplingParams
 
 def make_core(loaded, *, budget: int = 512, max_num_seqs: int = 64, num_blocks: int | None = None,
               block_size: int = 16, prefix_caching: bool = True, kv_cache_dtype: str = "auto",
-              async_scheduling: bool = False, batch_invariant: bool = False) -> EngineCore:
+              async_scheduling: bool = False, batch_invariant: bool = False,
+              speculative: SpeculativeConfig | None = None) -> EngineCore:
     # (max_model_len left to the loaded model's: lowered to what a forced small cache holds)
     cfg = EngineConfig(model=ModelConfig(model=str(loaded.path), batch_invariant=batch_invariant),
+                       speculative=speculative or SpeculativeConfig(),
                        cache=CacheConfig(block_size=block_size, num_gpu_blocks_override=num_blocks,
                                          enable_prefix_caching=prefix_caching, kv_cache_dtype=kv_cache_dtype),
                        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,

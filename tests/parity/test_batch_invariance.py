@@ -1,15 +1,18 @@
 """--batch-invariant (ModelConfig.batch_invariant): a request's tokens and logprobs are bit-identical whether it runs
 alone or among other requests -- a long prompt chunked across the steps it decodes in, seeded and greedy requests
 of other lengths arriving and finishing around it, its own prompt chunked by another step budget -- with float32 and
-with int4 weights.  The oracle is the same request alone.  (Without the flag the C kernels' summation order depends
+with int4 weights, and with n-gram and self-draft speculation (tokens only there: a request asking for logprobs does
+not draft).  The oracle is the same request alone.  (Without the flag the C kernels' summation order depends
 on the rows a step holds, so logprobs move by ~1e-3 and a seeded request can take another token at a near-tie.)"""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from tests.helpers import make_core
-from tokenspout.config import ModelConfig
+from tokenspout.config import ModelConfig, SpeculativeConfig
 from tokenspout.engine.messages import EngineCoreRequest
 from tokenspout.kernels import cpu
 from tokenspout.sampling_params import SamplingParams
@@ -43,13 +46,25 @@ def _run(core, requests: list[tuple[str, list[int], SamplingParams, int]]) -> di
     raise AssertionError("requests did not finish")
 
 
-@pytest.mark.parametrize("weights", ["float32", "int4"])
-def test_a_request_alone_and_among_others_gets_the_same_bits(request, tokenizer, weights):
+# adaptive off: every eligible request drafts at every step (the adaptive policy stops drafting where drafts are
+# rejected); how many drafts a request verifies still depends on the step's others
+SPECULATION = {"ngram": SpeculativeConfig(method="ngram", adaptive=False),
+               "self-draft": SpeculativeConfig(method="draft", draft_layers=24, adaptive=False)}
+
+
+@pytest.mark.parametrize(("weights", "spec"), [("float32", None), ("int4", None), ("int4", "ngram"),
+                                               ("int4", "self-draft")])
+def test_a_request_alone_and_among_others_gets_the_same_bits(request, tokenizer, weights, spec):
     loaded = request.getfixturevalue("loaded_model" if weights == "float32" else "int4_model")
-    prompt = tokenizer("Write a short story about a lighthouse keeper who finds a message in a bottle.").input_ids
+    text = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+    if spec == "ngram":  # (text that repeats, so that the n-gram proposer finds drafts)
+        text = "Repeat after me: the cat sat on the mat. the cat sat on the mat. the cat sat on the mat."
+    prompt = tokenizer(text).input_ids
+    speculative = SPECULATION[spec] if spec else None
+    targets = {name: dataclasses.replace(p, logprobs=None) if spec else p for name, p in TARGETS.items()}
     alone = {}
-    core = make_core(loaded, budget=512, batch_invariant=True)
-    for name, params in TARGETS.items():
+    core = make_core(loaded, budget=512, batch_invariant=True, speculative=speculative)
+    for name, params in targets.items():
         alone[name] = _run(core, [(name, prompt, params, 0)])[name]
         assert len(alone[name][0]) == 20
     long_prompt = tokenizer(" ".join(f"Item {i}: the quick brown fox jumps over the lazy dog." for i in range(40))
@@ -63,8 +78,11 @@ def test_a_request_alone_and_among_others_gets_the_same_bits(request, tokenizer,
     # a budget of 96 tokens: long prompts are chunked, prefill chunks share the steps the targets decode in, the
     # number of rows in a step changes from step to step, and steps are larger than the 64 tokens from which a
     # float32 model's steps would otherwise go to the torch model
-    crowd = _run(make_core(loaded, budget=96, batch_invariant=True),
-                 [*others, *((name, prompt, params, 2) for name, params in TARGETS.items())])
+    crowd_core = make_core(loaded, budget=96, batch_invariant=True, speculative=speculative)
+    crowd = _run(crowd_core, [*others, *((name, prompt, params, 2) for name, params in targets.items())])
+    if spec:  # drafts were verified, and some accepted, in both runs
+        for c in (core, crowd_core):
+            assert c.stats().spec_num_accepted_tokens > 0
     for name in TARGETS:
         assert crowd[name][0] == alone[name][0], name
         assert crowd[name][1] == alone[name][1], name
