@@ -437,15 +437,16 @@ static inline __attribute__((always_inline)) void widen_group(const uint8_t *cod
  * of the instructions per group at one batch row; pairing them: ts_linear on 1.7B-shaped layers (2 threads, one
  * row) int4 1.2-1.3x, int8 1.0-1.2x (closer to its memory bound).
  *
- * One summation order on every path (batch invariance): a row's result must not depend on how many batch rows
- * share the call, since that picks the path (block_q1 at one row, block_q below TILE_MIN, the tiled path from
- * there).  Every path computes, per output: each group's exact int32 dot product, converted to float once (D_g);
- * four chains in ascending g, E = fma(D_g, ws_g * dx_g, E) over the even groups, O the same over the odd ones, and
- * (Q4, Q5) EM = fma(min_g, sx_g, EM) over the even groups, OM over the odd ones; the output is (E + EM) + (O + OM).
- * Here E | O and EM | OM are the 128-bit halves of two accumulators (the min term on its own chain: on the dot
- * products' chain, two dependent FMAs per pair of groups made the one-row int4 kernel 5-8% slower); the tiled path
- * keeps the four in four buffers (blocks_tile).  (The AVX-512 build's own kernels keep their orders and are not
- * batch-invariant.) */
+ * One summation order (batch invariance): a row's result should not depend on how many batch rows share the call,
+ * since that picks the path (block_q1 at one row, block_q or block_q_inv below TILE_MIN, the tiled path from
+ * there).  block_q1, block_q_inv and the AVX2 tiled path compute, per output: each group's exact int32 dot product,
+ * converted to float once (D_g); four chains in ascending g, E = fma(D_g, ws_g * dx_g, E) over the even groups, O
+ * the same over the odd ones, and (Q4, Q5) EM = fma(min_g, sx_g, EM) over the even groups, OM over the odd ones;
+ * the output is (E + EM) + (O + OM).  Here E | O and EM | OM are the 128-bit halves of two accumulators (the min
+ * term on its own chain: on the dot products' chain, two dependent FMAs per pair of groups made the one-row int4
+ * kernel 5-8% slower); the tiled path keeps E and O in two buffers and adds the minimums' chains at the end of a
+ * pass (tile_finish).  The default build's block_q keeps a faster order of its own (see it), the batch-invariant
+ * build takes block_q_inv; the AVX-512 build's own kernels keep their orders and are not batch-invariant. */
 static inline __m256i dot_rows(__m256i l, __m256i h, __m256i x0, __m256i x1) {
     return _mm256_add_epi32(_mm256_madd_epi16(l, x0), _mm256_madd_epi16(h, x1));
 }
@@ -481,19 +482,6 @@ static inline __attribute__((always_inline)) void scale_pair(__m256 *acc, __m256
     if (mn) *accm = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + g * 4))), pair_bcast(sx + g), *accm);
     const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g * 4)));
     *acc = _mm256_fmadd_ps(sum4x2(A, B), _mm256_mul_ps(ws, pair_bcast(dx + g)), *acc);
-}
-
-/* accm [EM | OM] of one batch row over every group of a block (dx, sx: the row's activation scales and sums): the
- * minimums' chains on their own, as scale_pair and lone_group build them */
-static inline __m256 min_chains(const uint16_t *mn, const float *sx, int64_t G) {
-    __m256 accm = _mm256_setzero_ps();
-    int64_t g = 0;
-    for (; g + 1 < G; g += 2)
-        accm = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + g * 4))), pair_bcast(sx + g), accm);
-    if (g < G)
-        accm = _mm256_insertf128_ps(accm, _mm_fmadd_ps(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(mn + g * 4))),
-                                                        _mm_set1_ps(sx[g]), _mm256_castps256_ps128(accm)), 0);
-    return accm;
 }
 
 /* four rows' int32 dots of one group -> their floats (the group's whole sums) */
@@ -1113,7 +1101,7 @@ static inline __attribute__((always_inline)) void tile_scale(const ts_wtile *t, 
 }
 
 /* The AVX2 tiled path's last step of a pass (EO_SPLIT): f's E = (E + EM) + (O + OM) for every output, the
- * minimums' chains (Q4, Q5) built here in registers, as min_chains builds them on the row path (in tile_scale
+ * minimums' chains (Q4, Q5) built here in registers, as scale_pair builds them on the row path (in tile_scale
  * they cost a load and a store of a second buffer per group: int4 at 16-32 rows 1.1-1.2x the time). */
 static void tile_finish(const ts_wtile *t, int nb, const int wt, int64_t G, const ts_qact *a, float *f) {
     const int64_t mp = a->mp, split = fsplit(mp);
