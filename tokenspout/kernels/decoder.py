@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import ctypes
 import sys
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenspout.kernels import cpu
 from tokenspout.models.llama import DecoderLayer, LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from tokenspout.models.loader import LoadedModel
 
 # Up to this many tokens a step runs through the kernels (larger: the torch model, MKL GEMMs).  Measured on this
 # 2-core AVX2 machine (offline generation, one core): the float32 row-streaming kernel still beat MKL at 64 decode
@@ -33,9 +37,9 @@ MAX_TOKENS = 64
 QUANTIZED_MAX_TOKENS = 512
 
 
-def build(loaded, kv_caches: list[torch.Tensor], block_size: int, num_layers: int | None = None,
+def build(loaded: LoadedModel, kv_caches: list[torch.Tensor], block_size: int, num_layers: int | None = None,
           invariant: bool = False) -> CpuDecoder | None:
-    """The C decoder for a loaded model (models.loader.LoadedModel) where this CPU and model take the kernels, else
+    """The C decoder for a loaded model where this CPU and model take the kernels, else
     None.  invariant (--batch-invariant): the kernels' batch-invariant build, running every step however large; a
     ValueError where it cannot run."""
     if not supported(loaded.model, loaded.dtype):
