@@ -111,18 +111,41 @@ def test_rope_scaling_of_llama_cpp_files(rope, tmp_path: Path, model_path: Path)
     """A float32 file of a tiny RoPE-scaled Llama, made by llama.cpp's converter, gives the original model's logits.
     The sidecar config had kept transformers' conversion's plain RoPE, and the rope_freqs tensor was ignored: max
     |logit error| 21 (llama3) and 19 (linear) on ~60-token prompts (audit 2026-11-27)."""
-    import shutil
+    from transformers import LlamaConfig
 
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    src, _ = llama_tools()
     cfg = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512, initializer_range=0.3,
                       rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True,
                       rope_theta=500000.0, rope_scaling=rope)
+    err = _tiny_file_logit_error(cfg, tmp_path, model_path)
+    assert err < 1e-3, (rope["rope_type"], err)
+
+
+def test_qwen3_file_of_llama_cpp(tmp_path: Path, model_path: Path) -> None:
+    """A float32 file of a tiny Qwen3 (per-head q / k RMSNorm, head_dim 64 where hidden / heads is 32), made by
+    llama.cpp's converter, gives the original model's logits; its decode steps run the C decoder's q / k norm."""
+    from transformers import Qwen3Config
+
+    cfg = Qwen3Config(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                      initializer_range=0.3, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2,
+                      tie_word_embeddings=True)
+    err = _tiny_file_logit_error(cfg, tmp_path, model_path)
+    assert err < 1e-3, err
+
+
+def _tiny_file_logit_error(cfg, tmp_path: Path, model_path: Path) -> float:
+    """Max |logit error| of a random model of config `cfg` served from the float32 GGUF file llama.cpp's converter
+    makes of it, against the model itself: a 70-token prompt (a torch-model prefill step) and 3 decode steps (the C
+    decoder, where the kernels run)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    src, _ = llama_tools()
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(cfg).eval()
-    folder, gguf = tmp_path / "hf", tmp_path / "tiny-rope.gguf"
+    folder, gguf = tmp_path / "hf", tmp_path / "tiny.gguf"
     hf.save_pretrained(folder)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(model_path / f, folder / f)
@@ -138,5 +161,4 @@ def test_rope_scaling_of_llama_cpp_files(rope, tmp_path: Path, model_path: Path)
     seq = prompt + ours
     with torch.no_grad():
         ref = hf(torch.tensor([seq])).logits[0, len(prompt) - 1 : len(seq) - 1]
-    err = float((torch.stack(captured) - ref).abs().max())
-    assert err < 1e-3, (rope["rope_type"], err)
+    return float((torch.stack(captured) - ref).abs().max())

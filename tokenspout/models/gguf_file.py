@@ -111,9 +111,9 @@ def sidecar_folder(gguf: Path) -> Path:
     return target
 
 
-# Bumped when what a sidecar folder holds changes (2: RoPE scaling from the file's metadata): older folders are then
-# another name, rebuilt once, and pruned.
-_SIDECAR_VERSION = 2
+# Bumped when what a sidecar folder holds changes (2: RoPE scaling from the file's metadata; 3: head_dim from
+# attention.key_length): older folders are then another name, rebuilt once, and pruned.
+_SIDECAR_VERSION = 3
 
 
 def _sidecar_name(gguf: Path) -> str:
@@ -213,6 +213,7 @@ def _write_sidecar(gguf: Path, target: Path) -> None:
         config["tie_word_embeddings"] = not any(t.name == "output.weight" for t in reader.tensors)
         config["dtype"] = "float32"
         config["rope_parameters"] = rope_parameters(gguf, reader, arch, config.get("rope_parameters") or {})
+        config["head_dim"] = head_dim(gguf, reader, arch, config)
         config.pop("rope_scaling", None)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
@@ -261,6 +262,21 @@ def _is_finite(v) -> bool:
 def _key_of(fields: dict, arch: str, name: str) -> str:
     """The key of hyperparameter NAME (a "mistral" file may carry llama's keys, as llama.cpp writes Mistral 7B)."""
     return f"{arch}.{name}" if f"{arch}.{name}" in fields or f"llama.{name}" not in fields else f"llama.{name}"
+
+
+def head_dim(gguf: Path, reader, arch: str, converted: dict) -> int:
+    """A head's width: `attention.key_length`, which llama.cpp writes where it is not hidden / heads (Qwen3, Mistral
+    Nemo).  transformers' conversion drops it, and its config class's default stood in: Qwen3Config's 128 (right for
+    every published Qwen3, wrong for a 64-wide head: a start error), LlamaConfig's hidden / heads (Nemo: 160, not
+    128)."""
+    key = field(reader, _key_of(reader.fields, arch, "attention.key_length"))
+    value = field(reader, _key_of(reader.fields, arch, "attention.value_length"))
+    if key is None:
+        return converted["hidden_size"] // converted["num_attention_heads"]
+    if value is not None and value != key:
+        raise ValueError(f"GGUF file {gguf}: attention.key_length {key} and value_length {value} differ "
+                         "(heads of two widths are not supported)")
+    return int(key)
 
 
 def rope_parameters(gguf: Path, reader, arch: str, converted: dict) -> dict:
