@@ -35,10 +35,15 @@ def prompt_ids(tokenizer):
     return [tokenizer(p).input_ids for p in PROMPTS]
 
 
-@pytest.fixture(params=cpu.available_isas())
+@pytest.fixture(params=[*cpu.available_isas(), *(f"{isa}-emulated" for isa in cpu.emulated_isas())])
 def isa(request, monkeypatch):
-    """Each ISA level this CPU has, forced as TOKENSPOUT_ISA forces it (the engine's kernels are that level's)."""
-    monkeypatch.setenv("TOKENSPOUT_ISA", request.param)
+    """Each ISA level this CPU has, forced as TOKENSPOUT_ISA forces it (the engine's kernels are that level's), and
+    each one it lacks built on SIMDe's intrinsics (cpu.load_emulated; cpu.load then returns that build)."""
+    if request.param.endswith("-emulated"):
+        lib = cpu.load_emulated(request.param.removesuffix("-emulated"))
+        monkeypatch.setattr(cpu, "load", lambda isa=None, invariant=False: lib)
+    else:
+        monkeypatch.setenv("TOKENSPOUT_ISA", request.param)
     return request.param
 
 

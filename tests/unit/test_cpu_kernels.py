@@ -18,9 +18,15 @@ from tokenspout.models.quantize import dequantize, pack_int5, quantize_int4, qua
 pytestmark = pytest.mark.skipif(cpu.load() is None, reason="decode kernels unavailable on this machine")
 
 
-@pytest.fixture(params=[*cpu.available_isas(), "avx2-invariant"])
+@pytest.fixture(params=[*cpu.available_isas(), *(f"{isa}-emulated" for isa in cpu.emulated_isas()), "avx2-invariant"])
 def lib(request):
-    return cpu.load(invariant=True) if request.param == "avx2-invariant" else cpu.load(request.param)
+    """Each level this CPU has, each one it lacks on SIMDe's intrinsics (an AVX2-only CPU still tests the AVX-512
+    code), and the batch-invariant build."""
+    if request.param == "avx2-invariant":
+        return cpu.load(invariant=True)
+    if request.param.endswith("-emulated"):
+        return cpu.load_emulated(request.param.removesuffix("-emulated"))
+    return cpu.load(request.param)
 
 
 def test_the_best_level_is_chosen_and_can_be_forced(monkeypatch):

@@ -9,6 +9,10 @@ ISA levels (`ISA_LEVELS`), one build of the same sources each, picked at run tim
 The best level the CPU has is used unless TOKENSPOUT_ISA=avx2|avx512 forces one (tests force each level the
 machine has, so every level stays tested where it can run).
 
+`load_emulated(isa)` builds a level this CPU lacks from the same sources on SIMDe's portable intrinsics (csrc/isa.h,
+the `simde-py` package of the tests): the AVX-512 code then runs, slowly, on an AVX2 CPU, so the tests check its
+results on every machine (the engine never loads it).
+
 `load(invariant=True)` is the batch-invariant build (`--batch-invariant`): the AVX2 level compiled with
 -DTS_BATCH_INVARIANT=1, where every batch size computes a row's outputs in one summation order (decode_cpu.c, "the
 row path"), on any CPU with AVX2 (AVX-512 ones too: the AVX-512 kernels keep their own orders).
@@ -25,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -40,7 +45,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "decode_cpu.c", CSRC / "sample_cpu.c", CSRC / "quant_cpu.c")
-HEADERS = (CSRC / "simd.h",)
+HEADERS = (CSRC / "simd.h", CSRC / "isa.h")
 # the kernels' weight types (ts_weight.wt in decode_cpu.c)
 WT_F32, WT_Q8, WT_Q4, WT_BF16, WT_F16, WT_Q5 = 0, 1, 2, 3, 4, 5
 # float weights the kernels read as they are (16-bit ones widened to float32 in registers): torch dtype -> C type
@@ -103,15 +108,29 @@ def chosen_isa() -> str | None:
     return have[-1] if have else None
 
 
-def _build(out: Path, defines: tuple[str, ...] = (), isa: str = "avx2") -> None:
-    """Compiles the library for `isa` to `out`; `defines` (e.g. "TILE_MIN=1000000") are for benchmarks of variants."""
+def _isa_flags(isa: str, emulated: bool) -> tuple[str, ...]:
+    """The compiler flags of `isa`; emulated: its defines on AVX2's instructions, the intrinsics from SIMDe."""
+    if not emulated:
+        return ISA_LEVELS[isa][1]
+    import simde_py  # (a test requirement: only the emulated builds need it)
+
+    defines = tuple(f for f in ISA_LEVELS[isa][1] if f.startswith("-D"))
+    # -Wno-psabi: SIMDe's 512-bit structs passed by value (one build, one ABI); -O2 without the RTL combiner: gcc
+    # 12's combiner spends 250 s on decode_cpu.c's inlined emulation at -O1 / -O3 (14 s in all without it)
+    return (*ISA_LEVELS["avx2"][1], *defines, "-DTS_SIMDE=1", f"-I{simde_py.get_include()}", "-Wno-psabi",
+            "-O2", "-fdisable-rtl-combine")
+
+
+def _build(out: Path, defines: tuple[str, ...] = (), isa: str = "avx2", emulated: bool = False) -> None:
+    """Compiles the library for `isa` to `out`; `defines` (e.g. "TILE_MIN=1000000") are for benchmarks of variants;
+    emulated: on SIMDe's intrinsics (load_emulated)."""
     cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler (gcc/cc) on PATH")
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         so = Path(tmp) / out.name
-        flags = ["-O3", *ISA_LEVELS[isa][1], "-fopenmp", "-fPIC", *(f"-D{d}" for d in defines)]
+        flags = ["-O3", *_isa_flags(isa, emulated), "-fopenmp", "-fPIC", *(f"-D{d}" for d in defines)]
         # each source compiled by its own gcc, side by side, then linked: 9.8 -> 6.0 s here (decode_cpu.c alone
         # takes most of it), which a fresh machine's first start and every source change pay
         objs = [Path(tmp) / f"{src.stem}.o" for src in SOURCES]
@@ -155,16 +174,34 @@ def load(isa: str | None = None, invariant: bool = False) -> ctypes.CDLL | None:
     return lib
 
 
+def emulated_isas() -> list[str]:
+    """The ISA levels this CPU lacks that load_emulated can build (none without AVX2 or the simde-py package)."""
+    have = available_isas()
+    if "avx2" not in have or importlib.util.find_spec("simde_py") is None:
+        return []
+    return [isa for isa in ISA_LEVELS if isa not in have]
+
+
+def load_emulated(isa: str) -> ctypes.CDLL | None:
+    """`isa`'s kernels on SIMDe's portable intrinsics (for tests on a CPU without `isa`; see the module docstring);
+    None where the kernels are off or the build fails."""
+    if isa not in emulated_isas():
+        raise ValueError(f"{isa!r} is not an ISA level to emulate here (emulated: {emulated_isas()})")
+    if os.environ.get("TOKENSPOUT_KERNELS", "1") == "0":
+        return None
+    return _load(isa, emulated=True)
+
+
 @functools.cache
-def _load(isa: str, invariant: bool = False) -> ctypes.CDLL | None:
-    if isa not in available_isas():
+def _load(isa: str, invariant: bool = False, emulated: bool = False) -> ctypes.CDLL | None:
+    if isa not in (emulated_isas() if emulated else available_isas()):
         raise ValueError(f"ISA level {isa!r} is not available on this CPU (it has {available_isas()})")
     digest = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES + HEADERS)).hexdigest()[:16]
-    variant = f"{isa}-invariant" if invariant else isa
+    variant = f"{isa}-invariant" if invariant else f"{isa}-emulated" if emulated else isa
     so = cache_dir() / f"decode_cpu-{variant}-{digest}.so"
     try:
         if not so.is_file():
-            _build(so, defines=("TS_BATCH_INVARIANT=1",) if invariant else (), isa=isa)
+            _build(so, defines=("TS_BATCH_INVARIANT=1",) if invariant else (), isa=isa, emulated=emulated)
         lib = ctypes.CDLL(str(so))
     except (OSError, RuntimeError) as e:
         logger.warning("decode kernels (%s) unavailable, using the torch path: %s", variant, e)

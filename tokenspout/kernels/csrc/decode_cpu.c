@@ -24,7 +24,7 @@
  * `--activation-quant int8`), to int8: then int4 codes take byte kernels (tile_group8 from TILE_MIN8 rows,
  * block_q1_a8 at one row) and every other case the int16 kernels over the int8 values.
  */
-#include <immintrin.h>
+#include "isa.h"
 #include <limits.h>
 #include <linux/futex.h>
 #include <math.h>
@@ -1250,7 +1250,9 @@ static inline __attribute__((always_inline)) void tile_group512(const ts_wtile *
     }
         TAP(c00, c01, w0) TAP(c10, c11, w1) TAP(c20, c21, w2) TAP(c30, c31, w3)
 #undef TAP
+#if !TS_SIMDE /* (SIMDe's emulated vectors are structs, which no register constraint takes) */
         __asm__("" : "+v"(c00), "+v"(c01), "+v"(c10), "+v"(c11), "+v"(c20), "+v"(c21), "+v"(c30), "+v"(c31));
+#endif
     }
     const float *restrict sc = t->sc + g * 4, *restrict mn = t->mn + g * 4;
     const float *restrict d = a->d + g * mp + m0, *restrict sm = a->s + g * mp + m0;

@@ -7,7 +7,7 @@
  * - the kernels' packed layout written from those terms (quantize.py's pack_int8 / pack_int4), and a GGUF file's
  *   Q4_K / Q5_K / Q6_K blocks converted straight into it.
  * tests/unit/test_cpu_kernels.py and test_gguf.py compare each with the Python code it replaces. */
-#include <immintrin.h>
+#include "isa.h"
 #include <stdint.h>
 #include <string.h>
 

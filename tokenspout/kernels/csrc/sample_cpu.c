@@ -15,7 +15,7 @@
  *   and exp may round differently, so the two agree token for token except where a decision sits within an ulp of
  *   a boundary (tests/unit/test_sampler_kernel.py compares them on ~500 rows of every kind).
  */
-#include <immintrin.h>
+#include "isa.h"
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

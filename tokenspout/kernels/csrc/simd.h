@@ -2,7 +2,7 @@
 #ifndef TS_SIMD_H
 #define TS_SIMD_H
 
-#include <immintrin.h>
+#include "isa.h"
 
 /* exp(x) for x <= 0 (Cephes' single-precision polynomial, ~1 ulp; 0 below -87.3, where float32 would go
  * denormal: such a token has no probability a draw could ever see).  exp(0) is exactly 1. */
