@@ -2,6 +2,7 @@
 
     python -m bench.linear             # M = 1, 4, 8, 16, 32, 64, 128; int4 layers + int8 LM head (~1 min)
     python -m bench.linear --threads 1
+    python -m bench.linear --weights int8 --act8 --rows 1 16 32 64   # Q8_0-family layers, int8 activations too
 
 Every ISA level the CPU has gets its own `kernels` column (kernels_avx2, kernels_avx512: the same library built per
 level, as TOKENSPOUT_ISA forces it).
@@ -13,7 +14,10 @@ step's linear work.  Columns, measured in alternating rounds (median ms per pass
   tiled path from there);
 * `row`: the best level's library built with the tiled path off (-DTILE_MIN=1000000), to show what the tiled path
   buys;
-* `torch`: F.linear on the dequantized float32 weights (what the torch model computes; MKL sgemm).
+* `torch`: F.linear on the dequantized float32 weights (what the torch model computes; MKL sgemm);
+* with `--act8`, `kernels_<isa>_a8`: the same library and weights with int8 activations (`--activation-quant int8`:
+  the byte tiles, vpmaddubsw with AVX2 for int4 / int5, vpdpbusd with AVX-512 for int4 / int5 / int8).
+`--weights int8` makes the layers int8 (Q8_0) instead of int4 (Q4_1).
 Rounds rotate the order of the three (see `rotated`).  Below 16 rows `kernels` and `row` run the same code: their
 ratio there (0.90-0.97x measured: the two builds differ only in code layout) is this benchmark's noise floor.
 Weights are cycled through 24 copies (twice the L3) so each pass reads them from memory, as a real step does.  Results go to
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import os
 import statistics
 import tempfile
@@ -87,6 +92,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: torch's)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128])
+    ap.add_argument("--weights", choices=["int4", "int8"], default="int4", help="the layers' format (LM head: int8)")
+    ap.add_argument("--act8", action="store_true", help="add a column per level with int8 activations")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -96,17 +103,24 @@ def main() -> None:
     libs = {f"kernels_{isa}": cpu.load(isa) for isa in isas}
     best = f"kernels_{isas[-1]}"
     g = torch.Generator().manual_seed(0)
-    shapes = [(n, k, quantize_int4) for n, k in LAYER] + [(*LM_HEAD, quantize_int8)]
+    layer_fn = quantize_int4 if args.weights == "int4" else quantize_int8
+    shapes = [(n, k, layer_fn) for n, k in LAYER] + [(*LM_HEAD, quantize_int8)]
     weights = [[fn(torch.randn(n, k, generator=g) * 0.05) for _ in range(COPIES)] for n, k, fn in shapes]
+    if args.act8:  # (the same codes, flagged for int8 activations)
+        weights = [[(packed, deq, dataclasses.replace(packed, act8=True)) for packed, deq in copies] for copies in weights]
     flops_per_row = sum(2 * n * k for n, k, _ in shapes)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         libs["row"] = row_only_library(Path(tmp), isas[-1])
         for m in args.rows:
             xs = [torch.randn(m, k, generator=g) for _, k, _ in shapes]
-            fns = {name: one_pass(lambda x, w, lib=lib: cpu.linear(lib, x, w[0]), xs, weights, i * COPIES // (len(libs) + 1))
-                   for i, (name, lib) in enumerate(libs.items())}
-            fns["torch"] = one_pass(lambda x, w: F.linear(x, w[1]), xs, weights, len(libs) * COPIES // (len(libs) + 1))
+            cols = [(name, lib, 0) for name, lib in libs.items()]
+            if args.act8:
+                cols += [(f"kernels_{isa}_a8", libs[f"kernels_{isa}"], 2) for isa in isas]
+            fns = {name: one_pass(lambda x, w, lib=lib, j=j: cpu.linear(lib, x, w[j]), xs, weights,
+                                  i * COPIES // (len(cols) + 1))
+                   for i, (name, lib, j) in enumerate(cols)}
+            fns["torch"] = one_pass(lambda x, w: F.linear(x, w[1]), xs, weights, len(cols) * COPIES // (len(cols) + 1))
             t = rotated(fns)
             gf = {k: flops_per_row * m / (t[k] * 1e-3) / 1e9 for k in fns}
             rows.append({"rows": m, **{f"{k}_ms": round(t[k], 3) for k in gf},
@@ -119,7 +133,7 @@ def main() -> None:
             print(f"M={m:4d}  {cols} | {best} vs row {r['best_vs_row']:.2f}x, vs avx2 {r['best_vs_avx2']:.2f}x, "
                   f"vs torch {r['best_vs_torch']:.2f}x", flush=True)
     path = write_json("linear.json", {"threads": torch.get_num_threads(), "copies": COPIES, "isas": isas,
-                                      "rows": rows})
+                                      "weights": args.weights, "act8": args.act8, "rows": rows})
     print(f"wrote {path}")
 
 

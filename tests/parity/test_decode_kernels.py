@@ -109,7 +109,9 @@ def int4_act8_model(model_path):
 
 def test_int8_activations_stay_near_float32(loaded_model, int4_model, int4_act8_model, prompt_ids):
     """--activation-quant int8: every quantized layer but the LM head rounds its inputs to 255 levels per group of
-    32 (llama.cpp's numerics), on the row path (8 rows) and the tiled path (32 rows, vpmaddubsw).  Against float32
+    32 (llama.cpp's numerics), on the row path (8 rows) and the tiled path (32 rows: the byte tile, vpmaddubsw with
+    AVX2, vpdpbusd with AVX-512; the kernel tests check every level's, emulated ones included, against the integer
+    reference).  Against float32
     (the same weights on this model) the logits move far more than int16's 0.014 (max over the vocabulary per
     position: measured max 4.4, median 1.4 over these prompts, the context kept equal up to a first differing
     token), yet stay bounded; a broken kernel gives logits off by tens."""

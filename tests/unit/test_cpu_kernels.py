@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from tests.helpers import quantize_int5
 from tokenspout.kernels import cpu
-from tokenspout.models.quantize import dequantize, pack_int5, quantize_int4, quantize_int8
+from tokenspout.models.quantize import dequantize, pack_int5, pack_int8, quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.skipif(cpu.load() is None, reason="decode kernels unavailable on this machine")
 
@@ -319,6 +319,26 @@ def test_int5_head_with_an_int8_tail(lib):
             xq = int16_activations(x, levels)
             ref = torch.cat([quantized_reference(x, head, deq_h, xq), quantized_reference(x, tail, deq_t, xq)], 1)
             torch.testing.assert_close(cpu.linear(lib, x, fused), ref, atol=5e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("m", [1, 16, 33])
+def test_int8_codes_at_their_extremes_with_int8_activations(lib, m):
+    """int8 codes -128 and 127 (a GGUF file's Q8_0 holds -128) times activations +-127 across whole groups, the
+    largest dots: AVX-512's byte tile stores each code + 128 and takes 128 x the activations' sum back off, which must
+    give the rounded activations' product exactly (m = 1: the int16 row kernel over the same values)."""
+    k, n = 256, 8
+    q = torch.full((n, k // 32, 32), 127, dtype=torch.int8)
+    q[1::2] = -128
+    q[2, :, ::3] = -128  # mixed signs in one group
+    scale = torch.full((n, k // 32), 0.01).half()
+    packed = pack_int8(q, scale)
+    deq = (q.float() * scale.float()[..., None]).view(n, k)
+    x = torch.full((m, k), 3.0)
+    x[:, 1::2] = -3.0  # codes 127 and -127: every product at its largest, of either sign
+    x[-1, :64] = 3.0  # all positive in two groups: the largest sums
+    ref = quantized_reference(x, packed, deq, int16_activations(x, 127.0))
+    got = cpu.linear(lib, x, dataclasses.replace(packed, act8=True))
+    torch.testing.assert_close(got, ref, atol=1e-3, rtol=1e-6)
 
 
 @pytest.mark.parametrize("m", [1, 8, 16, 33])

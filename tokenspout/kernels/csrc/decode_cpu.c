@@ -216,6 +216,7 @@ typedef struct {
                   * 4t..4t+3) of group g of row m at int32 index (g * 8 + t) * mp + m (tiled8).  Rows: row m's pair
                   * of groups p at byte (m * P + p) * 64 (P = pairs per row), in the row8 layout */
     int64_t act8;
+    int32_t *q8s; /* AVX-512, act8, tiled: 128 x the sum of a group's int8 codes, [G][mp] (tile_group8_512's Q8 term) */
 } ts_qact;
 
 /* Batch rows from which the quantized linears take the tiled path (blocks_tile).  bench.linear: AVX2's row path
@@ -280,8 +281,9 @@ static void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, ts_q
             if (m >= M) { /* tiled padding row */
                 a->d[g * mp + m] = a->s[g * mp + m] = 0.0f;
                 for (int t = 0; t < 16; t++) ((int32_t *)a->q)[tiled(g, t, m, mp)] = 0;
-                if (act8 && !TS_AVX512)
+                if (act8)
                     for (int t = 0; t < 8; t++) ((int32_t *)a->q8)[tiled8(g, t, m, mp)] = 0;
+                if (act8 && TS_AVX512) a->q8s[g * mp + m] = 0;
                 continue;
             }
             const float *p = x + m * ldx + g * 32;
@@ -319,11 +321,15 @@ static void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, ts_q
                     _mm_storel_epi64((__m128i *)(o + 48), _mm_unpackhi_epi64(b1, b1)); /* 24..31 */
                     if (g % 2 == 0 && g + 1 == G) /* a lone last group: its pair's other half is zero */
                         for (int j = 0; j < 4; j++) memset(o + 16 * j + 8, 0, 8);
-                } else if (!TS_AVX512) { /* the tiled layout (tile_group8; the AVX-512 build has no byte tile):
-                                          * quad t (columns 4t..4t+3) of each group */
+                } else { /* the tiled layout (tile_group8): quad t (columns 4t..4t+3) of each group */
                     int32_t cols[8];
                     _mm256_storeu_si256((__m256i *)cols, _mm256_permute4x64_epi64(b, 0xD8)); /* columns in order */
                     for (int t = 0; t < 8; t++) ((int32_t *)a->q8)[tiled8(g, t, m, mp)] = cols[t];
+                    if (TS_AVX512) {
+                        int32_t sum = 0;
+                        for (int j = 0; j < 32; j++) sum += q[j];
+                        a->q8s[g * mp + m] = 128 * sum;
+                    }
                 }
             }
         }
@@ -1164,6 +1170,14 @@ static void widen_codes8(const ts_weight *W, int64_t b, int64_t K, int64_t g0, i
     const int64_t G = K / 32, CW = CG * 32;
     const uint8_t *codes = (const uint8_t *)W->w + b * block_bytes(W->wt, K);
     uint8_t *w8 = (uint8_t *)t->w;
+    if (W->wt == WT_Q8) { /* (AVX-512's byte tile) int8 codes as unsigned bytes, code + 128: see tile_group8_512 */
+        const __m256i flip = _mm256_set1_epi8((char)0x80);
+        for (int64_t g = g0; g < g1; g++)
+            for (int r = 0; r < 4; r++)
+                _mm256_storeu_si256((__m256i *)(w8 + r * CW + (g - g0) * 32),
+                                    _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(codes + (g * 4 + r) * 32)), flip));
+        return;
+    }
     if (W->wt == WT_Q5) { /* int5 codes (0..31) widened as for the int16 tile, then packed to bytes */
         for (int r = 0; r < 4; r++) {
             __m256i l[CG], h[CG];
@@ -1228,6 +1242,25 @@ static inline __attribute__((always_inline)) void tile_group8(const ts_wtile *t,
 }
 
 #if TS_AVX512
+/* tile_scale for sixteen batch rows per vector (one sum: the minimums' term in it). */
+static inline __attribute__((always_inline)) void tile_scale512(const ts_wtile *t, const int wt, int64_t g, const ts_qact *a,
+                                                                int64_t m0, const int NV, const __m512i c[2][4], float *f) {
+    const int64_t mp = a->mp;
+    const float *restrict sc = t->sc + g * 4, *restrict mn = t->mn + g * 4;
+    const float *restrict d = a->d + g * mp + m0, *restrict sm = a->s + g * mp + m0;
+    float *restrict o = f + m0;
+    for (int j = 0; j < NV; j++) {
+        const __m512 dx = _mm512_loadu_ps(d + 16 * j), sx = _mm512_loadu_ps(sm + 16 * j);
+        for (int r = 0; r < 4; r++) {
+            float *restrict fo = o + r * mp + 16 * j;
+            __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c[j][r]), _mm512_mul_ps(dx, _mm512_set1_ps(sc[r])),
+                                       _mm512_loadu_ps(fo));
+            if (HAS_MIN(wt)) v = _mm512_fmadd_ps(sx, _mm512_set1_ps(mn[r]), v);
+            _mm512_storeu_ps(fo, v);
+        }
+    }
+}
+
 /* The same tile with AVX-512 VNNI: sixteen batch rows per vector and vpdpwssd's fused multiply-add-accumulate, so a
  * tile of 4 weight rows x 32 batch rows is 8 vpdpwssd per column pair (the AVX2 tile: 8 vpmaddwd + 8 vpaddd for
  * 16 batch rows). */
@@ -1254,24 +1287,53 @@ static inline __attribute__((always_inline)) void tile_group512(const ts_wtile *
         __asm__("" : "+v"(c00), "+v"(c01), "+v"(c10), "+v"(c11), "+v"(c20), "+v"(c21), "+v"(c30), "+v"(c31));
 #endif
     }
-    const float *restrict sc = t->sc + g * 4, *restrict mn = t->mn + g * 4;
-    const float *restrict d = a->d + g * mp + m0, *restrict sm = a->s + g * mp + m0;
-    float *restrict o = f + m0;
     const __m512i c[2][4] = {{c00, c10, c20, c30}, {c01, c11, c21, c31}};
-    for (int j = 0; j < NV; j++) {
-        const __m512 dx = _mm512_loadu_ps(d + 16 * j), sx = _mm512_loadu_ps(sm + 16 * j);
-        for (int r = 0; r < 4; r++) {
-            float *restrict fo = o + r * mp + 16 * j;
-            __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c[j][r]), _mm512_mul_ps(dx, _mm512_set1_ps(sc[r])),
-                                       _mm512_loadu_ps(fo));
-            if (HAS_MIN(wt)) v = _mm512_fmadd_ps(sx, _mm512_set1_ps(mn[r]), v);
-            _mm512_storeu_ps(fo, v);
-        }
+    tile_scale512(t, wt, g, a, m0, NV, c, f);
+}
+
+/* The byte tile with AVX-512 VNNI (int8 activations, act8): vpdpbusd multiplies four unsigned bytes by four signed
+ * ones and adds them into an int32 lane, so a tile of 4 weight rows x 16 batch rows and one group is 32 vpdpbusd
+ * (the int16 tile: 64 vpdpwssd), with no int16 sums to widen.  int4 / int5 codes are unsigned already; int8 codes
+ * are stored as code + 128 (widen_codes8), and 128 x the activations' integer sum (q8s) comes back off in int32,
+ * so every path gets the same exact integer dots (|sum| <= 32 * 255 * 127). */
+static inline __attribute__((always_inline)) void tile_group8_512(const ts_wtile *t, const int wt, int64_t gl, int64_t g,
+                                                                  const ts_qact *a, int64_t m0, const int NV, float *f) {
+    const int64_t mp = a->mp;
+    const uint8_t *w8 = (const uint8_t *)t->w + gl * 32;
+    const int32_t *w0 = (const int32_t *)w8, *w1 = (const int32_t *)(w8 + CG * 32);
+    const int32_t *w2 = (const int32_t *)(w8 + 2 * CG * 32), *w3 = (const int32_t *)(w8 + 3 * CG * 32);
+    const int32_t *xq = (const int32_t *)a->q8 + tiled8(g, 0, m0, mp);
+    __m512i c00 = _mm512_setzero_si512(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; k++) {
+        const __m512i x0 = _mm512_loadu_si512((const void *)(xq + k * mp));
+        const __m512i x1 = NV > 1 ? _mm512_loadu_si512((const void *)(xq + k * mp + 16)) : x0;
+#define TAP(cr0, cr1, wr)                                                  \
+    {                                                                      \
+        const __m512i b = _mm512_set1_epi32(wr[k]);                        \
+        cr0 = _mm512_dpbusd_epi32(cr0, b, x0);                             \
+        if (NV > 1) cr1 = _mm512_dpbusd_epi32(cr1, b, x1);                 \
     }
+        TAP(c00, c01, w0) TAP(c10, c11, w1) TAP(c20, c21, w2) TAP(c30, c31, w3)
+#undef TAP
+#if !TS_SIMDE
+        __asm__("" : "+v"(c00), "+v"(c01), "+v"(c10), "+v"(c11), "+v"(c20), "+v"(c21), "+v"(c30), "+v"(c31));
+#endif
+    }
+    if (wt == WT_Q8) {
+        const int32_t *qs = a->q8s + g * mp + m0;
+        const __m512i s0 = _mm512_loadu_si512((const void *)qs), s1 = NV > 1 ? _mm512_loadu_si512((const void *)(qs + 16)) : s0;
+        c00 = _mm512_sub_epi32(c00, s0), c10 = _mm512_sub_epi32(c10, s0), c20 = _mm512_sub_epi32(c20, s0), c30 = _mm512_sub_epi32(c30, s0);
+        c01 = _mm512_sub_epi32(c01, s1), c11 = _mm512_sub_epi32(c11, s1), c21 = _mm512_sub_epi32(c21, s1), c31 = _mm512_sub_epi32(c31, s1);
+    }
+    const __m512i c[2][4] = {{c00, c10, c20, c30}, {c01, c11, c21, c31}};
+    tile_scale512(t, wt, g, a, m0, NV, c, f);
 }
 #define TILE_GROUP tile_group512
+#define TILE_GROUP8 tile_group8_512
 #else
 #define TILE_GROUP tile_group
+#define TILE_GROUP8 tile_group8
 #endif
 
 /* One out-of-line copy per (format, width): inlined into the loops over groups, gcc hoists the 64 weight
@@ -1284,11 +1346,26 @@ TILE_FN(tile_q4x2, TILE_GROUP, WT_Q4, 2)
 TILE_FN(tile_q4x1, TILE_GROUP, WT_Q4, 1)
 TILE_FN(tile_q8x2, TILE_GROUP, WT_Q8, 2)
 TILE_FN(tile_q8x1, TILE_GROUP, WT_Q8, 1)
-TILE_FN(tile_q4a8x2, tile_group8, WT_Q4, 2)
-TILE_FN(tile_q4a8x1, tile_group8, WT_Q4, 1)
-TILE_FN(tile_q5a8x2, tile_group8, WT_Q5, 2)
-TILE_FN(tile_q5a8x1, tile_group8, WT_Q5, 1)
+TILE_FN(tile_q4a8x2, TILE_GROUP8, WT_Q4, 2)
+TILE_FN(tile_q4a8x1, TILE_GROUP8, WT_Q4, 1)
+TILE_FN(tile_q5a8x2, TILE_GROUP8, WT_Q5, 2)
+TILE_FN(tile_q5a8x1, TILE_GROUP8, WT_Q5, 1)
+#if TS_AVX512 /* (AVX2's vpmaddubsw would overflow on int8 codes: there they take the int16 tile) */
+TILE_FN(tile_q8a8x2, TILE_GROUP8, WT_Q8, 2)
+TILE_FN(tile_q8a8x1, TILE_GROUP8, WT_Q8, 1)
+#endif
 #undef TILE_FN
+
+typedef void (*tile_fn)(const ts_wtile *, int64_t, int64_t, const ts_qact *, int64_t, float *);
+
+/* The byte tile of int8 activations for weights of type wt, over 2 (x2) or 1 vectors of batch rows. */
+static inline tile_fn tile_a8(const int wt, const int x2) {
+#if TS_AVX512
+    if (wt == WT_Q8) return x2 ? tile_q8a8x2 : tile_q8a8x1;
+#endif
+    if (wt == WT_Q5) return x2 ? tile_q5a8x2 : tile_q5a8x1;
+    return x2 ? tile_q4a8x2 : tile_q4a8x1;
+}
 
 /* f[(4i + r) * mp + m] (E, and O, EM, OM: see fsplit) = row r of block b + i . batch row m, for the nb (1..TB) blocks
  * from b (their scales already in t[i]) and every batch row m < mp (a multiple of TW).  Chunks of CG groups: the chunk's
@@ -1302,10 +1379,9 @@ static void blocks_tile(const ts_weight *W, int64_t b, ts_wtile *t, int nb, cons
     const int64_t cg = wt == WT_Q5 ? 6 : CG;
     for (int64_t g0 = 0; g0 < G; g0 += cg) {
         const int64_t g1 = g0 + cg < G ? g0 + cg : G;
-        /* int8 activations x int4 codes (tile_group8).  Not in the AVX-512 build: its int16 tile (vpdpwssd, 32
-         * multiply-adds per instruction on 16 rows) already does what vpmaddubsw + vpaddw do in two on 8, so
-         * there int8 activations run the int16 kernels over the int8 values (a vpdpbusd tile is not written) */
-        const int a8 = !TS_AVX512 && a->act8 && (wt == WT_Q4 || wt == WT_Q5);
+        /* int8 activations x int4 / int5 codes: the byte tile (tile_group8, AVX-512: tile_group8_512, which takes
+         * int8 codes too) */
+        const int a8 = a->act8 && (wt == WT_Q4 || wt == WT_Q5 || (TS_AVX512 && wt == WT_Q8));
         for (int i = 0; i < nb; i++) {
             if (a8) widen_codes8(W, b + i, K, g0, g1, t + i);
             else widen_codes(W, wt, b + i, K, g0, g1, t + i);
@@ -1317,10 +1393,11 @@ static void blocks_tile(const ts_weight *W, int64_t b, ts_wtile *t, int nb, cons
             float *fg = f + (g % 2) * fsplit(mp); /* E or O */
             int64_t m0 = 0;
             if (a8) {
-                for (; m0 + 16 <= mp; m0 += 16)
-                    for (int i = 0; i < nb; i++) (wt == WT_Q5 ? tile_q5a8x2 : tile_q4a8x2)(t + i, g - g0, g, a, m0, fg + 4 * i * mp);
+                const tile_fn x2 = tile_a8(wt, 1), x1 = tile_a8(wt, 0);
+                for (; m0 + 2 * TW <= mp; m0 += 2 * TW)
+                    for (int i = 0; i < nb; i++) x2(t + i, g - g0, g, a, m0, fg + 4 * i * mp);
                 if (m0 < mp)
-                    for (int i = 0; i < nb; i++) (wt == WT_Q5 ? tile_q5a8x1 : tile_q4a8x1)(t + i, g - g0, g, a, m0, fg + 4 * i * mp);
+                    for (int i = 0; i < nb; i++) x1(t + i, g - g0, g, a, m0, fg + 4 * i * mp);
                 continue;
             }
             for (; m0 + 2 * TW <= mp; m0 += 2 * TW)
@@ -1398,7 +1475,7 @@ static void store_pass(const float *f, int64_t mp, int64_t M, int64_t n, float *
  * float weights (used from FTILE_MIN rows). */
 static ts_qact qact_alloc(int64_t M, int64_t K, int64_t wt) {
     M = (M + TW - 1) / TW * TW; /* room for the tiled layout's padding rows */
-    ts_qact a = {NULL, NULL, NULL, 0, NULL, NULL, 0};
+    ts_qact a = {NULL, NULL, NULL, 0, NULL, NULL, 0, NULL};
     if (IS_FLOAT(wt)) {
         if (M >= FTILE_MIN) a.xt = (float *)malloc(sizeof(float) * (size_t)(M * K));
         return a;
@@ -1407,10 +1484,11 @@ static ts_qact qact_alloc(int64_t M, int64_t K, int64_t wt) {
     a.d = (float *)malloc(sizeof(float) * (size_t)(M * K / 32));
     a.s = (float *)malloc(sizeof(float) * (size_t)(M * K / 32));
     a.q8 = (int8_t *)malloc((size_t)(M * (K + 32))); /* (written only with act8; a row: its pairs of groups) */
+    if (TS_AVX512) a.q8s = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * K / 32));
     return a;
 }
 
-static void qact_free(ts_qact *a) { free(a->q); free(a->d); free(a->s); free(a->xt); free(a->q8); }
+static void qact_free(ts_qact *a) { free(a->q); free(a->d); free(a->s); free(a->xt); free(a->q8); free(a->q8s); }
 
 /* ---- float weights, many batch rows: the float tiled path ----
  * The row path above re-reads each block of four weight rows (and re-widens 16-bit ones) for every pair of batch
