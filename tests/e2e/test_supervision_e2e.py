@@ -4,7 +4,8 @@
   counts the restart; with --no-engine-restart the server process exits non-zero instead;
 * a stopped engine (SIGSTOP) falls silent: /health answers 503 within the hang limit, then it is restarted;
 * SIGTERM with long streams in flight: every stream ends with an error frame and [DONE] at the deadline, the server
-  exits within the deadline + 5 s, leaving no process and no IPC folder behind; a second SIGTERM exits at once;
+  exits within the deadline + 5 s, leaving no process and no IPC folder behind; a second SIGTERM exits at once; a
+  stopped engine does not hold the exit past the deadline;
 * kill -9 of the server: its engine notices, exits and removes the IPC folder.
 Real engine processes on the default model; short generations.
 """
@@ -249,6 +250,29 @@ def test_second_sigterm_exits_at_once_and_no_engine_restart_exits_nonzero(tmp_pa
         assert code == 1, code
         _wait_for(lambda: not srv.alive_family(), timeout=5)
         assert srv.ipc_dirs() == []
+    finally:
+        srv.stop()
+
+
+@pytest.mark.slow
+def test_sigterm_with_a_stopped_engine_exits_within_the_deadline(tmp_path):
+    """An engine frozen (SIGSTOP) before the hang limit noticed it: shutdown kills it at once instead of waiting 5 s
+    for an answer to its request to stop and 5 s for a SIGTERM that a stopped process keeps pending."""
+    deadline = 2.0
+    srv = Served(tmp_path, "--shutdown-timeout", str(deadline))
+    try:
+        engine = srv.engine_pid()
+        os.kill(engine, signal.SIGSTOP)
+        time.sleep(4)  # past three heartbeats (the hang limit, 30 s, is far off)
+        assert _health(srv.url) == 200
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        srv.proc.wait(deadline + 15)
+        exited = time.monotonic() - t0
+        assert exited <= deadline + 2, f"exited {exited:.1f} s after SIGTERM (deadline {deadline} s)"
+        _wait_for(lambda: not srv.alive_family(), timeout=5)
+        assert srv.ipc_dirs() == []
+        print(f"SIGTERM with a stopped engine -> exit in {exited:.1f} s")
     finally:
         srv.stop()
 

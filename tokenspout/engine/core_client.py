@@ -220,8 +220,20 @@ class _MPBase:
             self.proc.wait(5)
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
 
+    def _frozen(self) -> bool:
+        """Silent past three heartbeats with nothing unread (stopped, or stuck where its output thread cannot run):
+        a request to stop would go unanswered, and a SIGTERM stays pending in a stopped process."""
+        return (self.info is not None and time.monotonic() - self.last_heard > 3 * HEARTBEAT_S
+                and not self._pending())
+
     def shutdown(self) -> None:
-        if self.proc.poll() is None and self.dead_reason is None:
+        if self.proc.poll() is None and self.dead_reason is None and self._frozen():
+            # (waiting for it took the server's exit 10 s past its --shutdown-timeout: 5 s for the answer, 5 for
+            # the SIGTERM)
+            logger.warning("engine silent for %.1f s at shutdown: killed", time.monotonic() - self.last_heard)
+            self.proc.kill()
+            self.proc.wait(5)
+        elif self.proc.poll() is None and self.dead_reason is None:
             try:
                 self.in_sock.send_multipart([UTILITY, self.encoder.encode(EngineCoreUtility("shutdown"))],
                                             flags=zmq.NOBLOCK)
