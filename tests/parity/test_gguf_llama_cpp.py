@@ -106,11 +106,14 @@ def test_q4_k_m_logits(q4_k_m: Path) -> None:
     {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
      "original_max_position_embeddings": 64},  # llama.cpp writes it as a rope_freqs tensor (Llama 3.1+)
     {"rope_type": "linear", "factor": 4.0},  # as rope.scaling.type / rope.scaling.factor keys
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}])  # + original_context_length
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},  # + original_context_length
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+     "attention_factor": 0.8}])  # + rope.scaling.yarn_attn_factor
 def test_rope_scaling_of_llama_cpp_files(rope, tmp_path: Path, model_path: Path) -> None:
     """A float32 file of a tiny RoPE-scaled Llama, made by llama.cpp's converter, gives the original model's logits.
     The sidecar config had kept transformers' conversion's plain RoPE, and the rope_freqs tensor was ignored: max
-    |logit error| 21 (llama3) and 19 (linear) on ~60-token prompts (audit 2026-11-27)."""
+    |logit error| 21 (llama3) and 19 (linear) on ~60-token prompts (audit 2026-11-27); YaRN's stated attention
+    factor had been left at its default."""
     from transformers import LlamaConfig
 
     cfg = LlamaConfig(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,

@@ -563,3 +563,51 @@ def test_q5_0_layer_with_a_q8_0_v_is_int5_and_int8(tmp_path: Path, lib):
         assert torch.equal(dequantize(pw), ref)
     without = ck.packed(names, "int8", None)  # no kernels: Q5_0 is exact int8
     assert without is not None and without.wt == cpu.WT_Q8 and torch.equal(dequantize(without), ref)
+
+
+def _rope_gguf(path: Path, kind, attn: float | None = None, yarn_attn: float | None = None) -> Path:
+    """A header-only llama GGUF with RoPE scaling `kind` (factor 4, original context 64) and the attention factors."""
+    from gguf import RopeScalingType
+
+    w = GGUFWriter(str(path), "llama")
+    w.add_rope_scaling_type(kind)
+    w.add_rope_scaling_factor(4.0)
+    if kind == RopeScalingType.YARN:
+        w.add_rope_scaling_orig_ctx_len(64)
+    if attn is not None:
+        w.add_rope_scaling_attn_factors(attn)
+    if yarn_attn is not None:
+        w.add_rope_scaling_yarn_attn_factor(yarn_attn)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_rope_attention_factors_of_a_file(tmp_path: Path):
+    """YaRN's attention factor: the model's own (rope.scaling.yarn_attn_factor, which llama.cpp's converter copies
+    from `attention_factor`) or YaRN's default 0.1 ln(factor) + 1, times rope.scaling.attn_factor (llama.cpp's
+    multiplier of any scaling); that multiplier with another scaling, or a factor that is not a positive number,
+    is a clear error naming the key."""
+    import math
+
+    from gguf import RopeScalingType
+
+    from tokenspout.models.gguf_file import open_reader, rope_parameters
+
+    def params(name: str, *args, **kw) -> dict:
+        path = _rope_gguf(tmp_path / f"{name}.gguf", *args, **kw)
+        return rope_parameters(path, open_reader(path), "llama", {"rope_theta": 1e4})
+
+    yarn, linear = RopeScalingType.YARN, RopeScalingType.LINEAR
+    assert "attention_factor" not in params("plain", yarn)  # transformers computes the default
+    assert params("own", yarn, yarn_attn=0.8)["attention_factor"] == pytest.approx(0.8)
+    assert params("both", yarn, attn=1.5, yarn_attn=0.8)["attention_factor"] == pytest.approx(1.2)
+    assert params("mul", yarn, attn=1.5)["attention_factor"] == pytest.approx(1.5 * (0.1 * math.log(4.0) + 1))
+    assert params("lin", linear, attn=1.0) == {"rope_theta": 1e4, "rope_type": "linear", "factor": 4.0}
+    with pytest.raises(ValueError, match="attn_factor 1.5 is supported with YaRN scaling only, not with 'linear'"):
+        params("lin15", linear, attn=1.5)
+    for name, kw in (("neg", {"attn": -1.0}), ("nan", {"yarn_attn": float("nan")})):
+        with pytest.raises(ValueError, match="attn_factor must be a positive number"):
+            params(name, yarn, **kw)

@@ -112,8 +112,8 @@ def sidecar_folder(gguf: Path) -> Path:
 
 
 # Bumped when what a sidecar folder holds changes (2: RoPE scaling from the file's metadata; 3: head_dim from
-# attention.key_length): older folders are then another name, rebuilt once, and pruned.
-_SIDECAR_VERSION = 3
+# attention.key_length; 4: YaRN's attention factor): older folders are then another name, rebuilt once, and pruned.
+_SIDECAR_VERSION = 4
 
 
 def _sidecar_name(gguf: Path) -> str:
@@ -290,8 +290,18 @@ def rope_parameters(gguf: Path, reader, arch: str, converted: dict) -> dict:
 
     params = dict(converted)
     kind = value("rope.scaling.type")
-    if kind in (None, "none", ""):
-        return params
+    # rope.scaling.attn_factor: a multiplier of the rotated q / k that llama.cpp applies on top of any scaling
+    # (1 unless a file states another; llama.cpp's converter never writes it for these architectures)
+    attn = value("rope.scaling.attn_factor")
+    if attn is not None and not (_is_finite(attn) and attn > 0):
+        raise ValueError(f"GGUF file {gguf}: rope.scaling.attn_factor must be a positive number, got {attn!r}")
+    attn = 1.0 if attn is None else float(attn)
+    if kind in (None, "none", "") or kind == "linear":
+        if attn != 1.0:
+            raise ValueError(f"GGUF file {gguf}: rope.scaling.attn_factor {attn:g} is supported with YaRN scaling "
+                             f"only, not with {kind or 'none'!r}")
+        if kind != "linear":
+            return params
     factor = value("rope.scaling.factor")
     if not (_is_finite(factor) and factor >= 1):
         raise ValueError(f"GGUF file {gguf}: RoPE scaling {kind!r} needs rope.scaling.factor >= 1, got {factor!r}")
@@ -306,6 +316,16 @@ def rope_parameters(gguf: Path, reader, arch: str, converted: dict) -> dict:
         for key, name in (("rope.scaling.yarn_beta_fast", "beta_fast"), ("rope.scaling.yarn_beta_slow", "beta_slow")):
             if _is_finite(beta := value(key)):
                 params[name] = float(beta)
+        # the model's own attention factor, which llama.cpp's converter copies from `attention_factor` (llama.cpp
+        # b11434 itself ignores it for these architectures and keeps YaRN's default, 0.1 ln(factor) + 1: served
+        # that way, a tiny model stating 0.8 had its logits off by 8.4); times attn_factor
+        yarn_attn = value("rope.scaling.yarn_attn_factor")
+        if yarn_attn is not None and not (_is_finite(yarn_attn) and yarn_attn > 0):
+            raise ValueError(f"GGUF file {gguf}: rope.scaling.yarn_attn_factor must be a positive number, got "
+                             f"{yarn_attn!r}")
+        if yarn_attn is not None or attn != 1.0:
+            base = float(yarn_attn) if yarn_attn is not None else 0.1 * math.log(float(factor)) + 1.0
+            params["attention_factor"] = attn * base
         return params
     raise ValueError(f"GGUF file {gguf}: RoPE scaling type {kind!r} is not supported (none, linear, yarn)")
 
