@@ -21,8 +21,9 @@
  * the codes, bound by weight bytes) and the tiled path (blocks_tile, TILE_MIN rows and more: bound by integer
  * multiply-adds, so it widens each block's codes once and reuses them across the batch).  Both multiply the codes
  * by the activations rounded to int16 per group of 32 (ts_qact), or, where a weight asks for it (ts_weight.act8,
- * `--activation-quant int8`), to int8: then int4 codes take byte kernels (tile_group8 from TILE_MIN8 rows,
- * block_q1_a8 at one row) and every other case the int16 kernels over the int8 values.
+ * `--activation-quant int8`), to int8: then int4 / int5 codes take byte kernels (tile_group8 from TILE_MIN8 rows,
+ * block_q1_a8 at one row; the AVX-512 build's tile_group8_512 takes int8 codes too) and every other case the int16
+ * kernels over the int8 values.
  */
 #include "isa.h"
 #include <limits.h>
