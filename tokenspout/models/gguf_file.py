@@ -288,20 +288,22 @@ def rope_parameters(gguf: Path, reader, arch: str, converted: dict) -> dict:
     def value(name: str):
         return field(reader, _key_of(reader.fields, arch, name))
 
+    def positive(name: str) -> float | None:
+        v = value(name)
+        if v is not None and not (_is_finite(v) and v > 0):
+            raise ValueError(f"GGUF file {gguf}: {name} must be a positive number, got {v!r}")
+        return None if v is None else float(v)
+
     params = dict(converted)
     kind = value("rope.scaling.type")
     # rope.scaling.attn_factor: a multiplier of the rotated q / k that llama.cpp applies on top of any scaling
     # (1 unless a file states another; llama.cpp's converter never writes it for these architectures)
-    attn = value("rope.scaling.attn_factor")
-    if attn is not None and not (_is_finite(attn) and attn > 0):
-        raise ValueError(f"GGUF file {gguf}: rope.scaling.attn_factor must be a positive number, got {attn!r}")
-    attn = 1.0 if attn is None else float(attn)
-    if kind in (None, "none", "") or kind == "linear":
-        if attn != 1.0:
-            raise ValueError(f"GGUF file {gguf}: rope.scaling.attn_factor {attn:g} is supported with YaRN scaling "
-                             f"only, not with {kind or 'none'!r}")
-        if kind != "linear":
-            return params
+    attn = positive("rope.scaling.attn_factor") or 1.0
+    if attn != 1.0 and kind in (None, "none", "", "linear"):
+        raise ValueError(f"GGUF file {gguf}: rope.scaling.attn_factor {attn:g} is supported with YaRN scaling only, "
+                         f"not with {kind or 'none'!r}")
+    if kind in (None, "none", ""):
+        return params
     factor = value("rope.scaling.factor")
     if not (_is_finite(factor) and factor >= 1):
         raise ValueError(f"GGUF file {gguf}: RoPE scaling {kind!r} needs rope.scaling.factor >= 1, got {factor!r}")
@@ -319,12 +321,9 @@ def rope_parameters(gguf: Path, reader, arch: str, converted: dict) -> dict:
         # the model's own attention factor, which llama.cpp's converter copies from `attention_factor` (llama.cpp
         # b11434 itself ignores it for these architectures and keeps YaRN's default, 0.1 ln(factor) + 1: served
         # that way, a tiny model stating 0.8 had its logits off by 8.4); times attn_factor
-        yarn_attn = value("rope.scaling.yarn_attn_factor")
-        if yarn_attn is not None and not (_is_finite(yarn_attn) and yarn_attn > 0):
-            raise ValueError(f"GGUF file {gguf}: rope.scaling.yarn_attn_factor must be a positive number, got "
-                             f"{yarn_attn!r}")
+        yarn_attn = positive("rope.scaling.yarn_attn_factor")
         if yarn_attn is not None or attn != 1.0:
-            base = float(yarn_attn) if yarn_attn is not None else 0.1 * math.log(float(factor)) + 1.0
+            base = yarn_attn if yarn_attn is not None else 0.1 * math.log(float(factor)) + 1.0
             params["attention_factor"] = attn * base
         return params
     raise ValueError(f"GGUF file {gguf}: RoPE scaling type {kind!r} is not supported (none, linear, yarn)")
