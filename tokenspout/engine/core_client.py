@@ -227,19 +227,19 @@ class _MPBase:
                 and not self._pending())
 
     def shutdown(self) -> None:
-        if self.proc.poll() is None and self.dead_reason is None and self._frozen():
-            # (waiting for it took the server's exit 10 s past its --shutdown-timeout: 5 s for the answer, 5 for
-            # the SIGTERM)
-            logger.warning("engine silent for %.1f s at shutdown: killed", time.monotonic() - self.last_heard)
-            self.proc.kill()
-            self.proc.wait(5)
-        elif self.proc.poll() is None and self.dead_reason is None:
-            try:
-                self.in_sock.send_multipart([UTILITY, self.encoder.encode(EngineCoreUtility("shutdown"))],
-                                            flags=zmq.NOBLOCK)
-                self.proc.wait(5)
-            except (zmq.ZMQError, subprocess.TimeoutExpired):
-                pass
+        if self.proc.poll() is None and self.dead_reason is None:
+            if self._frozen():
+                # (waiting for it took the server's exit 10 s past its --shutdown-timeout: 5 s for the answer, 5
+                # for the SIGTERM)
+                logger.warning("engine silent for %.1f s at shutdown: killed", time.monotonic() - self.last_heard)
+                self.kill()
+            else:
+                try:
+                    self.in_sock.send_multipart([UTILITY, self.encoder.encode(EngineCoreUtility("shutdown"))],
+                                                flags=zmq.NOBLOCK)
+                    self.proc.wait(5)
+                except (zmq.ZMQError, subprocess.TimeoutExpired):
+                    pass
         self._finalizer()
         for s in (self.in_sock, self.out_sock):
             s.close(linger=0)
