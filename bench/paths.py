@@ -65,10 +65,10 @@ def auto_choice() -> dict:
 INVARIANT = "batch-invariant"
 
 
-def speed_paths(names) -> list[str]:
-    """The paths the fastest row is chosen among: not `auto` (a configuration measured again) nor `batch-invariant`
-    (a guarantee, not a speed path)."""
-    return [n for n in names if n not in ("auto", INVARIANT)]
+def is_speed_path(name: str) -> bool:
+    """Whether the fastest row is chosen among this path: not `auto` (a configuration measured again) nor
+    `batch-invariant` (a guarantee, not a speed path)."""
+    return name not in ("auto", INVARIANT)
 
 
 def all_paths(levels: list[str]) -> list[ServePath]:
@@ -126,12 +126,12 @@ def table(report: dict) -> str:
     levels = [(r["mode"], r["concurrency"]) for r in report["paths"][names[0]]["results"]]
     head = "| path (dtype/quantization/kernels) | " + " | ".join(f"c={c} {m} tok/s (ITL p50 ms)" for m, c in levels)
     lines = [head + " | peak RSS MiB |", "|" + "---|" * (len(levels) + 2)]
-    best = {lv: max((report["paths"][n]["results"][i]["output_tok_s"] for n in speed_paths(names)), default=None)
+    best = {lv: max((report["paths"][n]["results"][i]["output_tok_s"] for n in names if is_speed_path(n)), default=None)
             for i, lv in enumerate(levels)}
     for n in names:
         res = report["paths"][n]["results"]
         cells = [f"{r['output_tok_s']:.0f} ({r['itl_p50_ms']:.1f})"
-                 + (" **fastest**" if n in speed_paths([n]) and r["output_tok_s"] == best[lv] else "")
+                 + (" **fastest**" if is_speed_path(n) and r["output_tok_s"] == best[lv] else "")
                  for r, lv in zip(res, levels, strict=True)]
         mark = " *" if n == report["auto_resolves_to"] else ""
         label = f"auto = {report['auto_resolves_to']}" if n == "auto" else n + mark
@@ -169,7 +169,7 @@ def main() -> None:
     # `auto` is judged by the row of the configuration it resolves to (the separate "auto" server is the same
     # configuration measured once more: the difference between the two is this VM's run-to-run noise)
     judged = resolved if resolved in report["paths"] else "auto"
-    others = speed_paths(report["paths"])
+    others = [n for n in report["paths"] if is_speed_path(n)]
     if judged in report["paths"] and others:
         mine = report["paths"][judged]["results"]
         report["auto_vs_fastest"] = {
