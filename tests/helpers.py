@@ -11,6 +11,7 @@ import torch
 from tokenspout.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from tokenspout.core.engine_core import EngineCore
 from tokenspout.engine.messages import EngineCoreRequest
+from tokenspout.kernels import cpu
 from tokenspout.models.quantize import pack_int5
 from tokenspout.sampling_params import SamplingParams
 
@@ -100,3 +101,16 @@ def quantize_int5(w: torch.Tensor, lib=None):
     q = q.clamp_(0, 31)
     deq = (q * scale[..., None] + lo[..., None]).view(n, k)
     return pack_int5(q.to(torch.uint8), scale.half(), lo.half(), lib), deq
+
+
+def kernel_levels() -> list[str]:
+    """The kernels' ISA levels the tests run at: each this CPU has, and each it lacks built on SIMDe's intrinsics
+    (named `<isa>-emulated`: an AVX2-only CPU still tests the AVX-512 code)."""
+    return [*cpu.available_isas(), *(f"{isa}-emulated" for isa in cpu.emulated_isas())]
+
+
+def kernel_lib(level: str):
+    """The kernels' library of a kernel_levels() name."""
+    if level.endswith("-emulated"):
+        return cpu.load_emulated(level.removesuffix("-emulated"))
+    return cpu.load(level)

@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from tests.helpers import make_core, run_to_completion
+from tests.helpers import kernel_levels, kernel_lib, make_core, run_to_completion
 from tests.parity.test_greedy_parity import PROMPTS
 from tokenspout.config import ModelConfig
 from tokenspout.engine.messages import EngineCoreRequest
@@ -35,12 +35,12 @@ def prompt_ids(tokenizer):
     return [tokenizer(p).input_ids for p in PROMPTS]
 
 
-@pytest.fixture(params=[*cpu.available_isas(), *(f"{isa}-emulated" for isa in cpu.emulated_isas())])
+@pytest.fixture(params=kernel_levels())
 def isa(request, monkeypatch):
     """Each ISA level this CPU has, forced as TOKENSPOUT_ISA forces it (the engine's kernels are that level's), and
-    each one it lacks built on SIMDe's intrinsics (cpu.load_emulated; cpu.load then returns that build)."""
+    each one it lacks built on SIMDe's intrinsics (cpu.load then returns that build)."""
     if request.param.endswith("-emulated"):
-        lib = cpu.load_emulated(request.param.removesuffix("-emulated"))
+        lib = kernel_lib(request.param)
         monkeypatch.setattr(cpu, "load", lambda isa=None, invariant=False: lib)
     else:
         monkeypatch.setenv("TOKENSPOUT_ISA", request.param)

@@ -11,22 +11,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import quantize_int5
+from tests.helpers import kernel_levels, kernel_lib, quantize_int5
 from tokenspout.kernels import cpu
 from tokenspout.models.quantize import dequantize, pack_int5, pack_int8, quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.skipif(cpu.load() is None, reason="decode kernels unavailable on this machine")
 
 
-@pytest.fixture(params=[*cpu.available_isas(), *(f"{isa}-emulated" for isa in cpu.emulated_isas()), "avx2-invariant"])
+@pytest.fixture(params=[*kernel_levels(), "avx2-invariant"])
 def lib(request):
-    """Each level this CPU has, each one it lacks on SIMDe's intrinsics (an AVX2-only CPU still tests the AVX-512
-    code), and the batch-invariant build."""
-    if request.param == "avx2-invariant":
-        return cpu.load(invariant=True)
-    if request.param.endswith("-emulated"):
-        return cpu.load_emulated(request.param.removesuffix("-emulated"))
-    return cpu.load(request.param)
+    """Each level this CPU has, each one it lacks on SIMDe's intrinsics (tests.helpers.kernel_levels), and the
+    batch-invariant build."""
+    return cpu.load(invariant=True) if request.param == "avx2-invariant" else kernel_lib(request.param)
 
 
 def test_the_best_level_is_chosen_and_can_be_forced(monkeypatch):
