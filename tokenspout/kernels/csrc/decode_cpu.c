@@ -1359,8 +1359,10 @@ TILE_FN(tile_q8a8x1, TILE_GROUP8, WT_Q8, 1)
 
 typedef void (*tile_fn)(const ts_wtile *, int64_t, int64_t, const ts_qact *, int64_t, float *);
 
-/* The byte tile of int8 activations for weights of type wt, over 2 (x2) or 1 vectors of batch rows. */
-static inline tile_fn tile_a8(const int wt, const int x2) {
+/* The tile for weights of type wt over 2 (x2) or 1 vectors of batch rows: the byte tile with int8 activations (a8),
+ * else the int16 one (Q5 takes Q4's: its codes widen to int16 with the same min term). */
+static inline tile_fn tile_for(const int wt, const int a8, const int x2) {
+    if (!a8) return wt == WT_Q8 ? (x2 ? tile_q8x2 : tile_q8x1) : (x2 ? tile_q4x2 : tile_q4x1);
 #if TS_AVX512
     if (wt == WT_Q8) return x2 ? tile_q8a8x2 : tile_q8a8x1;
 #endif
@@ -1383,6 +1385,7 @@ static void blocks_tile(const ts_weight *W, int64_t b, ts_wtile *t, int nb, cons
         /* int8 activations x int4 / int5 codes: the byte tile (tile_group8, AVX-512: tile_group8_512, which takes
          * int8 codes too) */
         const int a8 = a->act8 && (wt == WT_Q4 || wt == WT_Q5 || (TS_AVX512 && wt == WT_Q8));
+        const tile_fn x2 = tile_for(wt, a8, 1), x1 = tile_for(wt, a8, 0);
         for (int i = 0; i < nb; i++) {
             if (a8) widen_codes8(W, b + i, K, g0, g1, t + i);
             else widen_codes(W, wt, b + i, K, g0, g1, t + i);
@@ -1393,18 +1396,10 @@ static void blocks_tile(const ts_weight *W, int64_t b, ts_wtile *t, int nb, cons
             for (int64_t o = g * pf_step; pf && o < (g + 1) * pf_step && o < pf_bytes; o += 64) _mm_prefetch(pf + o, _MM_HINT_T1);
             float *fg = f + (g % 2) * fsplit(mp); /* E or O */
             int64_t m0 = 0;
-            if (a8) {
-                const tile_fn x2 = tile_a8(wt, 1), x1 = tile_a8(wt, 0);
-                for (; m0 + 2 * TW <= mp; m0 += 2 * TW)
-                    for (int i = 0; i < nb; i++) x2(t + i, g - g0, g, a, m0, fg + 4 * i * mp);
-                if (m0 < mp)
-                    for (int i = 0; i < nb; i++) x1(t + i, g - g0, g, a, m0, fg + 4 * i * mp);
-                continue;
-            }
             for (; m0 + 2 * TW <= mp; m0 += 2 * TW)
-                for (int i = 0; i < nb; i++) (wt == WT_Q8 ? tile_q8x2 : tile_q4x2)(t + i, g - g0, g, a, m0, fg + 4 * i * mp);
+                for (int i = 0; i < nb; i++) x2(t + i, g - g0, g, a, m0, fg + 4 * i * mp);
             if (m0 < mp)
-                for (int i = 0; i < nb; i++) (wt == WT_Q8 ? tile_q8x1 : tile_q4x1)(t + i, g - g0, g, a, m0, fg + 4 * i * mp);
+                for (int i = 0; i < nb; i++) x1(t + i, g - g0, g, a, m0, fg + 4 * i * mp);
         }
     }
     if (EO_SPLIT) tile_finish(t, nb, wt, G, a, f);
