@@ -161,14 +161,16 @@ def test_rmsnorm_matches_reference(lib):
 @pytest.mark.parametrize("group", [1, 3, 7])
 @pytest.mark.parametrize("d, lens", [(16, [1, 7, 13]), (64, [8, 16, 9]), (104, [15, 2, 16]), (24, [45, 33, 1]),
                                      (128, [48, 40, 17])])
-def test_paged_decode_attention_matches_sdpa(lib, d: int, lens: list[int], dtype: torch.dtype, group: int):
+@pytest.mark.parametrize("hkv", [2, 5])
+def test_paged_decode_attention_matches_sdpa(lib, d: int, lens: list[int], dtype: torch.dtype, group: int, hkv: int):
     """GQA over a shuffled block table, ragged lengths (multiples of 8 and not), a partial last block, head dims
     that take each width of the kernel's value accumulators (AVX2: 64, 32, 8; AVX-512: 64, 16, 8), query heads per
     KV head 1, 3 and 7 (AVX-512's value pass takes them four at a time), sequences longer than the prefetch
-    distance: reads the cache in place, float32 or float16 (--kv-cache-dtype float16: against SDPA over the same
-    float16 values widened)."""
+    distance and than the value pass's runs of positions, work items of one KV head (2 KV heads, 3 tokens: 6 items)
+    and of several (5: items of 3 and 2 heads): reads the cache in place, float32 or float16 (--kv-cache-dtype
+    float16: against SDPA over the same float16 values widened)."""
     g = torch.Generator().manual_seed(0)
-    bs, hkv, nb = 4, 2, 12
+    bs, nb = 4, 12
     nblocks = 3 * nb
     h = hkv * group
     kv = torch.randn(2, nblocks * bs, hkv, d, generator=g).to(dtype)

@@ -1816,38 +1816,44 @@ static inline void store_kv(void *dst, const float *src, int64_t n, int64_t half
 /* Positions ahead whose cache rows the first pass over them prefetches: the rows of a sequence's positions lie in
  * its blocks wherever the allocator put them, so the hardware prefetchers do not follow them, and every row was a
  * wait on memory (perf: most of the attention's samples on the first load of a row). */
+#ifndef ATTN_PF
 #define ATTN_PF 16
+#endif
 
-/* out[0..8*NV) = sum_p w[p] * V[p][0..8*NV): NV accumulators live in registers (NV a literal at each call). */
-static inline __attribute__((always_inline)) void weighted_rows(const char *const *rows, const float *w, int64_t L,
-                                                                int64_t d0, int NV, float inv, float *out, const int HALF,
-                                                                int prefetch) {
+/* out[d0..d0+8*NV) (+)= w[p] * V[p][d0..] over positions p0 <= p < p1 (the value rows at rows[p] + roff): the sum
+ * starts from out's values unless first, and is scaled by inv when last (a value pass in runs of positions, the sum
+ * carried in out between runs: the same float operations in the same order as one run).  NV accumulators live in
+ * registers (NV a literal at each call). */
+static inline __attribute__((always_inline)) void weighted_rows(const char *const *rows, int64_t roff, const float *w,
+                                                                int64_t p0, int64_t p1, int64_t d0, int NV, int first,
+                                                                int last, float inv, float *out, const int HALF) {
     __m256 acc[8];
-    const int64_t bytes = 8 * NV * (HALF ? 2 : 4), off = d0 * (HALF ? 2 : 4);
-    for (int j = 0; j < NV; j++) acc[j] = _mm256_setzero_ps();
-    for (int64_t p = 0; p < L; p++) {
-        if (prefetch && p + ATTN_PF < L) /* see attn_impl */
-            for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(rows[p + ATTN_PF] + off + o, _MM_HINT_T0);
+    const int64_t off = roff + d0 * (HALF ? 2 : 4);
+    for (int j = 0; j < NV; j++) acc[j] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(out + d0 + 8 * j);
+    for (int64_t p = p0; p < p1; p++) {
         const __m256 pw = _mm256_set1_ps(w[p]);
-        for (int j = 0; j < NV; j++) acc[j] = _mm256_fmadd_ps(pw, ldkv(rows[p], d0 + 8 * j, HALF), acc[j]);
+        for (int j = 0; j < NV; j++) acc[j] = _mm256_fmadd_ps(pw, ldkv(rows[p] + off, 8 * j, HALF), acc[j]);
     }
-    for (int j = 0; j < NV; j++) _mm256_storeu_ps(out + d0 + 8 * j, _mm256_mul_ps(acc[j], _mm256_set1_ps(inv)));
+    for (int j = 0; j < NV; j++)
+        _mm256_storeu_ps(out + d0 + 8 * j, last ? _mm256_mul_ps(acc[j], _mm256_set1_ps(inv)) : acc[j]);
 }
 
 #if TS_AVX512
-/* The V pass for GB query heads that share a KV head (GQA), AVX-512: out_g[d0..d0+16*NV) = inv[g] * sum_p
- * w[g * ldw + p] * V[p][d0..], each V row read and widened once for all GB heads (weighted_rows, once per head,
- * read and widened it G times).  GB * NV accumulators + NV rows in zmm registers (GB, NV literals at each call). */
-static inline __attribute__((always_inline)) void weighted_rows_heads(const char *const *rows, const float *w,
-                                                                      int64_t ldw, int64_t L, int64_t d0, const int NV,
-                                                                      const int GB, const float *inv, float *out,
-                                                                      int64_t D, const int HALF) {
+/* The V pass for GB query heads that share a KV head (GQA), AVX-512, over positions p0 <= p < p1 (first / last as
+ * in weighted_rows): out_g[d0..d0+16*NV) (+)= w[g * ldw + p] * V[p][d0..], each V row read and widened once for all
+ * GB heads (weighted_rows, once per head, read and widened it G times).  GB * NV accumulators + NV rows in zmm
+ * registers (GB, NV literals at each call). */
+static inline __attribute__((always_inline)) void weighted_rows_heads(const char *const *rows, int64_t roff,
+                                                                      const float *w, int64_t ldw, int64_t p0,
+                                                                      int64_t p1, int64_t d0, const int NV, const int GB,
+                                                                      int first, int last, const float *inv,
+                                                                      float *out, int64_t D, const int HALF) {
     __m512 acc[16];
-    const int64_t off = d0 * (HALF ? 2 : 4), bytes = 16 * NV * (HALF ? 2 : 4);
-    for (int i = 0; i < GB * NV; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < L; p++) {
-        if (p + ATTN_PF < L)
-            for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(rows[p + ATTN_PF] + off + o, _MM_HINT_T0);
+    const int64_t off = roff + d0 * (HALF ? 2 : 4);
+    for (int g = 0; g < GB; g++)
+        for (int j = 0; j < NV; j++)
+            acc[g * NV + j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + g * D + d0 + 16 * j);
+    for (int64_t p = p0; p < p1; p++) {
         __m512 v[4];
         for (int j = 0; j < NV; j++)
             v[j] = HALF ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rows[p] + off) + j))
@@ -1858,92 +1864,118 @@ static inline __attribute__((always_inline)) void weighted_rows_heads(const char
         }
     }
     for (int g = 0; g < GB; g++)
-        for (int j = 0; j < NV; j++)
-            _mm512_storeu_ps(out + g * D + d0 + 16 * j, _mm512_mul_ps(acc[g * NV + j], _mm512_set1_ps(inv[g])));
+        for (int j = 0; j < NV; j++) {
+            const __m512 r = acc[g * NV + j];
+            _mm512_storeu_ps(out + g * D + d0 + 16 * j, last ? _mm512_mul_ps(r, _mm512_set1_ps(inv[g])) : r);
+        }
 }
 
-/* Every query head of one KV head: heads in groups of up to four, 64 dims (or 16) per pass. */
-static inline __attribute__((always_inline)) void v_pass_heads(const char *const *rows, const float *w, int64_t ldw,
-                                                               int64_t L, int64_t G, const float *inv, float *out,
-                                                               int64_t D, const int HALF) {
+/* Every query head of one KV head over positions p0..p1: heads in groups of up to four, 64 dims (or 16) per pass. */
+static inline __attribute__((always_inline)) void v_pass_heads(const char *const *rows, int64_t roff, const float *w,
+                                                               int64_t ldw, int64_t p0, int64_t p1, int first, int last,
+                                                               int64_t G, const float *inv, float *out, int64_t D,
+                                                               const int HALF) {
     for (int64_t g0 = 0; g0 < G; g0 += 4) {
         const int64_t gb = G - g0 < 4 ? G - g0 : 4;
         const float *wg = w + g0 * ldw, *ig = inv + g0;
         float *og = out + g0 * D;
         int64_t d0 = 0;
-#define VPASS(NV)                                                                         \
-    switch (gb) {                                                                         \
-    case 1: weighted_rows_heads(rows, wg, ldw, L, d0, NV, 1, ig, og, D, HALF); break;     \
-    case 2: weighted_rows_heads(rows, wg, ldw, L, d0, NV, 2, ig, og, D, HALF); break;     \
-    case 3: weighted_rows_heads(rows, wg, ldw, L, d0, NV, 3, ig, og, D, HALF); break;     \
-    default: weighted_rows_heads(rows, wg, ldw, L, d0, NV, 4, ig, og, D, HALF); break;    \
+#define VPASS(NV)                                                                                               \
+    switch (gb) {                                                                                               \
+    case 1: weighted_rows_heads(rows, roff, wg, ldw, p0, p1, d0, NV, 1, first, last, ig, og, D, HALF); break;  \
+    case 2: weighted_rows_heads(rows, roff, wg, ldw, p0, p1, d0, NV, 2, first, last, ig, og, D, HALF); break;  \
+    case 3: weighted_rows_heads(rows, roff, wg, ldw, p0, p1, d0, NV, 3, first, last, ig, og, D, HALF); break;  \
+    default: weighted_rows_heads(rows, roff, wg, ldw, p0, p1, d0, NV, 4, first, last, ig, og, D, HALF); break; \
     }
         for (; d0 + 64 <= D; d0 += 64) VPASS(4)
         for (; d0 + 16 <= D; d0 += 16) VPASS(1)
 #undef VPASS
         for (; d0 < D; d0 += 8) /* a last 8 dims (D = 16k + 8) */
-            for (int64_t g = 0; g < gb; g++) weighted_rows(rows, wg + g * ldw, L, d0, 1, ig[g], og + g * D, HALF, 0);
+            for (int64_t g = 0; g < gb; g++)
+                weighted_rows(rows, roff, wg + g * ldw, p0, p1, d0, 1, first, last, ig[g], og + g * D, HALF);
     }
 }
 #endif
 
+/* KV heads per work item of the decode attention (at most; see attn_impl), and positions per run of its value pass.
+ * ts_attn_decode, 16 tokens x 200 positions of a float16 cache, 32 KV heads of 64 dims: items of 8 heads 13.6 GB/s,
+ * 16 15.2, 32 (a token's whole rows) 19.5; runs of 8 or 16 positions alike, 32 slower (the run's rows outgrow L1). */
+#ifndef ATTN_HB
+#define ATTN_HB 64
+#endif
+#ifndef ATTN_PC
+#define ATTN_PC 16
+#endif
+
 /* Decode attention over the paged cache, in place (no gather): token t's query heads (row stride ldq) attend to
- * positions 0..seq_lens[t]-1 of its blocks.  Query head h uses KV head h / G (GQA).  Parallel over (t, kv head).
- * Per (t, kv head): the K and V row addresses of every position first (one walk of the block table, no division
- * per position), then per query head the scores eight positions at a time (eight dot products reduced together,
- * not one horizontal sum each), a vectorised softmax, and the weighted sum of V rows with up to 64 dims of
- * accumulators in registers.  A float16 cache (HALF) halves the bytes read, which bound this at large batches. */
+ * positions 0..seq_lens[t]-1 of its blocks.  Query head h uses KV head h / G (GQA).  Parallel over (t, a run of up
+ * to ATTN_HB KV heads): a position's K (or V) rows of neighbouring KV heads lie side by side in the cache, so an
+ * item reads runs of hb * D values per position where one KV head per item read D (128 bytes at D = 64 in float16,
+ * one every 4 KB: 7 GB/s, a third of this VM's read bandwidth, and 20% of a 16-row step of a 1.7B model).
+ * Per item: the K and V row addresses of every position first (one walk of the block table, no division per
+ * position), then the scores eight positions at a time for each of its query heads (eight dot products reduced
+ * together, not one horizontal sum each), a vectorised softmax per query head, and the weighted sums of V rows in
+ * runs of ATTN_PC positions, every head's run over the same rows (in L1) before the next run, the sums carried in
+ * the output between runs, up to 64 dims of accumulators in registers.  A float16 cache (HALF) halves the bytes
+ * read, which bound this at large batches.  Each head's results are those of one head per item. */
 static inline __attribute__((always_inline)) void attn_impl(const float *q, int64_t ldq, const void *kv, int64_t slots,
                                                             const int64_t *block_ids, int64_t nb, const int64_t *seq_lens,
                                                             int64_t bs, int64_t T, int64_t H, int64_t Hkv, int64_t D,
                                                             float scale, float *out, int64_t ldo, ts_barrier *bar,
                                                             const int HALF) {
-    const int64_t G = H / Hkv, tok = Hkv * D, esz = HALF ? 2 : 4;
+    const int64_t G = H / Hkv, tok = Hkv * D, esz = HALF ? 2 : 4, hd = D * esz;
     const char *kc = (const char *)kv, *vc = kc + slots * tok * esz;
+    /* fewer heads per item where the items would not give every thread two (one token: a 1.7B model's 32 KV
+     * heads in 4 items) */
+    int64_t hb = Hkv < ATTN_HB ? Hkv : ATTN_HB;
+    while (hb > 1 && T * ((Hkv + hb - 1) / hb) < 2 * omp_get_num_threads()) hb = (hb + 1) / 2;
+    const int64_t nhb = (Hkv + hb - 1) / hb;
 #pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t th = 0; th < T * Hkv; th++) {
-        const int64_t t = th / Hkv, h = th % Hkv, L = seq_lens[t], L8 = (L + 7) / 8 * 8;
+    for (int64_t th = 0; th < T * nhb; th++) {
+        const int64_t t = th / nhb, h0 = th % nhb * hb, hn = Hkv - h0 < hb ? Hkv - h0 : hb, nq = hn * G;
+        const int64_t L = seq_lens[t], L8 = (L + 7) / 8 * 8, run = hn * hd; /* bytes of a position's rows */
         const int64_t *bt = block_ids + t * nb;
-        /* scores padded to a multiple of 8 (the padding scores -inf: weight 0); K/V row addresses per position */
-        /* per query head: its scores (then weights) and its softmax's 1 / sum */
-        float *sc = (float *)malloc(sizeof(float) * (size_t)(G * L8 + G)), *inv = sc + G * L8;
+        /* scores padded to a multiple of 8 (the padding scores -inf: weight 0) per query head, then its weights,
+         * and its softmax's 1 / sum; the rows of KV head h0 at every position (head h0 + i: + i * hd) */
+        float *sc = (float *)malloc(sizeof(float) * (size_t)(nq * L8 + nq)), *inv = sc + nq * L8;
         const char **krow = (const char **)malloc(sizeof(char *) * (size_t)(2 * L8));
         const char **vrow = krow + L8;
         for (int64_t p = 0, i = 0; p < L; i++)
             for (int64_t j = 0; j < bs && p < L; j++, p++) {
-                const int64_t off = ((bt[i] * bs + j) * tok + h * D) * esz;
+                const int64_t off = ((bt[i] * bs + j) * tok + h0 * D) * esz;
                 krow[p] = kc + off;
                 vrow[p] = vc + off;
             }
         for (int64_t p = L; p < L8; p++) krow[p] = krow[0];
         const __m256 vscale = _mm256_set1_ps(scale);
-        for (int64_t g = 0; g < G; g++) {
-            const float *qg = q + t * ldq + (h * G + g) * D;
-            float *sg = sc + g * L8;
+        for (int64_t p0 = 0; p0 < L8; p0 += 8) {
+            /* the K rows ATTN_PF positions ahead.  (The V rows are the value pass's to prefetch: asked for into L2
+             * here, a whole score pass early, a token's 800 KB of them at 200 positions (1.7B) outran L2, 1.2x
+             * slower.) */
+            for (int64_t p = p0; p + ATTN_PF < L && p < p0 + 8; p++)
+                for (int64_t o = 0; o < run; o += 64) _mm_prefetch(krow[p + ATTN_PF] + o, _MM_HINT_T0);
+            for (int64_t i = 0; i < hn; i++)
+                for (int64_t g = 0; g < G; g++) {
+                    const float *qg = q + t * ldq + ((h0 + i) * G + g) * D;
+                    __m256 a[8];
+                    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+                    for (int64_t d = 0; d < D; d += 8) {
+                        const __m256 qv = _mm256_loadu_ps(qg + d);
+                        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(ldkv(krow[p0 + j] + i * hd, d, HALF), qv, a[j]);
+                    }
+                    __m256 s = _mm256_mul_ps(sum8(a), vscale);
+                    if (p0 + 8 > L) { /* the padding lanes */
+                        const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+                        s = _mm256_blendv_ps(s, _mm256_set1_ps(-INFINITY),
+                                             _mm256_cmp_ps(lane, _mm256_set1_ps((float)(L - p0)), _CMP_GE_OQ));
+                    }
+                    _mm256_storeu_ps(sc + (i * G + g) * L8 + p0, s);
+                }
+        }
+        for (int64_t k = 0; k < nq; k++) {
+            float *sg = sc + k * L8;
             __m256 vmax = _mm256_set1_ps(-INFINITY);
-            for (int64_t p0 = 0; p0 < L8; p0 += 8) {
-                __m256 a[8];
-                if (g == 0) /* the first head reads the K rows from memory (the others find them in L1); the V rows
-                             * are asked for here too, a whole score pass before the V pass needs them */
-                    for (int64_t p = p0; p < p0 + 8 && p < L; p++)
-                        for (int64_t o = 0; o < D * esz; o += 64) {
-                            if (p + ATTN_PF < L) _mm_prefetch(krow[p + ATTN_PF] + o, _MM_HINT_T0);
-                            _mm_prefetch(vrow[p] + o, _MM_HINT_T1);
-                        }
-                for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-                for (int64_t d = 0; d < D; d += 8) {
-                    const __m256 qv = _mm256_loadu_ps(qg + d);
-                    for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(ldkv(krow[p0 + j], d, HALF), qv, a[j]);
-                }
-                __m256 s = _mm256_mul_ps(sum8(a), vscale);
-                if (p0 + 8 > L) { /* the padding lanes */
-                    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-                    s = _mm256_blendv_ps(s, _mm256_set1_ps(-INFINITY),
-                                         _mm256_cmp_ps(lane, _mm256_set1_ps((float)(L - p0)), _CMP_GE_OQ));
-                }
-                vmax = _mm256_max_ps(vmax, s);
-                _mm256_storeu_ps(sg + p0, s);
-            }
+            for (int64_t p0 = 0; p0 < L8; p0 += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sg + p0));
             const __m256 mx = _mm256_set1_ps(hmax8(vmax));
             __m256 vsum = _mm256_setzero_ps();
             for (int64_t p0 = 0; p0 < L8; p0 += 8) {
@@ -1951,21 +1983,31 @@ static inline __attribute__((always_inline)) void attn_impl(const float *q, int6
                 vsum = _mm256_add_ps(vsum, e);
                 _mm256_storeu_ps(sg + p0, e);
             }
-            inv[g] = 1.0f / hsum8(vsum);
+            inv[k] = 1.0f / hsum8(vsum);
         }
-        float *o = out + t * ldo + h * G * D;
+        float *o = out + t * ldo + h0 * G * D; /* query head (h0 + i) * G + g at o + (i * G + g) * D */
+        for (int64_t p0 = 0; p0 < L; p0 += ATTN_PC) {
+            const int64_t p1 = p0 + ATTN_PC < L ? p0 + ATTN_PC : L;
+            const int first = p0 == 0, last = p1 == L;
+            for (int64_t p = p1; p < p1 + ATTN_PC && p < L; p++) /* the next run's rows, from L2 */
+                for (int64_t off = 0; off < run; off += 64) _mm_prefetch(vrow[p] + off, _MM_HINT_T0);
+            for (int64_t i = 0; i < hn; i++) {
 #if TS_AVX512
-        v_pass_heads(vrow, sc, L8, L, G, inv, o, D, HALF);
+                v_pass_heads(vrow, i * hd, sc + i * G * L8, L8, p0, p1, first, last, G, inv + i * G, o + i * G * D, D,
+                             HALF);
 #else
-        for (int64_t g = 0; g < G; g++) {
-            int64_t d0 = 0;
-            const float *w = sc + g * L8;
-            float *og = o + g * D;
-            for (; d0 + 64 <= D; d0 += 64) weighted_rows(vrow, w, L, d0, 8, inv[g], og, HALF, g == 0);
-            for (; d0 + 32 <= D; d0 += 32) weighted_rows(vrow, w, L, d0, 4, inv[g], og, HALF, g == 0);
-            for (; d0 < D; d0 += 8) weighted_rows(vrow, w, L, d0, 1, inv[g], og, HALF, g == 0);
-        }
+                for (int64_t g = 0; g < G; g++) {
+                    const int64_t k = i * G + g;
+                    const float *w = sc + k * L8;
+                    float *og = o + k * D;
+                    int64_t d0 = 0;
+                    for (; d0 + 64 <= D; d0 += 64) weighted_rows(vrow, i * hd, w, p0, p1, d0, 8, first, last, inv[k], og, HALF);
+                    for (; d0 + 32 <= D; d0 += 32) weighted_rows(vrow, i * hd, w, p0, p1, d0, 4, first, last, inv[k], og, HALF);
+                    for (; d0 < D; d0 += 8) weighted_rows(vrow, i * hd, w, p0, p1, d0, 1, first, last, inv[k], og, HALF);
+                }
 #endif
+            }
+        }
         free(krow);
         free(sc);
     }
