@@ -121,9 +121,11 @@ def _isa_flags(isa: str, emulated: bool) -> tuple[str, ...]:
             "-O2", "-fdisable-rtl-combine")
 
 
-def _build(out: Path, defines: tuple[str, ...] = (), isa: str = "avx2", emulated: bool = False) -> None:
+def _build(out: Path, defines: tuple[str, ...] = (), isa: str = "avx2", emulated: bool = False,
+           csrc: Path = CSRC) -> None:
     """Compiles the library for `isa` to `out`; `defines` (e.g. "TILE_MIN=1000000") are for benchmarks of variants;
-    emulated: on SIMDe's intrinsics (load_emulated)."""
+    emulated: on SIMDe's intrinsics (load_emulated); csrc: a folder holding the sources and headers under the same
+    names (bench.attention --against: another revision's)."""
     cc = shutil.which(os.environ.get("CC", "gcc")) or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler (gcc/cc) on PATH")
@@ -133,8 +135,9 @@ def _build(out: Path, defines: tuple[str, ...] = (), isa: str = "avx2", emulated
         flags = ["-O3", *_isa_flags(isa, emulated), "-fopenmp", "-fPIC", *(f"-D{d}" for d in defines)]
         # each source compiled by its own gcc, side by side, then linked: 9.8 -> 6.0 s here (decode_cpu.c alone
         # takes most of it), which a fresh machine's first start and every source change pay
-        objs = [Path(tmp) / f"{src.stem}.o" for src in SOURCES]
-        compiles = [[cc, *flags, "-c", "-o", str(obj), str(src)] for src, obj in zip(SOURCES, objs)]
+        sources = [csrc / src.name for src in SOURCES]
+        objs = [Path(tmp) / f"{src.stem}.o" for src in sources]
+        compiles = [[cc, *flags, "-c", "-o", str(obj), str(src)] for src, obj in zip(sources, objs)]
         procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                  for cmd in compiles]
         errors = [proc.communicate()[1] for proc in procs]  # (all of them waited for, failed or not)

@@ -1,0 +1,130 @@
+"""Decode attention (the C kernels' `ts_attn_decode`) over a paged float16 KV cache, against the memory read
+bandwidth measured in the same run, and optionally against the library of another git revision.
+
+    python -m bench.attention [--shapes smollm2-135m smollm2-1.7b] [--tokens 16 64] [--positions 200]
+                              [--against REV] [--out attention.json]
+
+Per model shape (query heads, KV heads, head dim: SmolLM2-135M 9/3/64, SmolLM2-360M 15/5/64, SmolLM2-1.7B 32/32/64
+(no GQA), Llama-3.1-8B 32/8/128), `--tokens` decode tokens each attend to `--positions` positions of their own
+blocks (16 positions a block, shuffled over the cache as an allocator leaves them); one call per layer over
+LAYERS distinct caches (so each call reads its cache from memory, as a step does), timed as one "step" of
+LAYERS calls, median of alternating rounds.  `GB/s` = the K and V bytes a step must read / its time; `ratio` = that
+/ a 1 GiB float32 `sum()` with the same threads (bench.bandwidth's reader).  `--against REV` builds the kernels
+of git revision REV (its tokenspout/kernels/csrc) and times both libraries in alternating rounds (results must be
+bit-identical: the order of the sums is fixed).  Writes bench/results/attention.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the engine process runs (set before torch loads libgomp)
+import torch
+
+from bench.bandwidth import read_bandwidth
+from bench.common import write_json
+from tokenspout.kernels import cpu
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES = {"smollm2-135m": (9, 3, 64), "smollm2-360m": (15, 5, 64), "smollm2-1.7b": (32, 32, 64),
+          "llama-8b": (32, 8, 128)}
+LAYERS = 24
+BLOCK = 16
+
+
+def library_at(rev: str, tmp: Path, lib: ctypes.CDLL, isa: str) -> ctypes.CDLL:
+    """The kernels of git revision `rev`, built for `isa` (argument types as today's library `lib` declares them)."""
+    src = tmp / "csrc"
+    src.mkdir()
+    for path in cpu.SOURCES + cpu.HEADERS:
+        rel = path.relative_to(ROOT).as_posix()
+        text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{rel}"], capture_output=True, check=True).stdout
+        (src / path.name).write_bytes(text)
+    so = tmp / f"decode_cpu-{rev}.so"
+    cpu._build(so, isa=isa, csrc=src)
+    old = ctypes.CDLL(str(so))
+    old.ts_attn_decode.argtypes = lib.ts_attn_decode.argtypes
+    old.ts_attn_decode.restype = None
+    return old
+
+
+def case(libs: dict[str, ctypes.CDLL], shape: str, tokens: int, positions: int, rounds: int) -> dict:
+    h, hkv, d = SHAPES[shape]
+    g = torch.Generator().manual_seed(0)
+    nb = (positions + BLOCK - 1) // BLOCK
+    nblocks = tokens * nb
+    caches = [torch.randn(2, nblocks * BLOCK, hkv, d, generator=g).half() for _ in range(LAYERS)]
+    table = torch.randperm(nblocks, generator=g).view(tokens, nb).contiguous()
+    lens = torch.full((tokens,), positions, dtype=torch.int64)
+    q = torch.randn(tokens, h * d, generator=g)
+    outs = {name: torch.empty(tokens, h * d) for name in libs}
+
+    def step(name: str) -> None:
+        for kv in caches:
+            libs[name].ts_attn_decode(q.data_ptr(), h * d, kv.data_ptr(), nblocks * BLOCK, table.data_ptr(), nb,
+                                      lens.data_ptr(), BLOCK, tokens, h, hkv, d, ctypes.c_float(d**-0.5),
+                                      outs[name].data_ptr(), h * d, 1)
+
+    times: dict[str, list[float]] = {name: [] for name in libs}
+    names = list(libs)
+    for name in names:
+        step(name)
+    same = all(torch.equal(outs[n], outs[names[0]]) for n in names)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            t0 = time.perf_counter()
+            step(name)
+            times[name].append(time.perf_counter() - t0)
+    nbytes = 2 * tokens * positions * hkv * d * 2 * LAYERS
+    row: dict = {"shape": shape, "tokens": tokens, "positions": positions, "bytes": nbytes, "bit_identical": same}
+    for name in names:
+        s = statistics.median(times[name])
+        row[name] = {"ms": round(s * 1e3, 2), "gb_s": round(nbytes / s / 1e9, 2)}
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--positions", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--against", default=None, help="a git revision whose kernels to time beside today's")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default="attention.json", help="file name under bench/results/")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lib, isa = cpu.load(), cpu.chosen_isa()
+    if lib is None or isa is None:
+        raise SystemExit("the C kernels are unavailable on this machine")
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {"now": lib}
+        if args.against:
+            libs[args.against] = library_at(args.against, Path(tmp), lib, isa)
+        bw = read_bandwidth()
+        rows = []
+        for shape in args.shapes:
+            for t in args.tokens:
+                row = case(libs, shape, t, args.positions, args.rounds)
+                for name in libs:
+                    row[name]["ratio"] = round(row[name]["gb_s"] / bw, 3)
+                rows.append(row)
+                cols = "  ".join(f"{n}: {row[n]['ms']:7.2f} ms {row[n]['gb_s']:5.1f} GB/s ({row[n]['ratio']:.2f}x)"
+                                 for n in libs)
+                print(f"{shape:13s} {t:3d} tokens x {args.positions} positions  {cols}"
+                      + ("" if row["bit_identical"] else "  RESULTS DIFFER"), flush=True)
+    path = write_json(args.out, {"threads": torch.get_num_threads(), "read_gb_s": round(bw, 2), "layers": LAYERS,
+                                 "against": args.against, "rows": rows})
+    print(f"read bandwidth {bw:.1f} GB/s; wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
