@@ -1813,9 +1813,9 @@ static inline void store_kv(void *dst, const float *src, int64_t n, int64_t half
         _mm_storeu_si128((__m128i *)((uint16_t *)dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
 }
 
-/* Positions ahead whose cache rows the first pass over them prefetches: the rows of a sequence's positions lie in
- * its blocks wherever the allocator put them, so the hardware prefetchers do not follow them, and every row was a
- * wait on memory (perf: most of the attention's samples on the first load of a row). */
+/* Positions ahead whose K rows the score pass prefetches: the rows of a sequence's positions lie in its blocks
+ * wherever the allocator put them, so the hardware prefetchers do not follow them from block to block, and every
+ * row was a wait on memory (perf: most of the attention's samples on the first load of a row). */
 #ifndef ATTN_PF
 #define ATTN_PF 16
 #endif
@@ -1989,7 +1989,7 @@ static inline __attribute__((always_inline)) void attn_impl(const float *q, int6
         for (int64_t p0 = 0; p0 < L; p0 += ATTN_PC) {
             const int64_t p1 = p0 + ATTN_PC < L ? p0 + ATTN_PC : L;
             const int first = p0 == 0, last = p1 == L;
-            for (int64_t p = p1; p < p1 + ATTN_PC && p < L; p++) /* the next run's rows, from L2 */
+            for (int64_t p = p1; p < p1 + ATTN_PC && p < L; p++) /* the next run's rows (nothing asked for them before) */
                 for (int64_t off = 0; off < run; off += 64) _mm_prefetch(vrow[p] + off, _MM_HINT_T0);
             for (int64_t i = 0; i < hn; i++) {
 #if TS_AVX512
