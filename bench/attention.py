@@ -20,7 +20,6 @@ import argparse
 import ctypes
 import os
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -29,30 +28,13 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the engine process run
 import torch
 
 from bench.bandwidth import read_bandwidth
-from bench.common import write_json
+from bench.common import library_at, write_json
 from tokenspout.kernels import cpu
 
-ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {"smollm2-135m": (9, 3, 64), "smollm2-360m": (15, 5, 64), "smollm2-1.7b": (32, 32, 64),
           "llama-8b": (32, 8, 128)}
 LAYERS = 24
 BLOCK = 16
-
-
-def library_at(rev: str, tmp: Path, lib: ctypes.CDLL, isa: str) -> ctypes.CDLL:
-    """The kernels of git revision `rev`, built for `isa` (argument types as today's library `lib` declares them)."""
-    src = tmp / "csrc"
-    src.mkdir()
-    for path in cpu.SOURCES + cpu.HEADERS:
-        rel = path.relative_to(ROOT).as_posix()
-        text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{rel}"], capture_output=True, check=True).stdout
-        (src / path.name).write_bytes(text)
-    so = tmp / f"decode_cpu-{rev}.so"
-    cpu._build(so, isa=isa, csrc=src)
-    old = ctypes.CDLL(str(so))
-    old.ts_attn_decode.argtypes = lib.ts_attn_decode.argtypes
-    old.ts_attn_decode.restype = None
-    return old
 
 
 def case(libs: dict[str, ctypes.CDLL], shape: str, tokens: int, positions: int, rounds: int) -> dict:
@@ -108,7 +90,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         libs = {"now": lib}
         if args.against:
-            libs[args.against] = library_at(args.against, Path(tmp), lib, isa)
+            libs[args.against] = library_at(args.against, Path(tmp), isa)
         bw = read_bandwidth()
         rows = []
         for shape in args.shapes:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import ctypes
 import json
 import platform
 import statistics
+import subprocess
 import time
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
 
 _TOPICS = ["the history of the printing press", "how vaccines train the immune system", "the rules of chess",
            "why the sky is blue", "how a compiler turns source code into machine code", "the water cycle",
@@ -56,3 +59,24 @@ def write_json(name: str, data: dict) -> Path:
     path = RESULTS / name
     path.write_text(json.dumps(data, indent=2))
     return path
+
+
+def library_at(rev: str, tmp: Path, isa: str) -> ctypes.CDLL:
+    """The C kernels of git revision `rev` (its tokenspout/kernels/csrc), built for `isa` into `tmp`, with today's
+    argument types: benchmarks time it beside today's library (`--against REV`)."""
+    from tokenspout.kernels import cpu
+
+    src = tmp / f"csrc-{rev}"
+    src.mkdir()
+    for path in cpu.SOURCES + cpu.HEADERS:
+        rel = path.relative_to(ROOT).as_posix()
+        text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{rel}"], capture_output=True, check=True).stdout
+        (src / path.name).write_bytes(text)
+    so = tmp / f"decode_cpu-{rev}.so"
+    cpu._build(so, isa=isa, csrc=src)
+    lib, now = ctypes.CDLL(str(so)), cpu.load(isa)
+    assert now is not None
+    for name in ("ts_linear", "ts_attn_decode"):
+        getattr(lib, name).argtypes = getattr(now, name).argtypes
+        getattr(lib, name).restype = None
+    return lib

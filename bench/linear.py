@@ -3,6 +3,7 @@
     python -m bench.linear             # M = 1, 4, 8, 16, 32, 64, 128; int4 layers + int8 LM head (~1 min)
     python -m bench.linear --threads 1
     python -m bench.linear --weights int8 --act8 --rows 1 16 32 64   # Q8_0-family layers, int8 activations too
+    python -m bench.linear --layers smollm2-1.7b --rows 16 64 --against REV   # 1.7B-shaped layers, REV's kernels too
 
 Every ISA level the CPU has gets its own `kernels` column (kernels_avx2, kernels_avx512: the same library built per
 level, as TOKENSPOUT_ISA forces it).
@@ -17,7 +18,11 @@ step's linear work.  Columns, measured in alternating rounds (median ms per pass
 * `torch`: F.linear on the dequantized float32 weights (what the torch model computes; MKL sgemm);
 * with `--act8`, `kernels_<isa>_a8`: the same library and weights with int8 activations (`--activation-quant int8`:
   the byte tiles, vpmaddubsw with AVX2 for int4 / int5, vpdpbusd with AVX-512 for int4 / int5 / int8).
-`--weights int8` makes the layers int8 (Q8_0) instead of int4 (Q4_1).
+`--weights int8` makes the layers int8 (Q8_0) instead of int4 (Q4_1).  `--layers smollm2-1.7b`: one decoder layer of
+SmolLM2-1.7B's shape (qkv 6144x2048, o 2048x2048, gate_up 16384x2048, down 2048x8192) plus a 30th of its LM head,
+with 4 weight copies (a layer is 30 MB of int4: 4 copies are past the L3).  `--against REV` adds a column
+`kernels_REV`: git revision REV's kernels built for the best level (bench.common.library_at), same weights and
+activations, for an A/B of a kernel change in one run.
 Rounds rotate the order of the three (see `rotated`).  Below 16 rows `kernels` and `row` run the same code: their
 ratio there (0.90-0.97x measured: the two builds differ only in code layout) is this benchmark's noise floor.
 Weights are cycled through 24 copies (twice the L3) so each pass reads them from memory, as a real step does.  Results go to
@@ -40,13 +45,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the engine process run
 import torch
 import torch.nn.functional as F
 
-from bench.common import write_json
+from bench.common import library_at, write_json
 from tokenspout.kernels import cpu
 from tokenspout.models.quantize import quantize_int4, quantize_int8
 
-LAYER = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
-LM_HEAD = (49152 // 30, 576)  # a 30th of the LM head per pass: one decode step = 30 passes
-COPIES = 24  # ~65 MB of weights, twice this VM's 32 MB L3; the three columns start 8 copies apart
+# per --layers: one decoder layer's linears, a 30th of the LM head per pass (one decode step = 30 passes), and the
+# weight copies cycled (the default model: ~65 MB, twice this VM's 32 MB L3; the columns start copies apart)
+LAYERS = {"smollm2-135m": ([(960, 576), (576, 576), (3072, 576), (576, 1536)], (49152 // 30, 576), 24),
+          "smollm2-1.7b": ([(6144, 2048), (2048, 2048), (16384, 2048), (2048, 8192)], (49152 // 30, 2048), 4)}
 
 
 def row_only_library(tmp: Path, isa: str) -> ctypes.CDLL:
@@ -77,11 +83,12 @@ def rotated(fns: dict[str, Callable[[], None]], budget_s: float = 1.0, min_round
 
 
 def one_pass(fn, xs: list[torch.Tensor], weights: list[list], start: int) -> Callable[[], None]:
-    """A pass over every shape, each call on the next of the COPIES weight copies (from `start`)."""
+    """A pass over every shape, each call on the next of the weight copies (from `start`)."""
     state = {"copy": start}
+    n_copies = len(weights[0])
 
     def call() -> None:
-        c = state["copy"] = (state["copy"] + 1) % COPIES
+        c = state["copy"] = (state["copy"] + 1) % n_copies
         for x, copies in zip(xs, weights, strict=True):
             fn(x, copies[c])
 
@@ -94,6 +101,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128])
     ap.add_argument("--weights", choices=["int4", "int8"], default="int4", help="the layers' format (LM head: int8)")
     ap.add_argument("--act8", action="store_true", help="add a column per level with int8 activations")
+    ap.add_argument("--layers", choices=list(LAYERS), default="smollm2-135m", help="whose layer shapes")
+    ap.add_argument("--against", default=None, help="a git revision whose kernels to time beside today's")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -104,23 +113,29 @@ def main() -> None:
     best = f"kernels_{isas[-1]}"
     g = torch.Generator().manual_seed(0)
     layer_fn = quantize_int4 if args.weights == "int4" else quantize_int8
-    shapes = [(n, k, layer_fn) for n, k in LAYER] + [(*LM_HEAD, quantize_int8)]
-    weights = [[fn(torch.randn(n, k, generator=g) * 0.05) for _ in range(COPIES)] for n, k, fn in shapes]
+    layer, lm_head, n_copies = LAYERS[args.layers]
+    shapes = [(n, k, layer_fn) for n, k in layer] + [(*lm_head, quantize_int8)]
+    weights = [[fn(torch.randn(n, k, generator=g) * 0.05) for _ in range(n_copies)] for n, k, fn in shapes]
     if args.act8:  # (the same codes, flagged for int8 activations)
         weights = [[(packed, deq, dataclasses.replace(packed, act8=True)) for packed, deq in copies] for copies in weights]
     flops_per_row = sum(2 * n * k for n, k, _ in shapes)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         libs["row"] = row_only_library(Path(tmp), isas[-1])
+        if args.against:
+            libs[f"kernels_{args.against}"] = library_at(args.against, Path(tmp), isas[-1])
         for m in args.rows:
             xs = [torch.randn(m, k, generator=g) for _, k, _ in shapes]
             cols = [(name, lib, 0) for name, lib in libs.items()]
             if args.act8:
                 cols += [(f"kernels_{isa}_a8", libs[f"kernels_{isa}"], 2) for isa in isas]
+                if args.against:
+                    cols.append((f"kernels_{args.against}_a8", libs[f"kernels_{args.against}"], 2))
             fns = {name: one_pass(lambda x, w, lib=lib, j=j: cpu.linear(lib, x, w[j]), xs, weights,
-                                  i * COPIES // (len(cols) + 1))
+                                  i * n_copies // (len(cols) + 1))
                    for i, (name, lib, j) in enumerate(cols)}
-            fns["torch"] = one_pass(lambda x, w: F.linear(x, w[1]), xs, weights, len(cols) * COPIES // (len(cols) + 1))
+            fns["torch"] = one_pass(lambda x, w: F.linear(x, w[1]), xs, weights,
+                                    len(cols) * n_copies // (len(cols) + 1))
             t = rotated(fns)
             gf = {k: flops_per_row * m / (t[k] * 1e-3) / 1e9 for k in fns}
             rows.append({"rows": m, **{f"{k}_ms": round(t[k], 3) for k in gf},
@@ -132,8 +147,9 @@ def main() -> None:
             cols = "  ".join(f"{k} {r[f'{k}_ms']:7.3f} ms ({r[f'{k}_gflops']:5.1f} GF/s)" for k in fns)
             print(f"M={m:4d}  {cols} | {best} vs row {r['best_vs_row']:.2f}x, vs avx2 {r['best_vs_avx2']:.2f}x, "
                   f"vs torch {r['best_vs_torch']:.2f}x", flush=True)
-    path = write_json("linear.json", {"threads": torch.get_num_threads(), "copies": COPIES, "isas": isas,
-                                      "weights": args.weights, "act8": args.act8, "rows": rows})
+    path = write_json("linear.json", {"threads": torch.get_num_threads(), "copies": n_copies, "isas": isas,
+                                      "layers": args.layers, "weights": args.weights, "act8": args.act8,
+                                      "against": args.against, "rows": rows})
     print(f"wrote {path}")
 
 
