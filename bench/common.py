@@ -61,9 +61,23 @@ def write_json(name: str, data: dict) -> Path:
     return path
 
 
+def built_library(so: Path, isa: str, defines: tuple[str, ...] = (), csrc: Path | None = None) -> ctypes.CDLL:
+    """A variant of the C kernels built for `isa` into `so` (cpu._build: `defines`, or the sources of another folder)
+    and loaded with today's argument types for the calls the benchmarks time."""
+    from tokenspout.kernels import cpu
+
+    cpu._build(so, defines=defines, isa=isa, csrc=csrc or cpu.CSRC)
+    lib, now = ctypes.CDLL(str(so)), cpu.load(isa)
+    assert now is not None
+    for name in ("ts_linear", "ts_attn_decode"):
+        getattr(lib, name).argtypes = getattr(now, name).argtypes
+        getattr(lib, name).restype = None
+    return lib
+
+
 def library_at(rev: str, tmp: Path, isa: str) -> ctypes.CDLL:
-    """The C kernels of git revision `rev` (its tokenspout/kernels/csrc), built for `isa` into `tmp`, with today's
-    argument types: benchmarks time it beside today's library (`--against REV`)."""
+    """The C kernels of git revision `rev` (its tokenspout/kernels/csrc), built for `isa` into `tmp`: benchmarks time
+    it beside today's library (`--against REV`)."""
     from tokenspout.kernels import cpu
 
     src = tmp / f"csrc-{rev}"
@@ -72,11 +86,4 @@ def library_at(rev: str, tmp: Path, isa: str) -> ctypes.CDLL:
         rel = path.relative_to(ROOT).as_posix()
         text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{rel}"], capture_output=True, check=True).stdout
         (src / path.name).write_bytes(text)
-    so = tmp / f"decode_cpu-{rev}.so"
-    cpu._build(so, isa=isa, csrc=src)
-    lib, now = ctypes.CDLL(str(so)), cpu.load(isa)
-    assert now is not None
-    for name in ("ts_linear", "ts_attn_decode"):
-        getattr(lib, name).argtypes = getattr(now, name).argtypes
-        getattr(lib, name).restype = None
-    return lib
+    return built_library(tmp / f"decode_cpu-{rev}.so", isa, csrc=src)

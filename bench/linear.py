@@ -32,7 +32,6 @@ bench/results/linear.json.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import os
 import statistics
@@ -45,7 +44,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the engine process run
 import torch
 import torch.nn.functional as F
 
-from bench.common import library_at, write_json
+from bench.common import built_library, library_at, write_json
 from tokenspout.kernels import cpu
 from tokenspout.models.quantize import quantize_int4, quantize_int8
 
@@ -53,15 +52,6 @@ from tokenspout.models.quantize import quantize_int4, quantize_int8
 # weight copies cycled (the default model: ~65 MB, twice this VM's 32 MB L3; the columns start copies apart)
 LAYERS = {"smollm2-135m": ([(960, 576), (576, 576), (3072, 576), (576, 1536)], (49152 // 30, 576), 24),
           "smollm2-1.7b": ([(6144, 2048), (2048, 2048), (16384, 2048), (2048, 8192)], (49152 // 30, 2048), 4)}
-
-
-def row_only_library(tmp: Path, isa: str) -> ctypes.CDLL:
-    so = tmp / "decode_cpu-row-only.so"
-    cpu._build(so, defines=("TILE_MIN=1000000",), isa=isa)
-    lib = ctypes.CDLL(str(so))
-    lib.ts_linear.argtypes = cpu.load().ts_linear.argtypes
-    lib.ts_linear.restype = None
-    return lib
 
 
 def rotated(fns: dict[str, Callable[[], None]], budget_s: float = 1.0, min_rounds: int = 9) -> dict[str, float]:
@@ -121,7 +111,7 @@ def main() -> None:
     flops_per_row = sum(2 * n * k for n, k, _ in shapes)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        libs["row"] = row_only_library(Path(tmp), isas[-1])
+        libs["row"] = built_library(Path(tmp) / "decode_cpu-row-only.so", isas[-1], ("TILE_MIN=1000000",))
         if args.against:
             libs[f"kernels_{args.against}"] = library_at(args.against, Path(tmp), isas[-1])
         for m in args.rows:
