@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import kernel_levels, kernel_lib, quantize_int5
+from tests.helpers import kernel_levels, kernel_lib, q6k_raw, quantize_int5, quantize_int6
 from tokenspout.kernels import cpu
-from tokenspout.models.quantize import dequantize, pack_int5, pack_int8, quantize_int4, quantize_int8
+from tokenspout.models.quantize import dequantize, empty_packed, pack_int5, pack_int8, quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.skipif(cpu.load() is None, reason="decode kernels unavailable on this machine")
 
@@ -356,6 +356,76 @@ def test_int5_codes_at_their_maximum_with_int8_activations(lib, m):
     torch.testing.assert_close(got, ref, atol=1e-3, rtol=1e-5)
 
 
+@pytest.mark.parametrize("m", [1, 2, 7, 13, 14, 15, 16, 17, 33, 70])
+@pytest.mark.parametrize("n, k", [(5, 256), (130, 768), (8, 2304)])
+def test_int6_from_q6k_computes_its_values(lib, m, n, k):
+    """A GGUF file's Q6_K as the kernels' int6 (codes, sub-scales and d as the file holds them): dequantize() gives
+    the gguf package's values bit for bit, and every path (row path, tiled path from 16 rows with AVX2 / 14 with
+    AVX-512; k = 2304 spans several of the tile's chunks of groups) computes the integer dots of those values with
+    the activations rounded to +-16383 per group (int16 ones would overflow int32: see the next test), or to int8
+    ones with act8, within float32 rounding; with bias and accumulation."""
+    from gguf import GGMLQuantizationType, quants
+
+    g = torch.Generator().manual_seed(m * 1000 + n + k)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    w[0, :64] = 0.0  # an all-zero pair of groups (sub-scales 0)
+    x[0, 32:64] = 0.0
+    packed, deq, raw = quantize_int6(w, lib)
+    values = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q6_K).reshape(n, k).copy())
+    assert torch.equal(deq, values) and torch.equal(dequantize(packed), values)
+    assert (deq - w).abs().max() <= w.abs().max() / 31  # (a step at most: a sanity check of the helper's fit)
+    b, y = torch.randn(n, generator=g), torch.randn(m, n, generator=g)
+    for act8, levels in ((False, 16383.0), (True, 127.0)):
+        packed.act8 = act8
+        xq = int16_activations(x, levels).double()
+        ref, tol = xq @ deq.double().T, 2e-6 * (xq.abs() @ deq.double().abs().T) + 1e-5
+
+        def check(got, want):
+            assert ((got.double() - want).abs() <= tol).all(), (act8, ((got.double() - want).abs() / tol).max())
+
+        check(cpu.linear(lib, x, packed), ref)
+        check(cpu.linear(lib, x, packed, bias=b), ref + b.double())
+        check(cpu.linear(lib, x, packed, out=y.clone(), accumulate=True), y.double() + ref)
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 40])
+def test_int6_extremes_do_not_overflow(lib, m):
+    """The largest int6 magnitudes (sub-scale -128 times code 0: 4096 units of d; 127 x 31) against a group of equal
+    activations: 32 products of 4096 x 32767 would pass 2^31 in a group's int32 dot (the one-row kernel and the
+    tiled path gave -224 for 7.3e6), so the activations of a linear with int6 weights are rounded to +-16383."""
+    n, k = 6, 512
+    q, sub = torch.zeros(n, k), torch.full((n, k // 16), -128.0)
+    q[1], sub[1] = 63.0, 127.0
+    q[2, ::2] = 63.0  # codes of both signs
+    packed = empty_packed(n, k, cpu.WT_Q6)
+    cpu.q6k_into(lib, q6k_raw(q, sub, torch.full((n, k // 256), 0.5)), None, k, 0, packed.codes, packed.scale)
+    deq = dequantize(packed)
+    assert deq[0, 0] == 0.5 * 4096 and deq[1, 0] == 0.5 * 127 * 31
+    x = torch.full((m, k), 7.0)
+    x[1:, 1::2] = -7.0
+    for act8, levels in ((False, 16383.0), (True, 127.0)):
+        packed.act8 = act8
+        ref = int16_activations(x, levels).double() @ deq.double().T
+        torch.testing.assert_close(cpu.linear(lib, x, packed).double(), ref, rtol=1e-6, atol=1e-3)
+
+
+def test_int4_head_with_an_int6_tail(lib):
+    """A fused weight of int4 rows and an int6 tail (a Q4_K_M file's Q4_K q / k with a Q6_K v): one rounding of the
+    activations for both (+-16383, the tail's; int8 with act8), row and tiled paths."""
+    g = torch.Generator().manual_seed(6)
+    n_head, n_tail, k = 24, 12, 512
+    w = torch.randn(n_head + n_tail, k, generator=g)
+    head, deq_h = quantize_int4(w[:n_head])
+    tail, deq_t, _ = quantize_int6(w[n_head:], lib)
+    for act8, levels in ((False, 16383.0), (True, 127.0)):
+        fused = dataclasses.replace(head, n=n_head + n_tail, tail=dataclasses.replace(tail, act8=act8), act8=act8)
+        for m in (1, 3, 33):
+            x = torch.randn(m, k, generator=g)
+            xq = int16_activations(x, levels)
+            ref = torch.cat([quantized_reference(x, head, deq_h, xq), xq @ deq_t.T], 1)
+            torch.testing.assert_close(cpu.linear(lib, x, fused), ref, atol=5e-4, rtol=1e-4)
+
+
 def test_batch_invariant_kernels_give_a_row_its_result_alone_at_every_batch_size():
     """The batch-invariant build: a row's outputs are bit-identical whether it is alone (the one-row kernels), among
     2-15 rows (the row path) or 16+ (the tiled path, padding rows included), for every weight format, with bias and
@@ -363,9 +433,10 @@ def test_batch_invariant_kernels_give_a_row_its_result_alone_at_every_batch_size
     lib = cpu.load(invariant=True)
     g = torch.Generator().manual_seed(5)
     formats = {"int8": lambda w: quantize_int8(w)[0], "int4": lambda w: quantize_int4(w)[0],
-               "int5": lambda w: quantize_int5(w, lib)[0], "float32": lambda w: w, "bfloat16": lambda w: w.bfloat16()}
+               "int5": lambda w: quantize_int5(w, lib)[0], "int6": lambda w: quantize_int6(w, lib)[0],
+               "float32": lambda w: w, "bfloat16": lambda w: w.bfloat16()}
     for name, fn in formats.items():
-        for k in (96, 608, 1088):
+        for k in (256, 768) if name == "int6" else (96, 608, 1088):  # (int6: Q6_K's super-blocks of 256)
             w = fn(torch.randn(38, k, generator=g))
             x, b, y = torch.randn(40, k, generator=g) * 3, torch.randn(38, generator=g), torch.randn(40, 38, generator=g)
             alone = torch.cat([cpu.linear(lib, x[i:i + 1], w, bias=b, out=y[i:i + 1].clone(), accumulate=True)

@@ -124,10 +124,23 @@ def test_deferred_cache_write(tiny_model, cache, monkeypatch):
     _assert_identical(fresh, cached)
 
 
+def _int6(w: torch.Tensor):
+    """w [N, 64] as an int6 weight (K = 64: the first pair of groups of a Q6_K fit of w padded to 256 columns)."""
+    from tests.helpers import quantize_int6
+
+    n = w.shape[0]
+    wide, _, _ = quantize_int6(torch.cat([w, w.new_zeros(n, 192)], 1), cpu.load())
+    nb = -(-n // 4)
+    return PackedWeight(wide.codes.view(nb, 4, 208)[:, :1].reshape(-1), wide.scale.view(nb, 8, 4)[:, :2].reshape(-1),
+                        None, n, 64, cpu.WT_Q6)
+
+
 @pytest.mark.skipif(cpu.load() is None, reason="a weight of two formats exists only where the kernels run")
-def test_weight_of_two_formats_round_trips_the_cache(tiny_model, cache, monkeypatch):
-    """A fused weight of two formats (int4 rows, then an int8 tail: a GGUF file's Q4_K q / k and Q6_K v) is cached
-    and mapped back as it was, and computes the same as its dequantized values."""
+@pytest.mark.parametrize("tail_fmt", ["int8", "int6"])
+def test_weight_of_two_formats_round_trips_the_cache(tiny_model, cache, monkeypatch, tail_fmt):
+    """A fused weight of two formats (int4 rows, then an int8 or int6 tail: a GGUF file's Q4_K q / k and Q6_K v,
+    without and with the kernels' int6) is cached and mapped back as it was, and computes the same as its
+    dequantized values."""
     from tokenspout.models import quant_load
     from tokenspout.models.quantize import dequantize, quantize_int4, quantize_int8
 
@@ -138,7 +151,8 @@ def test_weight_of_two_formats_round_trips_the_cache(tiny_model, cache, monkeypa
         for name, pw in packed.items():
             if name.endswith("qkv_proj"):
                 w = dequantize(pw)
-                head, tail = quantize_int4(w[:64])[0], quantize_int8(w[64:])[0]
+                head = quantize_int4(w[:64])[0]
+                tail = quantize_int8(w[64:])[0] if tail_fmt == "int8" else _int6(w[64:])
                 head.tail, head.n = tail, head.n + tail.n
                 packed[name] = model.get_submodule(name).packed = head
         return model, packed
@@ -146,7 +160,7 @@ def test_weight_of_two_formats_round_trips_the_cache(tiny_model, cache, monkeypa
     monkeypatch.setattr(quant_load, "build_quantized", two_formats)
     fresh = _load(tiny_model, "int4")
     pw = fresh.quantized["layers.0.self_attn.qkv_proj"]
-    assert pw.tail is not None and (pw.n, pw.tail.n) == (128, 64)
+    assert pw.tail is not None and (pw.n, pw.tail.n, pw.tail.wt) == (128, 64, getattr(cpu, "WT_Q" + tail_fmt[3:]))
     _no_quantizing(monkeypatch)
     cached = _load(tiny_model, "int4")
     _assert_identical(fresh, cached)

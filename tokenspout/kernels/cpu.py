@@ -47,7 +47,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "decode_cpu.c", CSRC / "sample_cpu.c", CSRC / "quant_cpu.c")
 HEADERS = (CSRC / "simd.h", CSRC / "isa.h")
 # the kernels' weight types (ts_weight.wt in decode_cpu.c)
-WT_F32, WT_Q8, WT_Q4, WT_BF16, WT_F16, WT_Q5 = 0, 1, 2, 3, 4, 5
+WT_F32, WT_Q8, WT_Q4, WT_BF16, WT_F16, WT_Q5, WT_Q6 = 0, 1, 2, 3, 4, 5, 6
 # float weights the kernels read as they are (16-bit ones widened to float32 in registers): torch dtype -> C type
 FLOAT_WEIGHT_TYPES = {torch.float32: WT_F32, torch.bfloat16: WT_BF16, torch.float16: WT_F16}
 
@@ -232,6 +232,7 @@ def _load(isa: str, invariant: bool = False, emulated: bool = False) -> ctypes.C
     lib.ts_quantize_q4.restype = None
     lib.ts_q4k_to_q4.argtypes = [vp, vp, i64, i64, i64, vp, vp, vp]
     lib.ts_q6k_to_q8.argtypes = [vp, vp, i64, i64, i64, vp, vp]
+    lib.ts_q6k_to_q6.argtypes = [vp, vp, i64, i64, i64, vp, vp]
     lib.ts_q5k_to_q8.argtypes = [vp, vp, i64, i64, i64, vp, vp]
     lib.ts_pack_q8.argtypes = [vp, vp, i64, i64, i64, vp, vp]
     lib.ts_pack_q4.argtypes = [vp, vp, vp, i64, i64, i64, vp, vp, vp, i64]
@@ -239,7 +240,7 @@ def _load(isa: str, invariant: bool = False, emulated: bool = False) -> ctypes.C
     lib.ts_q5k_to_q5.argtypes = [vp, vp, i64, i64, i64, vp, vp, vp]
     lib.ts_q8_0_to_q8.argtypes = [vp, vp, i64, i64, i64, vp, vp]
     lib.ts_q4_to_q4.argtypes = [vp, vp, i64, i64, i64, i64, vp, vp, vp]
-    for f in (lib.ts_q4k_to_q4, lib.ts_q6k_to_q8, lib.ts_q5k_to_q8, lib.ts_pack_q8, lib.ts_pack_q4,
+    for f in (lib.ts_q4k_to_q4, lib.ts_q6k_to_q8, lib.ts_q6k_to_q6, lib.ts_q5k_to_q8, lib.ts_pack_q8, lib.ts_pack_q4,
               lib.ts_q5_to_q5, lib.ts_q5k_to_q5, lib.ts_q8_0_to_q8, lib.ts_q4_to_q4):
         f.restype = None
     return lib
@@ -344,6 +345,14 @@ def k_int8_into(lib, kind: str, raw, order, k: int, r0: int, codes: torch.Tensor
     return args[2]
 
 
+def q6k_into(lib, raw, order, k: int, r0: int, codes: torch.Tensor, scale: torch.Tensor) -> int:
+    """Q6_K super-blocks (rows [R, k / 256 * 210]) -> rows r0.. of a packed int6 weight (quantize.PackedWeight's
+    layout) with the file's codes, sub-scales and d: its values exactly; in C.  Returns the rows written."""
+    _keep, args = _rows_arg(raw, order, 210, k, r0, codes, WT_Q6)
+    lib.ts_q6k_to_q6(*args, codes.data_ptr(), scale.data_ptr())
+    return args[2]
+
+
 def blocks_into(lib, kind: str, raw, order, k: int, r0: int, codes: torch.Tensor, scale: torch.Tensor,
                 mins: torch.Tensor | None) -> int:
     """Q8_0 blocks (rows [R, k / 32 * 34]) -> rows r0.. of a packed int8 weight, Q4_0 / Q4_1 blocks (18 / 20 bytes)
@@ -361,9 +370,11 @@ def blocks_into(lib, kind: str, raw, order, k: int, r0: int, codes: torch.Tensor
 
 def code_row_bytes(wt: int, k: int) -> int:
     """Bytes of a packed row's codes of K = k (quantize.PackedWeight): int8 one a weight, int4 32 per pair of groups
-    of 32, int5 64 per triple."""
+    of 32, int5 64 per triple, int6 52 per pair (k a multiple of 64)."""
     groups = k // 32
-    return {WT_Q8: k, WT_Q4: -(-groups // 2) * 32, WT_Q5: -(-groups // 3) * 64}[wt]
+    if wt == WT_Q6 and groups % 2:
+        raise ValueError(f"int6 needs K a multiple of 64, got {k}")
+    return {WT_Q8: k, WT_Q4: -(-groups // 2) * 32, WT_Q5: -(-groups // 3) * 64, WT_Q6: groups // 2 * 52}[wt]
 
 
 def q5_into(lib, kind: str, raw, order, k: int, r0: int, codes: torch.Tensor, scale: torch.Tensor,

@@ -12,8 +12,8 @@ Weights, per GGUF tensor type:
   (with the C kernels written in one C pass from the mapped file into the packed weight: cpu.blocks_into);
 * Q4_K becomes int4 with the file's codes (each group's scale d x sc and min dmin x m rounded to float16);
 * where the C kernels run, Q5_0, Q5_1 and Q5_K become their int5 format with the file's codes (Q5_0's min is -16 x
-  its scale, exact; Q5_K's terms rounded to float16 as Q4_K's), and Q6_K is dequantized and quantized to int8 in one
-  C pass (csrc/quant_cpu.c, the values of the steps below); elsewhere Q5_0 becomes int8 exactly (its codes - 16);
+  its scale, exact; Q5_K's terms rounded to float16 as Q4_K's), and Q6_K their int6 format with the file's codes,
+  sub-block scales and d (its values exactly; csrc/quant_cpu.c); elsewhere Q5_0 becomes int8 exactly (its codes - 16);
   every other type (F32, F16, BF16, ...), and Q5_1 / Q5_K / Q6_K without the kernels, is dequantized by the gguf
   package (Q6_K by q6k_rows) and then quantized like any float checkpoint (lossy for the K-quants: their 16- and
   32-weight sub-block scales are re-fitted per group of 32).
@@ -31,23 +31,34 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenspout.kernels.cpu import WT_Q4, WT_Q5, WT_Q8, blocks_into, k_int8_into, pack_into, q4k_into, q5_into
+from tokenspout.kernels.cpu import (
+    WT_Q4,
+    WT_Q5,
+    WT_Q6,
+    WT_Q8,
+    blocks_into,
+    k_int8_into,
+    pack_into,
+    q4k_into,
+    q5_into,
+    q6k_into,
+)
 from tokenspout.models.gguf_file import architecture, field, open_reader
 from tokenspout.models.quantize import GROUP, PackedWeight, empty_packed, pack_int4, pack_int8
 
 _PERMUTED = ("llama", "mistral")  # llama.cpp's converter permutes Q/K rows for these
 # GGUF tensor types by name (gguf.GGMLQuantizationType); what converts exactly to which kernel format
 _EXACT = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q5_0": "int8", "Q8_0": "int8"}
-# ... where the C kernels convert them (int5 and Q6_K's one-pass int8 are written by csrc/quant_cpu.c only)
-_EXACT_C = {**_EXACT, "Q5_0": "int5", "Q5_1": "int5", "Q5_K": "int5", "Q6_K": "int8"}
-_WT = {"int4": WT_Q4, "int5": WT_Q5, "int8": WT_Q8}
+# ... where the C kernels convert them (int5 and int6 are written by csrc/quant_cpu.c only)
+_EXACT_C = {**_EXACT, "Q5_0": "int5", "Q5_1": "int5", "Q5_K": "int5", "Q6_K": "int6"}
+_WT = {"int4": WT_Q4, "int5": WT_Q5, "int6": WT_Q6, "int8": WT_Q8}
 # Types kept at more than 4 bits (llama.cpp's _M / _L mixes keep some tensors at Q5 / Q6 / Q8 on purpose): asked for
 # int4, such a tensor is served as int8 instead, re-quantized from its dequantized values (where no exact or C
 # conversion applies: without the kernels).
 _WIDER = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_K")
 # Types the C kernels dequantize and quantize to int8 in one pass (csrc/quant_cpu.c), with the values of the gguf
-# package's dequantization quantized by quantize_int8, when int4 or int8 is asked: Q6_K always, Q5_K in a layer
-# whose parts form more than two formats (converted part by part to int8, the exact int8 parts keeping their values)
+# package's dequantization quantized by quantize_int8, when int4 or int8 is asked, for a layer whose parts form more
+# than two formats (a Q5_K_M file's Q8_0 / Q5_K / Q6_K) (converted part by part to int8, the exact int8 parts keeping their values)
 _C_INT8 = ("Q5_K", "Q6_K")
 
 
@@ -189,7 +200,7 @@ class GGUFCheckpoint:
         """The tensors `names` (stacked rows, e.g. q, k, v) in the kernels' formats, following the file: blocks that
         convert directly keep their values whatever `method` asks (Q4_0 / Q4_1 / Q4_K -> int4, Q8_0 -> int8, and
         with the C kernels `lib` Q5_0 / Q5_1 / Q5_K -> int5; Q5_0 -> int8 without them: never re-rounded onto
-        another grid); Q6_K becomes int8 in one C pass when int4 or int8 is asked, and without the kernels a tensor
+        another grid); with them Q6_K becomes int6 (exact) when int4 or int8 is asked, and without the kernels a tensor
         the file keeps at 5-8 bits in another type (Q5_1, Q5_K, Q6_K) becomes int8 when int4 is asked.  A fused
         layer of two such formats (a Q4_K_M file's Q4_K q / k with a Q6_K v, Q5_0 q / k with a Q8_0 v) keeps each
         part's format when int4 or int8 is asked and the first format's rows are whole blocks of four: one weight of
@@ -240,11 +251,11 @@ class GGUFCheckpoint:
         return t, np.asarray(t.data).reshape(rows, -1), order
 
     def _convert(self, names: list[str], fmt: str, lib) -> PackedWeight:
-        """The tensors `names` (rows stacked) in the kernels' `fmt`: each part's blocks converted (Q6_K: to int8)
+        """The tensors `names` (rows stacked) in the kernels' `fmt`: each part's blocks converted (Q5_K / Q6_K in int8: re-fitted)
         and, with the C kernels, written at its row offset straight into the packed weight."""
         k = self.shape(names[0])[1]
         if lib is None:
-            assert fmt != "int5"  # (only the C kernels write int5)
+            assert fmt not in ("int5", "int6")  # (only the C kernels write them)
             parts = []
             for n in names:
                 t, raw, order = self._blocks(n)
@@ -257,7 +268,9 @@ class GGUFCheckpoint:
         for n in names:
             t, raw, order = self._blocks(n)
             kind = t.tensor_type.name
-            if fmt == "int5":
+            if fmt == "int6":
+                r0 += q6k_into(lib, raw, order, k, r0, pw.codes, pw.scale)
+            elif fmt == "int5":
                 assert pw.min is not None
                 r0 += q5_into(lib, kind, raw, order, k, r0, pw.codes, pw.scale, pw.min)
             elif kind == "Q4_K":

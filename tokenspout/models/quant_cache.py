@@ -36,7 +36,7 @@ from tokenspout.models.default_model import cache_dir
 from tokenspout.models.llama import LlamaForCausalLM
 from tokenspout.models.quant_linear import linear_shapes, replace_linears
 from tokenspout.kernels.cpu import code_row_bytes
-from tokenspout.models.quantize import WT_BF16, WT_F16, WT_Q4, WT_Q5, WT_Q8, PackedWeight
+from tokenspout.models.quantize import WT_BF16, WT_F16, WT_Q4, WT_Q5, WT_Q6, WT_Q8, PackedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -125,12 +125,12 @@ def load(file: Path, key: dict, model: LlamaForCausalLM, dtype: torch.dtype, lib
                 raise ValueError(f"packed weight {name} has the wrong size")
             parts = [(pw, pw.n)] if pw.tail is None else [(pw, pw.n - pw.tail.n), (pw.tail, pw.tail.n)]
             for p, rows in parts:
-                if p.wt not in (WT_Q8, WT_Q4, WT_Q5, WT_BF16, WT_F16):
+                if p.wt not in (WT_Q8, WT_Q4, WT_Q5, WT_Q6, WT_BF16, WT_F16):
                     raise ValueError(f"packed weight {name} has an unknown format")
                 want = _packed_numels(rows, p.k, p.wt)
                 got = (p.codes.numel(), p.scale.numel(), 0 if p.min is None else p.min.numel())
                 if got != want or rows <= 0 or (
-                        pw.tail is not None and (p.wt not in (WT_Q8, WT_Q4, WT_Q5) or (p is pw and rows % 4))):
+                        pw.tail is not None and (p.wt not in (WT_Q8, WT_Q4, WT_Q5, WT_Q6) or (p is pw and rows % 4))):
                     raise ValueError(f"packed weight {name} has the wrong size")
     except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
         if discard:

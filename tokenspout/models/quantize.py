@@ -29,7 +29,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from tokenspout.kernels.cpu import WT_BF16, WT_F16, WT_Q4, WT_Q5, WT_Q8, pack_into, quantize_q4, quantize_q8
+from tokenspout.kernels.cpu import WT_BF16, WT_F16, WT_Q4, WT_Q5, WT_Q6, WT_Q8, pack_into, quantize_q4, quantize_q8
 from tokenspout.models.llama import LlamaForCausalLM
 
 QUANTIZATIONS = ("int8", "int4", "bf16", "fp16")
@@ -48,7 +48,12 @@ class PackedWeight:
     int5 (WT_Q5: a GGUF file's Q5_0 / Q5_1 / Q5_K, W = scale * q + min, q 0..31, scale / min as int4's) per triple
     of groups ([N/4][K/96 rounded up][4][64 bytes]): 16-bit word j of half h of a row's 64 bytes holds the codes of
     the triple's columns 48h + j, 48h + 16 + j, 48h + 32 + j in bits 0-4, 5-9, 10-14; a short last triple's missing
-    codes are zero."""
+    codes are zero.
+    int6 (WT_Q6: a GGUF file's Q6_K, its values exactly: W = scale * sub * (q - 32), q 0..63, sub an int8 per 16
+    columns, scale Q6_K's d repeated for each group; no min) per pair of groups ([N/4][K/64][208 bytes]): row r's
+    48 bytes at 48 r, 32 of low nibbles (byte t: columns t, 32 + t, low nibble first) and 16 whose byte t holds the
+    high two bits of columns t, 16 + t, 32 + t, 48 + t (bits 0-1, 2-3, 4-5, 6-7), then the sixteen sub-scales, that
+    of row r's columns 16i..16i+15 at byte 192 + 4i + r (csrc/decode_cpu.c, q6_load)."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -78,16 +83,21 @@ def _blocks(t: torch.Tensor) -> torch.Tensor:
 
 
 def empty_packed(n: int, k: int, wt: int) -> PackedWeight:
-    """An int8 / int4 / int5 weight of n x k to be written row by row (kernels.cpu.pack_into and the GGUF
+    """An int8 / int4 / int5 / int6 weight of n x k to be written row by row (kernels.cpu.pack_into and the GGUF
     converters: any rows, at any offset): uninitialised but for the padding rows of its last block of four, which are
     zero."""
     nb, groups = -(-n // 4), k // GROUP
-    per = {WT_Q8: (groups, 32), WT_Q4: (-(-groups // 2), 32), WT_Q5: (-(-groups // 3), 64)}[wt]
-    codes = torch.empty(nb, per[0], 4, per[1], dtype=torch.int8 if wt == WT_Q8 else torch.uint8)
+    if wt == WT_Q6 and groups % 2:
+        raise ValueError(f"int6 needs K a multiple of 64, got {k}")
+    per = {WT_Q8: (groups, 4, 32), WT_Q4: (-(-groups // 2), 4, 32), WT_Q5: (-(-groups // 3), 4, 64),
+           WT_Q6: (groups // 2, 1, 208)}[wt]
+    codes = torch.empty(nb, *per, dtype=torch.int8 if wt == WT_Q8 else torch.uint8)
+    if wt == WT_Q6 and n % 4:  # (the rows of a block share its 208 bytes: the whole last block zeroed)
+        codes[-1] = 0
     scale = torch.empty(nb, groups, 4, dtype=torch.float16)
     mins = torch.empty(nb, groups, 4, dtype=torch.float16) if wt in (WT_Q4, WT_Q5) else None
     for t in (codes, scale, mins):
-        if t is not None and n % 4:
+        if t is not None and n % 4 and not (t is codes and wt == WT_Q6):
             t[-1, :, n % 4 :] = 0
     return PackedWeight(codes.view(-1), scale.view(-1), None if mins is None else mins.view(-1), n, k, wt)
 
@@ -252,6 +262,15 @@ def dequantize(pw: PackedWeight) -> torch.Tensor:
     if pw.wt == WT_Q8:
         q = pw.codes.view(torch.int8).view(n4 // 4, groups, 4, GROUP).transpose(1, 2).reshape(n4, groups, GROUP)
         return (q.float() * scale[..., None]).reshape(n4, pw.k)[: pw.n]
+    if pw.wt == WT_Q6:
+        blk = pw.codes.view(torch.uint8).view(n4 // 4, groups // 2, 208)
+        b = blk[..., :192].reshape(n4 // 4, groups // 2, 4, 48).transpose(1, 2).reshape(n4, groups // 2, 48).to(torch.int32)
+        lo4 = torch.cat([b[..., :32] & 15, b[..., :32] >> 4], -1).view(*b.shape[:-1], 4, 16)  # [N, pair, quarter, j]
+        hi2 = torch.stack([(b[..., 32:48] >> (2 * i)) & 3 for i in range(4)], -2)
+        sub = blk[..., 192:].view(torch.int8).view(n4 // 4, groups // 2, 4, 4).permute(0, 3, 1, 2)  # [blk, r, pair, i]
+        sub = sub.reshape(n4, groups // 2, 4).to(torch.int32)
+        w = sub[..., None] * ((lo4 | (hi2 << 4)) - 32)  # exact integers, |w| <= 4096
+        return (w.reshape(n4, groups, GROUP).double() * scale[..., None].double()).float().reshape(n4, pw.k)[: pw.n]
     assert pw.min is not None
     lo = pw.min.float().view(n4 // 4, groups, 4).transpose(1, 2).reshape(n4, groups)
     if pw.wt == WT_Q5:

@@ -15,7 +15,8 @@
  *            (q 0..15, four per 16-bit word), Q5 W = scale * q + min (q 0..31, three per 16-bit word); codes Q8
  *            [N/4][K/32][4][32 bytes], Q4 [N/4][K/64 rounded up][4][32 bytes] (pairs of groups, see widen_group), Q5
  *            [N/4][K/96 rounded up][4][64 bytes] (triples of groups, see q5_group), scale/min [N/4][K/32][4] float16
- *            (llama.cpp's Q8_0 / Q4_1 / Q5_1 store them as float16 too);
+ *            (llama.cpp's Q8_0 / Q4_1 / Q5_1 store them as float16 too); Q6 W = scale * sub * (q - 32) (q 0..63,
+ *            sub an int8 per 16 columns: Q6_K's values) [N/4][K/64][208 bytes] (pairs of groups, see q6_load);
  *   KV cache of a layer: [2, slots, Hkv, D] float32 or float16; slot of position p = block_ids[p / bs] * bs + p % bs.
  * Quantized weights take one of two paths by batch size: the row path (block_q, up to TILE_MIN - 1 rows: streams
  * the codes, bound by weight bytes) and the tiled path (blocks_tile, TILE_MIN rows and more: bound by integer
@@ -56,6 +57,7 @@
 #define WT_BF16 3 /* 16-bit float weights [N, K] (bfloat16 / float16, as the checkpoint holds them), float32 math */
 #define WT_F16 4
 #define WT_Q5 5 /* int5 (a GGUF file's Q5_0 / Q5_1 / Q5_K): W = scale * q + min, q 0..31, three codes per 16-bit word */
+#define WT_Q6 6 /* int6 (a GGUF file's Q6_K, its values exactly): W = scale * sub * (q - 32), q 0..63, sub an int8 per 16 columns */
 #define IS_FLOAT(wt) ((wt) == WT_F32 || (wt) == WT_BF16 || (wt) == WT_F16)
 #define HAS_MIN(wt) ((wt) == WT_Q4 || (wt) == WT_Q5)
 
@@ -268,13 +270,13 @@ static inline int64_t tiled8(int64_t g, int t, int64_t m, int64_t mp) { return (
  * q = (c % 32) / 8. */
 
 /* x [M, K] -> a: per row and group of 32 columns, a scale d, the float sum s and codes round(x / d), |code| <= L
- * (L = 32767, or 127 with act8).  Tiled (M >= tile_min) the codes go to the tiled layouts (int16, and with act8
+ * (L = 32767; 16383 for a linear with Q6 weights (narrow, see Q6); 127 with act8).  Tiled (M >= tile_min) the codes go to the tiled layouts (int16, and with act8
  * also the int8 one). */
 static void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, ts_qact *a, int64_t act8,
-                         int64_t tile_min) {
+                         int64_t tile_min, int narrow) {
     const int64_t G = K / 32, mp = M >= tile_min ? (M + TW - 1) / TW * TW : 0;
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    const float L = act8 ? 127.0f : 32767.0f;
+    const float L = act8 ? 127.0f : narrow ? 16383.0f : 32767.0f;
     a->mp = mp;
     a->act8 = act8;
     for (int64_t m = 0; m < (mp ? mp : M); m++)
@@ -370,7 +372,55 @@ static inline void prefetch2(const uint8_t *p) {
  * Q5: triples of groups, 64 bytes per row each). */
 static inline int64_t block_bytes(int64_t wt, int64_t K) {
     const int64_t G = K / 32;
-    return wt == WT_Q8 ? G * 4 * 32 : wt == WT_Q5 ? (G + 2) / 3 * 4 * 64 : (G + 1) / 2 * 4 * 32;
+    return wt == WT_Q8 ? G * 4 * 32 : wt == WT_Q5 ? (G + 2) / 3 * 4 * 64 : wt == WT_Q6 ? G / 2 * 4 * 52 : (G + 1) / 2 * 4 * 32;
+}
+
+/* ---- Q6 (int6: a GGUF file's Q6_K, its values exactly) ----
+ * Pairs of groups (K % 64 == 0), 208 bytes per block of four rows ([N/4][K/64][208]): row r's 48 bytes at 48 r, 32
+ * of low nibbles (byte t: column t low, 32 + t high) and 16 of the high two bits (byte t: columns t, 16 + t, 32 + t,
+ * 48 + t in bits 0-1, 2-3, 4-5, 6-7), then the sixteen int8 sub-scales (Q6_K's per 16 columns) at 192 + 4 i + r
+ * (quarter i = columns 16i..16i+15 of row r).  Byte operations rebuild 32 codes per instruction (q - 32 as int8:
+ * nibbles masked in place, high bits moved by a per-lane variable shift), one vpmovsxbw each 16 to int16.  Scaled
+ * by the sub-scale (sub * (q - 32): |.| <= 128 * 32 = 4096) it is Q8's int16 arithmetic with the group's scale =
+ * Q6_K's float16 d (stored per group); the one-row kernel instead scales each quarter's dot in float (block_q1).
+ * 6.5 bits a weight (Q6_K: 6.56) where the int8 it was converted to before took 8.5 and re-rounded every weight.
+ * A group's 32 products can reach 32 * 4096 * 32767 > 2^31: the activations of a linear with Q6 weights are
+ * rounded to +-16383 instead (quantize_act), 32 * 4096 * 16383 < 2^31. */
+typedef struct {
+    __m256i qa, qb; /* q - 32 as int8: columns 0..31, 32..63 */
+    __m256i sv;     /* the row's four sub-scales as int16, repeated in every 64 bits */
+} q6_row;
+
+static inline __attribute__((always_inline)) q6_row q6_load(const uint8_t *pair, int r) {
+    const uint8_t *c = pair + r * 48;
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)c);
+    const __m256i hb = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(c + 32)));
+    const __m256i nib = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+    /* columns 0..15 take bits 0-1 of hb to 4-5, 16..31 bits 2-3; 32..47 bits 4-5 as they are, 48..63 bits 6-7 (what
+     * crosses into a neighbouring byte lands outside 4-5 and is masked off) */
+    const __m256i ha = _mm256_and_si256(_mm256_sllv_epi32(hb, _mm256_setr_epi32(4, 4, 4, 4, 2, 2, 2, 2)), two);
+    const __m256i hbb = _mm256_and_si256(_mm256_srlv_epi32(hb, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2)), two);
+    const __m128i pick = _mm_add_epi8(_mm_setr_epi8(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12), _mm_set1_epi8((char)r));
+    return (q6_row){_mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(raw, nib), ha), off),
+                    _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nib), hbb), off),
+                    _mm256_cvtepi8_epi16(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(pair + 192)), pick))};
+}
+
+/* quarter i (0..3, a literal: columns 16i..16i+15 of the pair) of a row as int16 q - 32 */
+static inline __attribute__((always_inline)) __m256i q6_quarter(q6_row q, const int i) {
+    const __m256i v = i < 2 ? q.qa : q.qb;
+    return _mm256_cvtepi8_epi16(i % 2 ? _mm256_extracti128_si256(v, 1) : _mm256_castsi256_si128(v));
+}
+
+/* ... times its sub-scale (a set1 from the byte took three instructions where this shuffle takes one) */
+static inline __attribute__((always_inline)) __m256i q6_scaled(q6_row q, const int i) {
+    return _mm256_mullo_epi16(q6_quarter(q, i), _mm256_shuffle_epi8(q.sv, _mm256_set1_epi16((short)(2 * i | (2 * i + 1) << 8))));
+}
+
+/* the next pairs' 208 bytes of a block */
+static inline void q6_prefetch(const uint8_t *p) {
+    prefetch2(p);
+    prefetch2(p + 128);
 }
 
 /* ---- Q5 (int5: a GGUF file's Q5_0 / Q5_1 / Q5_K) on the row path ----
@@ -430,7 +480,12 @@ static inline __attribute__((always_inline)) void widen_group(const uint8_t *cod
                                                              const int odd, int r, __m256i *l, __m256i *h) {
     if (wt == WT_Q8) widen_q8(codes + (g * 4 + r) * 32, l, h);
     else if (wt == WT_Q5) q5_group_at(codes + ((g / 3) * 4 + r) * 64, g % 3, l, h);
-    else { /* odd: g % 2, a literal where the caller knows it (the quarters' shifts are then literals too) */
+    else if (wt == WT_Q6) {
+        const uint8_t *c = codes + g / 2 * 208;
+        const q6_row q = q6_load(c, r);
+        *l = odd ? q6_scaled(q, 2) : q6_scaled(q, 0);
+        *h = odd ? q6_scaled(q, 3) : q6_scaled(q, 1);
+    } else { /* odd: g % 2, a literal where the caller knows it (the quarters' shifts are then literals too) */
         const __m256i raw = _mm256_loadu_si256((const __m256i *)(codes + (g / 2 * 4 + r) * 32));
         *l = odd ? q4_quarter(raw, 2) : q4_quarter(raw, 0);
         *h = odd ? q4_quarter(raw, 3) : q4_quarter(raw, 1);
@@ -561,6 +616,35 @@ static inline __attribute__((always_inline)) void block_q1(const ts_weight *W, c
                 A[r] = dot_rows(lo, hi, xa0, xa1);
                 widen_q8(c + 128 + r * 32, &lo, &hi);
                 B[r] = dot_rows(lo, hi, xb0, xb1);
+            }
+        } else if (wt == WT_Q6 && !TS_BATCH_INVARIANT) {
+            /* each quarter's dot on its own, scaled in float by its sub-scale: the sub-scales' vpmullw per 16
+             * codes made this kernel compute-bound (ts_linear at one row 1.3x int8's time for 0.82x the bytes) */
+            const uint8_t *c = codes + g / 2 * 208;
+            q6_prefetch(c + PF256);
+            __m256i A1[4], B1[4];
+            for (int r = 0; r < 4; r++) {
+                const q6_row q = q6_load(c, r);
+                A[r] = _mm256_madd_epi16(q6_quarter(q, 0), xa0);
+                A1[r] = _mm256_madd_epi16(q6_quarter(q, 1), xa1);
+                B[r] = _mm256_madd_epi16(q6_quarter(q, 2), xb0);
+                B1[r] = _mm256_madd_epi16(q6_quarter(q, 3), xb1);
+            }
+            const __m128i sb = _mm_loadu_si128((const __m128i *)(c + 192)); /* [quarter][row] */
+            const __m128 d4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(sc + g * 4))); /* (both groups': one d) */
+            const __m256 ws = _mm256_set_m128(d4, d4);
+            const __m256 s01 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sb)), ws);
+            const __m256 s23 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sb, 8))), ws);
+            acc = _mm256_fmadd_ps(sum4x2(A, A1), _mm256_mul_ps(s01, _mm256_set1_ps(dx[g])), acc);
+            acc = _mm256_fmadd_ps(sum4x2(B, B1), _mm256_mul_ps(s23, _mm256_set1_ps(dx[g + 1])), acc);
+            continue;
+        } else if (wt == WT_Q6) { /* (the batch-invariant build: sub-scales in the codes, block_q_inv's order) */
+            const uint8_t *c = codes + g / 2 * 208;
+            q6_prefetch(c + PF256);
+            for (int r = 0; r < 4; r++) {
+                const q6_row q = q6_load(c, r);
+                A[r] = dot_rows(q6_scaled(q, 0), q6_scaled(q, 1), xa0, xa1);
+                B[r] = dot_rows(q6_scaled(q, 2), q6_scaled(q, 3), xb0, xb1);
             }
         } else { /* the pair of groups g, g + 1: one 32-byte load per row (see widen_group) */
             const uint8_t *c = codes + g / 2 * 4 * 32;
@@ -695,6 +779,22 @@ static inline __attribute__((always_inline)) void block_q(const ts_weight *W, co
             for (int r = 0; r < 4; r++) widen_q8(c + r * 32, &l[r], &h[r]);
             group_rows(acc, a, g, G, K, m0, mt, scales4(sc + g * 4), _mm256_setzero_ps(), wt, l, h);
         }
+    } else if (wt == WT_Q6) { /* per pair of groups: the four rows' sixteen quarters widened once, for both groups
+                               * (each row widened again for its odd group: at 4-8 rows 1.4-1.5x int8's time) */
+        const uint8_t *codes = (const uint8_t *)W->w + b * block_bytes(WT_Q6, K);
+        for (int64_t g = 0; g < G; g += 2) {
+            const uint8_t *c = codes + g / 2 * 208;
+            q6_prefetch(c + PF256);
+            __m256i wv[4][4];
+            for (int r = 0; r < 4; r++) {
+                const q6_row q = q6_load(c, r);
+                wv[r][0] = q6_scaled(q, 0), wv[r][1] = q6_scaled(q, 1), wv[r][2] = q6_scaled(q, 2), wv[r][3] = q6_scaled(q, 3);
+            }
+            for (int r = 0; r < 4; r++) l[r] = wv[r][0], h[r] = wv[r][1];
+            group_rows(acc, a, g, G, K, m0, mt, scales4(sc + g * 4), _mm256_setzero_ps(), wt, l, h);
+            for (int r = 0; r < 4; r++) l[r] = wv[r][2], h[r] = wv[r][3];
+            group_rows(acc, a, g + 1, G, K, m0, mt, scales4(sc + (g + 1) * 4), _mm256_setzero_ps(), wt, l, h);
+        }
     } else {
         const int64_t P = (G + 1) / 2;
         const uint8_t *codes = (const uint8_t *)W->w + b * P * 4 * 32;
@@ -774,6 +874,7 @@ static inline __attribute__((always_inline)) void block_q_inv_group(const uint8_
     /* this group's codes and the next ones' (Q8: 128 bytes a group; Q4: 128 a pair; Q5: 256 a triple) */
     if (wt == WT_Q8) prefetch2(codes + g * 128 + PF256);
     else if (wt == WT_Q4 && !par) prefetch2(codes + g / 2 * 128 + PF256);
+    else if (wt == WT_Q6 && !par) q6_prefetch(codes + g / 2 * 208 + PF256);
     else if (wt == WT_Q5 && g % 3 == 0) {
         prefetch2(codes + g / 3 * 256 + PF256);
         prefetch2(codes + g / 3 * 256 + 128 + PF256);
@@ -962,6 +1063,20 @@ static inline __attribute__((always_inline)) void block_q512(const ts_weight *W,
                           PAIR(0, 16), PAIR(2, 0), PAIR(2, 16));
 #undef PAIR
         }
+    } else if (wt == WT_Q6) { /* rows r, r + 1 side by side: AVX2's widening of each, joined */
+        const uint8_t *codes = (const uint8_t *)W->w + b * block_bytes(WT_Q6, K);
+        for (int64_t g = 0; g < G; g += 2) {
+            const uint8_t *c = codes + g / 2 * 208;
+            q6_prefetch(c + PF512);
+            const q6_row q0 = q6_load(c, 0), q1 = q6_load(c, 1), q2 = q6_load(c, 2), q3 = q6_load(c, 3);
+#define JOIN(r, i) _mm512_inserti64x4(_mm512_castsi256_si512(q6_scaled(q##r, i)), q6_scaled(q##r##n, i), 1)
+            const q6_row q0n = q1, q2n = q3;
+            group_rows512(acc, a, g, G, K, m0, mt, scales16(sc + g * 4, idx), _mm512_setzero_ps(), wt, JOIN(0, 0),
+                          JOIN(0, 1), JOIN(2, 0), JOIN(2, 1));
+            group_rows512(acc, a, g + 1, G, K, m0, mt, scales16(sc + (g + 1) * 4, idx), _mm512_setzero_ps(), wt,
+                          JOIN(0, 2), JOIN(0, 3), JOIN(2, 2), JOIN(2, 3));
+#undef JOIN
+        }
     } else {
         const int64_t P = (G + 1) / 2;
         const uint8_t *codes = (const uint8_t *)W->w + b * P * 4 * 32;
@@ -1043,6 +1158,20 @@ static void widen_codes(const ts_weight *W, const int wt, int64_t b, int64_t K, 
                 widen_q8(codes + (g * 4 + r) * 32, &lo, &hi);
                 _mm256_storeu_si256((__m256i *)(t->w + r * CW + (g - g0) * 32), lo);
                 _mm256_storeu_si256((__m256i *)(t->w + r * CW + (g - g0) * 32 + 16), hi);
+            }
+        return;
+    }
+    if (wt == WT_Q6) { /* (chunks of CG groups: whole pairs) */
+        const uint8_t *codes = (const uint8_t *)W->w + b * block_bytes(WT_Q6, K);
+        for (int64_t p = g0 / 2; 2 * p < g1; p++)
+            for (int r = 0; r < 4; r++) {
+                const uint8_t *c = codes + p * 208;
+                const q6_row q = q6_load(c, r);
+                int16_t *o = t->w + r * CW + (2 * p - g0) * 32;
+                _mm256_storeu_si256((__m256i *)o, q6_scaled(q, 0));
+                _mm256_storeu_si256((__m256i *)(o + 16), q6_scaled(q, 1));
+                _mm256_storeu_si256((__m256i *)(o + 32), q6_scaled(q, 2));
+                _mm256_storeu_si256((__m256i *)(o + 48), q6_scaled(q, 3));
             }
         return;
     }
@@ -1371,7 +1500,8 @@ typedef void (*tile_fn)(const ts_wtile *, int64_t, int64_t, const ts_qact *, int
 /* The tile for weights of type wt over 2 (x2) or 1 vectors of batch rows: the byte tile with int8 activations (a8),
  * else the int16 one (Q5 takes Q4's: its codes widen to int16 with the same min term). */
 static inline tile_fn tile_for(const int wt, const int a8, const int x2) {
-    if (!a8) return wt == WT_Q8 ? (x2 ? tile_q8x2 : tile_q8x1) : (x2 ? tile_q4x2 : tile_q4x1);
+    /* (Q6 widens to int16 values with no min term, as Q8's: it takes Q8's int16 tiles, int8 activations too) */
+    if (!a8) return wt == WT_Q8 || wt == WT_Q6 ? (x2 ? tile_q8x2 : tile_q8x1) : (x2 ? tile_q4x2 : tile_q4x1);
 #if TS_AVX512
     if (wt == WT_Q8) return x2 ? tile_q8a8x2 : tile_q8a8x1;
 #endif
@@ -1623,7 +1753,8 @@ static void float_tiled(const ts_weight *W, const float *bias, int64_t M, int64_
  * weights, from FTILE_MIN rows). */
 static inline void prep_act(const ts_weight *W, const float *x, int64_t ldx, int64_t M, int64_t K, ts_qact *a) {
     if (IS_FLOAT(W->wt)) transpose_act(x, ldx, M, K, a);
-    else quantize_act(x, ldx, M, K, a, W->act8, W->act8 && (W->wt == WT_Q4 || W->wt == WT_Q5) ? TILE_MIN8 : TILE_MIN);
+    else quantize_act(x, ldx, M, K, a, W->act8, W->act8 && (W->wt == WT_Q4 || W->wt == WT_Q5) ? TILE_MIN8 : TILE_MIN,
+                      W->wt == WT_Q6 || (W->tail && W->tail->wt == WT_Q6));
 }
 
 /* The float row path: blocks of four weight rows shared out among the threads, two batch rows per pass over them. */
@@ -1714,10 +1845,13 @@ static void linear_body(const float *x, int64_t ldx, int64_t M, const ts_weight 
             if (mt == 1 && W->wt == WT_Q8) BLOCK_Q1(W, WT_Q8, b, K, a, m0, o);
             /* Q5: AVX2 row kernels in every build (int8 activations: the int16 kernels over their values) */
             else if (mt == 1 && W->wt == WT_Q5) block_q1_q5(W, b, K, a, m0, o);
+            else if (mt == 1 && W->wt == WT_Q6) BLOCK_Q1(W, WT_Q6, b, K, a, m0, o);
+            else if (TS_BATCH_INVARIANT && !a->act8 && W->wt == WT_Q6) block_q_inv(W, WT_Q6, b, K, a, m0, mt, o);
             else if (TS_BATCH_INVARIANT && !a->act8 && W->wt == WT_Q8) block_q_inv(W, WT_Q8, b, K, a, m0, mt, o);
             else if (TS_BATCH_INVARIANT && !a->act8 && W->wt == WT_Q5) block_q_inv(W, WT_Q5, b, K, a, m0, mt, o);
             else if (TS_BATCH_INVARIANT && !a->act8) block_q_inv(W, WT_Q4, b, K, a, m0, mt, o);
             else if (W->wt == WT_Q5) block_q_q5(W, b, K, a, m0, mt, o);
+            else if (W->wt == WT_Q6) BLOCK_Q(W, WT_Q6, b, K, a, m0, mt, o);
 #if !TS_AVX512 /* (the AVX-512 build keeps its int16 row path for int8 activations: same results, not measured) */
             else if (mt == 1 && a->act8) block_q1_a8(W, b, K, a, m0, o);
 #endif

@@ -279,6 +279,39 @@ static void q6k_values(const uint8_t *b, float *w) {
             }
 }
 
+/* Q6_K -> int6 (decode_cpu.c's WT_Q6, see q6_load) with the file's codes, sub-scales and d: per pair of groups and
+ * block of four rows, 208 bytes at codes + ((r / 4) * K/64 + pair) * 208; row r's 48 at (r % 4) * 48: byte t of the
+ * first 32 holds the low nibbles of the pair's columns t (low) and 32 + t (high), byte 32 + t the high two bits of
+ * columns t, 16 + t, 32 + t, 48 + t (bits 0-1, 2-3, 4-5, 6-7); the sub-scale of columns 16i..16i+15 at 192 + 4 i +
+ * r % 4; every group's scale is the super-block's d. */
+void ts_q6k_to_q6(const uint8_t *raw, const int64_t *order, int64_t rows, int64_t k, int64_t r0, uint8_t *codes,
+                  uint16_t *scale) {
+    const int64_t S = k / 256, G = k / 32, P = k / 64;
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t s = 0; s < S; s++) {
+            const uint8_t *b = raw + ((order ? order[i] : i) * S + s) * 210, *ql = b, *qh = b + 128;
+            const int64_t row = r0 + i;
+            uint8_t q[256];
+            for (int h = 0; h < 2; h++)     /* as q6k_values */
+                for (int c = 0; c < 4; c++)
+                    for (int l = 0; l < 32; l++)
+                        q[h * 128 + c * 32 + l] = (uint8_t)(((ql[h * 64 + (c % 2) * 32 + l] >> (4 * (c / 2))) & 15) |
+                                                            ((qh[h * 32 + l] >> (2 * c)) & 3) << 4);
+            for (int pp = 0; pp < 4; pp++) {
+                uint8_t *blk = codes + ((row / 4) * P + s * 4 + pp) * 208, *o = blk + (row % 4) * 48;
+                const uint8_t *v = q + pp * 64;
+                for (int t = 0; t < 32; t++) o[t] = (uint8_t)((v[t] & 15) | (v[32 + t] & 15) << 4);
+                for (int t = 0; t < 16; t++)
+                    o[32 + t] = (uint8_t)((v[t] >> 4) | (v[16 + t] >> 4) << 2 | (v[32 + t] >> 4) << 4 | (v[48 + t] >> 4) << 6);
+                for (int j = 0; j < 4; j++) blk[192 + 4 * j + row % 4] = b[192 + pp * 4 + j];
+            }
+            uint16_t d;
+            memcpy(&d, b + 208, 2);
+            for (int g = 0; g < 8; g++) scale[((row / 4) * G + s * 8 + g) * 4 + row % 4] = d;
+        }
+}
+
 /* Q5_K (176 bytes: float16 d and dmin, twelve bytes of 6-bit scales and mins, 32 bytes of fifth bits, 128 bytes of
  * nibbles) -> its 256 values as the gguf package computes them: (d * sc) * q - dmin * m in float32, the product
  * rounded before the subtraction (no fused multiply-add: hence fp-contract off). */
