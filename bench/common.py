@@ -9,6 +9,10 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 RESULTS = Path(__file__).parent / "results"
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,3 +91,39 @@ def library_at(rev: str, tmp: Path, isa: str) -> ctypes.CDLL:
         text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{rel}"], capture_output=True, check=True).stdout
         (src / path.name).write_bytes(text)
     return built_library(tmp / f"decode_cpu-{rev}.so", isa, csrc=src)
+
+
+def q6k_raw(q: torch.Tensor, sub: torch.Tensor, d: torch.Tensor):
+    """Q6_K super-blocks (numpy uint8 rows [N, K/256 * 210], the GGUF layout) of codes q [N, K] (0..63), sub-block
+    scales sub [N, K/16] (int8) and d [N, K/256] (float16): W = d * sub * (q - 32)."""
+    import numpy as np
+    import torch
+
+    n, k = q.shape
+    s = k // 256
+    qb = q.to(torch.uint8).view(n, s, 2, 4, 32)  # [N, super-block, half h, chunk c, l]: element 128h + 32c + l
+    low = qb & 15
+    ql = torch.cat([low[:, :, :, 0] | (low[:, :, :, 2] << 4), low[:, :, :, 1] | (low[:, :, :, 3] << 4)], -1)
+    qh = sum(((qb[:, :, :, c] >> 4) << (2 * c)) for c in range(4)).to(torch.uint8)  # [N, S, 2, 32]
+    parts = [ql.reshape(n, s, 128), qh.reshape(n, s, 64), sub.to(torch.int8).view(torch.uint8).view(n, s, 16),
+             d.to(torch.float16).view(torch.uint8).view(n, s, 2)]
+    return np.ascontiguousarray(torch.cat(parts, -1).reshape(n, s * 210).numpy())
+
+
+def q6k_fit(w: torch.Tensor, negate: bool = True):
+    """w [N, K] (K a multiple of 256) fitted as Q6_K: a float16 d per 256 columns, an int8 sub-scale per 16 (negate:
+    every other one negative, as llama.cpp's quantizer makes the largest -128), codes 0..63.  The gguf package has no
+    Q6_K quantizer.  Returns (raw rows as a GGUF file holds them, their values float32 [N, K])."""
+    import torch
+
+    n, k = w.shape
+    sub_amax = w.float().abs().view(n, k // 16, 16).amax(-1)
+    d = (sub_amax.view(n, k // 256, 16).amax(-1) / (32 * 127)).half()
+    dd = d.float().repeat_interleave(16, 1)
+    sub = torch.where(dd > 0, torch.round(sub_amax / 32 / dd.clamp_min(1e-30)), 0).clamp(-127, 127)
+    if negate:
+        sub[:, 1::2] *= -1
+    step = (dd * sub).repeat_interleave(16, 1)
+    q = (torch.where(step != 0, torch.round(w.float() / torch.where(step != 0, step, 1)), 0) + 32).clamp(0, 63)
+    values = (d.double().repeat_interleave(256, 1) * sub.double().repeat_interleave(16, 1) * (q.double() - 32)).float()
+    return q6k_raw(q, sub, d), values

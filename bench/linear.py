@@ -13,12 +13,15 @@ down 576x1536, int4 = Q4_1) plus 1/30 of its LM head (49,152x576, int8 = Q8_0), 
 step's linear work.  Columns, measured in alternating rounds (median ms per pass):
 * `kernels_<isa>`: tokenspout's library as shipped, built for that ISA level (row path below TILE_MIN = 16 rows,
   tiled path from there);
-* `row`: the best level's library built with the tiled path off (-DTILE_MIN=1000000), to show what the tiled path
-  buys;
+* `row`: the best level's library built with the tiled path off (-DTILE_MIN=1000000, and TILE_MIN6 / TILE_MIN8:
+  int6 weights and int8 activations tile from 8 rows), to show what the tiled path buys;
 * `torch`: F.linear on the dequantized float32 weights (what the torch model computes; MKL sgemm);
 * with `--act8`, `kernels_<isa>_a8`: the same library and weights with int8 activations (`--activation-quant int8`:
   the byte tiles, vpmaddubsw with AVX2 for int4 / int5, vpdpbusd with AVX-512 for int4 / int5 / int8).
-`--weights int8` makes the layers int8 (Q8_0) instead of int4 (Q4_1).  `--layers smollm2-1.7b`: one decoder layer of
+`--weights int8` makes the layers int8 (Q8_0) instead of int4 (Q4_1); `--weights int6` int6 (a GGUF file's Q6_K,
+fitted by bench.common.q6k_fit and converted as a file's is; the LM head int6 too, as a Q4_K_M file's is) and adds a
+column `kernels_<isa>_as_int8`: the same values re-quantized to int8 (how tokenspout served Q6_K before int6), same
+library and activations, so the two side by side measure int6's cost per weight.  `--layers smollm2-1.7b`: one decoder layer of
 SmolLM2-1.7B's shape (qkv 6144x2048, o 2048x2048, gate_up 16384x2048, down 2048x8192) plus a 30th of its LM head,
 with 4 weight copies (a layer is 30 MB of int4: 4 copies are past the L3).  `--against REV` adds a column
 `kernels_REV`: git revision REV's kernels built for the best level (bench.common.library_at), same weights and
@@ -72,6 +75,18 @@ def rotated(fns: dict[str, Callable[[], None]], budget_s: float = 1.0, min_round
     return {k: statistics.median(v) * 1e3 for k, v in times.items()}
 
 
+def int6_fit(w: torch.Tensor):
+    """w fitted as Q6_K and converted to int6 as a GGUF file's Q6_K is: (packed weight, its values float32)."""
+    from bench.common import q6k_fit
+    from tokenspout.models.quantize import empty_packed
+
+    n, k = w.shape
+    raw, values = q6k_fit(w)
+    packed = empty_packed(n, k, cpu.WT_Q6)
+    cpu.q6k_into(cpu.load(), raw, None, k, 0, packed.codes, packed.scale)
+    return packed, values
+
+
 def one_pass(fn, xs: list[torch.Tensor], weights: list[list], start: int) -> Callable[[], None]:
     """A pass over every shape, each call on the next of the weight copies (from `start`)."""
     state = {"copy": start}
@@ -89,11 +104,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=None, help="torch / OpenMP threads (default: torch's)")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64, 128])
-    ap.add_argument("--weights", choices=["int4", "int8"], default="int4", help="the layers' format (LM head: int8)")
+    ap.add_argument("--weights", choices=["int4", "int8", "int6"], default="int4",
+                    help="the layers' format (LM head: int8; int6: int6 too)")
     ap.add_argument("--act8", action="store_true", help="add a column per level with int8 activations")
     ap.add_argument("--layers", choices=list(LAYERS), default="smollm2-135m", help="whose layer shapes")
     ap.add_argument("--against", default=None, help="a git revision whose kernels to time beside today's")
     args = ap.parse_args()
+    if args.weights == "int6" and args.layers != "smollm2-1.7b":
+        ap.error("--weights int6 needs --layers smollm2-1.7b (Q6_K's super-blocks of 256 columns; 576 is not)")
     if args.threads:
         torch.set_num_threads(args.threads)
     if cpu.load() is None:
@@ -102,21 +120,26 @@ def main() -> None:
     libs = {f"kernels_{isa}": cpu.load(isa) for isa in isas}
     best = f"kernels_{isas[-1]}"
     g = torch.Generator().manual_seed(0)
-    layer_fn = quantize_int4 if args.weights == "int4" else quantize_int8
+    layer_fn = {"int4": quantize_int4, "int8": quantize_int8, "int6": int6_fit}[args.weights]
     layer, lm_head, n_copies = LAYERS[args.layers]
-    shapes = [(n, k, layer_fn) for n, k in layer] + [(*lm_head, quantize_int8)]
+    shapes = [(n, k, layer_fn) for n, k in layer] + [(*lm_head, int6_fit if args.weights == "int6" else quantize_int8)]
     weights = [[fn(torch.randn(n, k, generator=g) * 0.05) for _ in range(n_copies)] for n, k, fn in shapes]
-    if args.act8:  # (the same codes, flagged for int8 activations)
-        weights = [[(packed, deq, dataclasses.replace(packed, act8=True)) for packed, deq in copies] for copies in weights]
+    # [packed, values, the same codes flagged for int8 activations (--act8), the values as int8 (int6)]
+    weights = [[(packed, deq, dataclasses.replace(packed, act8=True) if args.act8 else None,
+                 quantize_int8(deq)[0] if args.weights == "int6" else None) for packed, deq in copies]
+               for copies in weights]
     flops_per_row = sum(2 * n * k for n, k, _ in shapes)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        libs["row"] = built_library(Path(tmp) / "decode_cpu-row-only.so", isas[-1], ("TILE_MIN=1000000",))
+        libs["row"] = built_library(Path(tmp) / "decode_cpu-row-only.so", isas[-1],
+                                    ("TILE_MIN=1000000", "TILE_MIN6=1000000", "TILE_MIN8=1000000"))
         if args.against:
             libs[f"kernels_{args.against}"] = library_at(args.against, Path(tmp), isas[-1])
         for m in args.rows:
             xs = [torch.randn(m, k, generator=g) for _, k, _ in shapes]
             cols = [(name, lib, 0) for name, lib in libs.items()]
+            if args.weights == "int6":
+                cols.append((f"{best}_as_int8", libs[best], 3))
             if args.act8:
                 cols += [(f"kernels_{isa}_a8", libs[f"kernels_{isa}"], 2) for isa in isas]
                 if args.against:

@@ -103,41 +103,16 @@ def quantize_int5(w: torch.Tensor, lib=None):
     return pack_int5(q.to(torch.uint8), scale.half(), lo.half(), lib), deq
 
 
-def q6k_raw(q: torch.Tensor, sub: torch.Tensor, d: torch.Tensor):
-    """Q6_K super-blocks (numpy uint8 rows [N, K/256 * 210], the GGUF layout) of codes q [N, K] (0..63), sub-block
-    scales sub [N, K/16] (int8) and d [N, K/256] (float16): W = d * sub * (q - 32)."""
-    import numpy as np
-
-    n, k = q.shape
-    s = k // 256
-    qb = q.to(torch.uint8).view(n, s, 2, 4, 32)  # [N, super-block, half h, chunk c, l]: element 128h + 32c + l
-    low = qb & 15
-    ql = torch.cat([low[:, :, :, 0] | (low[:, :, :, 2] << 4), low[:, :, :, 1] | (low[:, :, :, 3] << 4)], -1)
-    qh = sum(((qb[:, :, :, c] >> 4) << (2 * c)) for c in range(4)).to(torch.uint8)  # [N, S, 2, 32]
-    parts = [ql.reshape(n, s, 128), qh.reshape(n, s, 64), sub.to(torch.int8).view(torch.uint8).view(n, s, 16),
-             d.to(torch.float16).view(torch.uint8).view(n, s, 2)]
-    return np.ascontiguousarray(torch.cat(parts, -1).reshape(n, s * 210).numpy())
-
-
 def quantize_int6(w: torch.Tensor, lib, negate: bool = True):
-    """w [N, K] (K a multiple of 256) fitted as Q6_K (a d per 256, an int8 sub-scale per 16 columns, codes 0..63;
-    negate: every other sub-scale negative, as llama.cpp's quantizer makes the largest one -128) and converted by
-    the C kernels `lib` as a GGUF file's Q6_K is: (packed int6 weight, the Q6_K values float32 [N, K], raw rows)."""
+    """w [N, K] (K a multiple of 256) fitted as Q6_K (bench.common.q6k_fit) and converted by the C kernels `lib` as a
+    GGUF file's Q6_K is: (packed int6 weight, the Q6_K values float32 [N, K], raw rows)."""
+    from bench.common import q6k_fit
     from tokenspout.models.quantize import empty_packed
 
     n, k = w.shape
-    sub_amax = w.float().abs().view(n, k // 16, 16).amax(-1)
-    d = (sub_amax.view(n, k // 256, 16).amax(-1) / (32 * 127)).half()
-    dd = d.float().repeat_interleave(16, 1)
-    sub = torch.where(dd > 0, torch.round(sub_amax / 32 / dd.clamp_min(1e-30)), 0).clamp(-127, 127)
-    if negate:
-        sub[:, 1::2] *= -1
-    step = (dd * sub).repeat_interleave(16, 1)
-    q = (torch.where(step != 0, torch.round(w.float() / torch.where(step != 0, step, 1)), 0) + 32).clamp(0, 63)
-    raw = q6k_raw(q, sub, d)
+    raw, deq = q6k_fit(w, negate)
     packed = empty_packed(n, k, cpu.WT_Q6)
     assert cpu.q6k_into(lib, raw, None, k, 0, packed.codes, packed.scale) == n
-    deq = (d.double().repeat_interleave(256, 1) * sub.double().repeat_interleave(16, 1) * (q.double() - 32)).float()
     return packed, deq, raw
 
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import kernel_levels, kernel_lib, q6k_raw, quantize_int5, quantize_int6
+from bench.common import q6k_raw
+from tests.helpers import kernel_levels, kernel_lib, quantize_int5, quantize_int6
 from tokenspout.kernels import cpu
 from tokenspout.models.quantize import dequantize, empty_packed, pack_int5, pack_int8, quantize_int4, quantize_int8
 
@@ -360,8 +361,8 @@ def test_int5_codes_at_their_maximum_with_int8_activations(lib, m):
 @pytest.mark.parametrize("n, k", [(5, 256), (130, 768), (8, 2304)])
 def test_int6_from_q6k_computes_its_values(lib, m, n, k):
     """A GGUF file's Q6_K as the kernels' int6 (codes, sub-scales and d as the file holds them): dequantize() gives
-    the gguf package's values bit for bit, and every path (row path, tiled path from 16 rows with AVX2 / 14 with
-    AVX-512; k = 2304 spans several of the tile's chunks of groups) computes the integer dots of those values with
+    the gguf package's values bit for bit, and every path (the one-row kernel, the row path, the tiled path from 8
+    rows with AVX2 / 14 with AVX-512; k = 2304 spans several of the tile's chunks of groups) computes the integer dots of those values with
     the activations rounded to +-16383 per group (int16 ones would overflow int32: see the next test), or to int8
     ones with act8, within float32 rounding; with bias and accumulation."""
     from gguf import GGMLQuantizationType, quants

@@ -57,8 +57,9 @@ _WT = {"int4": WT_Q4, "int5": WT_Q5, "int6": WT_Q6, "int8": WT_Q8}
 # conversion applies: without the kernels).
 _WIDER = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_K")
 # Types the C kernels dequantize and quantize to int8 in one pass (csrc/quant_cpu.c), with the values of the gguf
-# package's dequantization quantized by quantize_int8, when int4 or int8 is asked, for a layer whose parts form more
-# than two formats (a Q5_K_M file's Q8_0 / Q5_K / Q6_K) (converted part by part to int8, the exact int8 parts keeping their values)
+# package's dequantization quantized by quantize_int8, when int4 or int8 is asked, in a layer whose parts form more
+# than two formats (a Q5_K_M file's Q8_0 / Q5_K / Q6_K: converted part by part to int8, the exact int8 parts keeping
+# their values)
 _C_INT8 = ("Q5_K", "Q6_K")
 
 

@@ -62,7 +62,7 @@ class PackedWeight:
     k: int
     wt: int
     # a fused weight of two quantized formats: codes / scale / min hold rows [0, n - tail.n) (a multiple of 4),
-    # `tail` the last tail.n rows (a GGUF file's Q4_K q / k as int4, its Q6_K v as int8)
+    # `tail` the last tail.n rows (a GGUF file's Q4_K q / k as int4, its Q6_K v as int6)
     tail: PackedWeight | None = None
     # the kernels round the activations to int8 for this weight (ModelConfig.activation_quant; set after loading, not
     # part of the quantized-weights cache)

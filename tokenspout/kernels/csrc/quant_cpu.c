@@ -350,7 +350,7 @@ static void k_to_q8(const uint8_t *raw, const int64_t *order, int64_t rows, int6
         }
 }
 
-/* Q6_K / Q5_K (a Q4_K_M file's head, half its v and ffn_down; most of a Q5_K_M file) -> int8 */
+/* Q6_K / Q5_K -> int8 (a layer whose parts have three formats: a Q5_K_M file's Q8_0 / Q5_K / Q6_K q / k / v) */
 void ts_q6k_to_q8(const uint8_t *raw, const int64_t *order, int64_t rows, int64_t k, int64_t r0, int8_t *codes,
                   uint16_t *scale) {
     k_to_q8(raw, order, rows, k, r0, codes, scale, 210, q6k_values);
