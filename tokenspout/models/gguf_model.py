@@ -201,8 +201,8 @@ class GGUFCheckpoint:
         """The tensors `names` (stacked rows, e.g. q, k, v) in the kernels' formats, following the file: blocks that
         convert directly keep their values whatever `method` asks (Q4_0 / Q4_1 / Q4_K -> int4, Q8_0 -> int8, and
         with the C kernels `lib` Q5_0 / Q5_1 / Q5_K -> int5; Q5_0 -> int8 without them: never re-rounded onto
-        another grid); with them Q6_K becomes int6 (exact) when int4 or int8 is asked, and without the kernels a tensor
-        the file keeps at 5-8 bits in another type (Q5_1, Q5_K, Q6_K) becomes int8 when int4 is asked.  A fused
+        another grid); with them Q6_K becomes int6 (exact) when int4 or int8 is asked, and without the kernels a
+        tensor the file keeps at 5-8 bits in another type (Q5_1, Q5_K, Q6_K) becomes int8 when int4 is asked.  A fused
         layer of two such formats (a Q4_K_M file's Q4_K q / k with a Q6_K v, Q5_0 q / k with a Q8_0 v) keeps each
         part's format when int4 or int8 is asked and the first format's rows are whole blocks of four: one weight of
         two formats (PackedWeight.tail; forcing the 6-bit v onto int4 moved the 1.7B shape's logits 10x more than
@@ -252,8 +252,8 @@ class GGUFCheckpoint:
         return t, np.asarray(t.data).reshape(rows, -1), order
 
     def _convert(self, names: list[str], fmt: str, lib) -> PackedWeight:
-        """The tensors `names` (rows stacked) in the kernels' `fmt`: each part's blocks converted (Q5_K / Q6_K in int8: re-fitted)
-        and, with the C kernels, written at its row offset straight into the packed weight."""
+        """The tensors `names` (rows stacked) in the kernels' `fmt`: each part's blocks converted (Q5_K / Q6_K to
+        int8: re-fitted) and, with the C kernels, written at its row offset straight into the packed weight."""
         k = self.shape(names[0])[1]
         if lib is None:
             assert fmt not in ("int5", "int6")  # (only the C kernels write them)

@@ -264,7 +264,8 @@ def dequantize(pw: PackedWeight) -> torch.Tensor:
         return (q.float() * scale[..., None]).reshape(n4, pw.k)[: pw.n]
     if pw.wt == WT_Q6:
         blk = pw.codes.view(torch.uint8).view(n4 // 4, groups // 2, 208)
-        b = blk[..., :192].reshape(n4 // 4, groups // 2, 4, 48).transpose(1, 2).reshape(n4, groups // 2, 48).to(torch.int32)
+        b = blk[..., :192].reshape(n4 // 4, groups // 2, 4, 48).transpose(1, 2)
+        b = b.reshape(n4, groups // 2, 48).to(torch.int32)  # [N, pair, 48]: row r's nibbles and high bits
         lo4 = torch.cat([b[..., :32] & 15, b[..., :32] >> 4], -1).view(*b.shape[:-1], 4, 16)  # [N, pair, quarter, j]
         hi2 = torch.stack([(b[..., 32:48] >> (2 * i)) & 3 for i in range(4)], -2)
         sub = blk[..., 192:].view(torch.int8).view(n4 // 4, groups // 2, 4, 4).permute(0, 3, 1, 2)  # [blk, r, pair, i]

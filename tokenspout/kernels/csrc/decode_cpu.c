@@ -282,8 +282,8 @@ static inline int64_t tiled8(int64_t g, int t, int64_t m, int64_t mp) { return (
  * q = (c % 32) / 8. */
 
 /* x [M, K] -> a: per row and group of 32 columns, a scale d, the float sum s and codes round(x / d), |code| <= L
- * (L = 32767; 16383 for a linear with Q6 weights (narrow, see Q6); 127 with act8).  Tiled (M >= tile_min) the codes go to the tiled layouts (int16, and with act8
- * also the int8 one). */
+ * (L = 32767; 16383 for a linear holding Q6 weights (narrow: see Q6); 127 with act8).  Tiled (M >= tile_min) the
+ * codes go to the tiled layouts (int16, and with act8 also the int8 one). */
 static void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, ts_qact *a, int64_t act8,
                          int64_t tile_min, int narrow) {
     const int64_t G = K / 32, mp = M >= tile_min ? (M + TW - 1) / TW * TW : 0;
@@ -381,10 +381,10 @@ static inline void prefetch2(const uint8_t *p) {
 #define MT 64 /* batch rows per pass: their accumulators live on the stack */
 
 /* Bytes of codes per block of four weight rows (Q8: a byte per weight; Q4: pairs of groups, 32 bytes per row each;
- * Q5: triples of groups, 64 bytes per row each). */
+ * Q5: triples of groups, 64 bytes per row each; Q6: pairs of groups, 208 bytes a block each). */
 static inline int64_t block_bytes(int64_t wt, int64_t K) {
     const int64_t G = K / 32;
-    return wt == WT_Q8 ? G * 4 * 32 : wt == WT_Q5 ? (G + 2) / 3 * 4 * 64 : wt == WT_Q6 ? G / 2 * 4 * 52 : (G + 1) / 2 * 4 * 32;
+    return wt == WT_Q8 ? G * 4 * 32 : wt == WT_Q5 ? (G + 2) / 3 * 4 * 64 : wt == WT_Q6 ? G / 2 * 208 : (G + 1) / 2 * 4 * 32;
 }
 
 /* ---- Q6 (int6: a GGUF file's Q6_K, its values exactly) ----
