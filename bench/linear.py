@@ -21,8 +21,8 @@ step's linear work.  Columns, measured in alternating rounds (median ms per pass
 `--weights int8` makes the layers int8 (Q8_0) instead of int4 (Q4_1); `--weights int6` int6 (a GGUF file's Q6_K,
 fitted by bench.common.q6k_fit and converted as a file's is; the LM head int6 too, as a Q4_K_M file's is) and adds a
 column `kernels_<isa>_as_int8`: the same values re-quantized to int8 (how tokenspout served Q6_K before int6), same
-library and activations, so the two side by side measure int6's cost per weight.  `--layers smollm2-1.7b`: one decoder layer of
-SmolLM2-1.7B's shape (qkv 6144x2048, o 2048x2048, gate_up 16384x2048, down 2048x8192) plus a 30th of its LM head,
+library and activations, so the two side by side measure int6's cost per weight (int6 needs `--layers
+smollm2-1.7b`).  `--layers smollm2-1.7b`: one decoder layer of SmolLM2-1.7B's shape (qkv 6144x2048, o 2048x2048, gate_up 16384x2048, down 2048x8192) plus a 30th of its LM head,
 with 4 weight copies (a layer is 30 MB of int4: 4 copies are past the L3).  `--against REV` adds a column
 `kernels_REV`: git revision REV's kernels built for the best level (bench.common.library_at), same weights and
 activations, for an A/B of a kernel change in one run.
