@@ -127,3 +127,16 @@ def q6k_fit(w: torch.Tensor, negate: bool = True):
     q = (torch.where(step != 0, torch.round(w.float() / torch.where(step != 0, step, 1)), 0) + 32).clamp(0, 63)
     values = (d.double().repeat_interleave(256, 1) * sub.double().repeat_interleave(16, 1) * (q.double() - 32)).float()
     return q6k_raw(q, sub, d), values
+
+
+def q6k_int6(w: torch.Tensor, lib, negate: bool = True):
+    """w fitted as Q6_K (q6k_fit) and converted by the C kernels `lib` as a GGUF file's Q6_K is (cpu.q6k_into):
+    (packed int6 weight, the Q6_K values float32 [N, K], raw rows)."""
+    from tokenspout.kernels import cpu
+    from tokenspout.models.quantize import empty_packed
+
+    n, k = w.shape
+    raw, values = q6k_fit(w, negate)
+    packed = empty_packed(n, k, cpu.WT_Q6)
+    assert cpu.q6k_into(lib, raw, None, k, 0, packed.codes, packed.scale) == n
+    return packed, values, raw

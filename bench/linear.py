@@ -19,7 +19,7 @@ step's linear work.  Columns, measured in alternating rounds (median ms per pass
 * with `--act8`, `kernels_<isa>_a8`: the same library and weights with int8 activations (`--activation-quant int8`:
   the byte tiles, vpmaddubsw with AVX2 for int4 / int5, vpdpbusd with AVX-512 for int4 / int5 / int8).
 `--weights int8` makes the layers int8 (Q8_0) instead of int4 (Q4_1); `--weights int6` int6 (a GGUF file's Q6_K,
-fitted by bench.common.q6k_fit and converted as a file's is; the LM head int6 too, as a Q4_K_M file's is) and adds a
+fitted by bench.common.q6k_int6 and converted as a file's is; the LM head int6 too, as a Q4_K_M file's is) and adds a
 column `kernels_<isa>_as_int8`: the same values re-quantized to int8 (how tokenspout served Q6_K before int6), same
 library and activations, so the two side by side measure int6's cost per weight (int6 needs `--layers
 smollm2-1.7b`).  `--layers smollm2-1.7b`: one decoder layer of SmolLM2-1.7B's shape (qkv 6144x2048, o 2048x2048, gate_up 16384x2048, down 2048x8192) plus a 30th of its LM head,
@@ -47,7 +47,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the engine process run
 import torch
 import torch.nn.functional as F
 
-from bench.common import built_library, library_at, write_json
+from bench.common import built_library, library_at, q6k_int6, write_json
 from tokenspout.kernels import cpu
 from tokenspout.models.quantize import quantize_int4, quantize_int8
 
@@ -77,13 +77,7 @@ def rotated(fns: dict[str, Callable[[], None]], budget_s: float = 1.0, min_round
 
 def int6_fit(w: torch.Tensor):
     """w fitted as Q6_K and converted to int6 as a GGUF file's Q6_K is: (packed weight, its values float32)."""
-    from bench.common import q6k_fit
-    from tokenspout.models.quantize import empty_packed
-
-    n, k = w.shape
-    raw, values = q6k_fit(w)
-    packed = empty_packed(n, k, cpu.WT_Q6)
-    cpu.q6k_into(cpu.load(), raw, None, k, 0, packed.codes, packed.scale)
+    packed, values, _ = q6k_int6(w, cpu.load())
     return packed, values
 
 

@@ -103,19 +103,6 @@ def quantize_int5(w: torch.Tensor, lib=None):
     return pack_int5(q.to(torch.uint8), scale.half(), lo.half(), lib), deq
 
 
-def quantize_int6(w: torch.Tensor, lib, negate: bool = True):
-    """w [N, K] (K a multiple of 256) fitted as Q6_K (bench.common.q6k_fit) and converted by the C kernels `lib` as a
-    GGUF file's Q6_K is: (packed int6 weight, the Q6_K values float32 [N, K], raw rows)."""
-    from bench.common import q6k_fit
-    from tokenspout.models.quantize import empty_packed
-
-    n, k = w.shape
-    raw, deq = q6k_fit(w, negate)
-    packed = empty_packed(n, k, cpu.WT_Q6)
-    assert cpu.q6k_into(lib, raw, None, k, 0, packed.codes, packed.scale) == n
-    return packed, deq, raw
-
-
 def kernel_levels() -> list[str]:
     """The kernels' ISA levels the tests run at: each this CPU has, and each it lacks built on SIMDe's intrinsics
     (named `<isa>-emulated`: an AVX2-only CPU still tests the AVX-512 code)."""

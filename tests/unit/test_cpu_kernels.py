@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bench.common import q6k_raw
-from tests.helpers import kernel_levels, kernel_lib, quantize_int5, quantize_int6
+from bench.common import q6k_int6, q6k_raw
+from tests.helpers import kernel_levels, kernel_lib, quantize_int5
 from tokenspout.kernels import cpu
 from tokenspout.models.quantize import dequantize, empty_packed, pack_int5, pack_int8, quantize_int4, quantize_int8
 
@@ -371,7 +371,7 @@ def test_int6_from_q6k_computes_its_values(lib, m, n, k):
     x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
     w[0, :64] = 0.0  # an all-zero pair of groups (sub-scales 0)
     x[0, 32:64] = 0.0
-    packed, deq, raw = quantize_int6(w, lib)
+    packed, deq, raw = q6k_int6(w, lib)
     values = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType.Q6_K).reshape(n, k).copy())
     assert torch.equal(deq, values) and torch.equal(dequantize(packed), values)
     assert (deq - w).abs().max() <= w.abs().max() / 31  # (a step at most: a sanity check of the helper's fit)
@@ -417,7 +417,7 @@ def test_int4_head_with_an_int6_tail(lib):
     n_head, n_tail, k = 24, 12, 512
     w = torch.randn(n_head + n_tail, k, generator=g)
     head, deq_h = quantize_int4(w[:n_head])
-    tail, deq_t, _ = quantize_int6(w[n_head:], lib)
+    tail, deq_t, _ = q6k_int6(w[n_head:], lib)
     for act8, levels in ((False, 16383.0), (True, 127.0)):
         fused = dataclasses.replace(head, n=n_head + n_tail, tail=dataclasses.replace(tail, act8=act8), act8=act8)
         for m in (1, 3, 33):
@@ -434,7 +434,7 @@ def test_batch_invariant_kernels_give_a_row_its_result_alone_at_every_batch_size
     lib = cpu.load(invariant=True)
     g = torch.Generator().manual_seed(5)
     formats = {"int8": lambda w: quantize_int8(w)[0], "int4": lambda w: quantize_int4(w)[0],
-               "int5": lambda w: quantize_int5(w, lib)[0], "int6": lambda w: quantize_int6(w, lib)[0],
+               "int5": lambda w: quantize_int5(w, lib)[0], "int6": lambda w: q6k_int6(w, lib)[0],
                "float32": lambda w: w, "bfloat16": lambda w: w.bfloat16()}
     for name, fn in formats.items():
         for k in (256, 768) if name == "int6" else (96, 608, 1088):  # (int6: Q6_K's super-blocks of 256)

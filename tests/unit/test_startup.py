@@ -126,10 +126,10 @@ def test_deferred_cache_write(tiny_model, cache, monkeypatch):
 
 def _int6(w: torch.Tensor):
     """w [N, 64] as an int6 weight (K = 64: the first pair of groups of a Q6_K fit of w padded to 256 columns)."""
-    from tests.helpers import quantize_int6
+    from bench.common import q6k_int6
 
     n = w.shape[0]
-    wide, _, _ = quantize_int6(torch.cat([w, w.new_zeros(n, 192)], 1), cpu.load())
+    wide, _, _ = q6k_int6(torch.cat([w, w.new_zeros(n, 192)], 1), cpu.load())
     nb = -(-n // 4)
     return PackedWeight(wide.codes.view(nb, 4, 208)[:, :1].reshape(-1), wide.scale.view(nb, 8, 4)[:, :2].reshape(-1),
                         None, n, 64, cpu.WT_Q6)

@@ -430,6 +430,12 @@ static inline __attribute__((always_inline)) __m256i q6_scaled(q6_row q, const i
     return _mm256_mullo_epi16(q6_quarter(q, i), _mm256_shuffle_epi8(q.sv, _mm256_set1_epi16((short)(2 * i | (2 * i + 1) << 8))));
 }
 
+/* row r of the pair's four quarters as int16 sub * (q - 32) */
+static inline __attribute__((always_inline)) void q6_row_scaled(const uint8_t *pair, int r, __m256i w[4]) {
+    const q6_row q = q6_load(pair, r);
+    w[0] = q6_scaled(q, 0), w[1] = q6_scaled(q, 1), w[2] = q6_scaled(q, 2), w[3] = q6_scaled(q, 3);
+}
+
 /* the next pairs' 208 bytes of a block */
 static inline void q6_prefetch(const uint8_t *p) {
     prefetch2(p);
@@ -543,6 +549,12 @@ static inline __m256 sum4x2(const __m256i a[4], const __m256i b[4]) {
                                                _mm256_permute2x128_si256(ra, rb, 0x31)));
 }
 
+/* Four scales (float16) of one block and group, duplicated into both 128-bit halves. */
+static inline __m256 scales4(const uint16_t *s) {
+    const __m128 v = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)s));
+    return _mm256_set_m128(v, v);
+}
+
 /* [p[0] x 4 | p[1] x 4]: the float of groups g and g + 1 (activation scales or sums) for their rows' lanes */
 static inline __m256 pair_bcast(const float *p) {
     return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i *)p))),
@@ -644,8 +656,7 @@ static inline __attribute__((always_inline)) void block_q1(const ts_weight *W, c
                 B1[r] = _mm256_madd_epi16(q6_quarter(q, 3), xb1);
             }
             const __m128i sb = _mm_loadu_si128((const __m128i *)(c + 192)); /* [quarter][row] */
-            const __m128 d4 = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(sc + g * 4))); /* (both groups': one d) */
-            const __m256 ws = _mm256_set_m128(d4, d4);
+            const __m256 ws = scales4(sc + g * 4); /* (both groups': one d) */
             const __m256 s01 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sb)), ws);
             const __m256 s23 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sb, 8))), ws);
             acc = _mm256_fmadd_ps(sum4x2(A, A1), _mm256_mul_ps(s01, _mm256_set1_ps(dx[g])), acc);
@@ -744,12 +755,6 @@ static inline __m256 sum4(__m256i s0, __m256i s1, __m256i s2, __m256i s3) {
     return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_unpacklo_epi64(t01, t23), _mm256_unpackhi_epi64(t01, t23)));
 }
 
-/* Four scales (float16) of one block and group, duplicated into both 128-bit halves. */
-static inline __m256 scales4(const uint16_t *s) {
-    const __m128 v = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)s));
-    return _mm256_set_m128(v, v);
-}
-
 /* Four minimums (float16) of one block and group in lanes 0..3 only: sum4's result holds each row twice, and the
  * min term must be added once. */
 static inline __m256 mins4(const uint16_t *m) { return _mm256_blend_ps(scales4(m), _mm256_setzero_ps(), 0xF0); }
@@ -799,10 +804,7 @@ static inline __attribute__((always_inline)) void block_q(const ts_weight *W, co
             const uint8_t *c = codes + g / 2 * 208;
             q6_prefetch(c + PF256);
             __m256i wv[4][4];
-            for (int r = 0; r < 4; r++) {
-                const q6_row q = q6_load(c, r);
-                wv[r][0] = q6_scaled(q, 0), wv[r][1] = q6_scaled(q, 1), wv[r][2] = q6_scaled(q, 2), wv[r][3] = q6_scaled(q, 3);
-            }
+            for (int r = 0; r < 4; r++) q6_row_scaled(c, r, wv[r]);
             for (int r = 0; r < 4; r++) l[r] = wv[r][0], h[r] = wv[r][1];
             group_rows(acc, a, g, G, K, m0, mt, scales4(sc + g * 4), _mm256_setzero_ps(), wt, l, h);
             for (int r = 0; r < 4; r++) l[r] = wv[r][2], h[r] = wv[r][3];
@@ -1178,13 +1180,9 @@ static void widen_codes(const ts_weight *W, const int wt, int64_t b, int64_t K, 
         const uint8_t *codes = (const uint8_t *)W->w + b * block_bytes(WT_Q6, K);
         for (int64_t p = g0 / 2; 2 * p < g1; p++)
             for (int r = 0; r < 4; r++) {
-                const uint8_t *c = codes + p * 208;
-                const q6_row q = q6_load(c, r);
-                int16_t *o = t->w + r * CW + (2 * p - g0) * 32;
-                _mm256_storeu_si256((__m256i *)o, q6_scaled(q, 0));
-                _mm256_storeu_si256((__m256i *)(o + 16), q6_scaled(q, 1));
-                _mm256_storeu_si256((__m256i *)(o + 32), q6_scaled(q, 2));
-                _mm256_storeu_si256((__m256i *)(o + 48), q6_scaled(q, 3));
+                __m256i w[4];
+                q6_row_scaled(codes + p * 208, r, w);
+                for (int i = 0; i < 4; i++) _mm256_storeu_si256((__m256i *)(t->w + r * CW + (2 * p - g0) * 32 + 16 * i), w[i]);
             }
         return;
     }

@@ -264,19 +264,23 @@ void ts_q5_to_q5(const uint8_t *raw, const int64_t *order, int64_t rows, int64_t
 }
 
 /* Q6_K (210 bytes: 128 bytes of low nibbles, 64 of high 2-bit pairs, sixteen int8 scales, float16 d) -> its 256
- * values as gguf_model.q6k_rows computes them: (d * scale) * (q - 32) in float32. */
-static void q6k_values(const uint8_t *b, float *w) {
+ * 6-bit codes q (W = d * scale * (q - 32)). */
+static void q6k_codes(const uint8_t *b, uint8_t *q) {
     const uint8_t *ql = b, *qh = b + 128;
-    const int8_t *sc = (const int8_t *)(b + 192);
-    const float d = half_at(b + 208);
     for (int h = 0; h < 2; h++)     /* halves of 128 weights */
         for (int c = 0; c < 4; c++) /* chunks of 32: low nibbles of ql 0..31 / 32..63, then the high ones */
-            for (int l = 0; l < 32; l++) {
-                const int lo = (ql[h * 64 + (c % 2) * 32 + l] >> (4 * (c / 2))) & 15;
-                const int hi = (qh[h * 32 + l] >> (2 * c)) & 3;
-                const int e = h * 128 + c * 32 + l;
-                w[e] = (d * (float)sc[e / 16]) * (float)((lo | (hi << 4)) - 32);
-            }
+            for (int l = 0; l < 32; l++)
+                q[h * 128 + c * 32 + l] = (uint8_t)(((ql[h * 64 + (c % 2) * 32 + l] >> (4 * (c / 2))) & 15) |
+                                                    ((qh[h * 32 + l] >> (2 * c)) & 3) << 4);
+}
+
+/* ... -> its 256 values as gguf_model.q6k_rows computes them: (d * scale) * (q - 32) in float32. */
+static void q6k_values(const uint8_t *b, float *w) {
+    const int8_t *sc = (const int8_t *)(b + 192);
+    const float d = half_at(b + 208);
+    uint8_t q[256];
+    q6k_codes(b, q);
+    for (int e = 0; e < 256; e++) w[e] = (d * (float)sc[e / 16]) * (float)(q[e] - 32);
 }
 
 /* Q6_K -> int6 (decode_cpu.c's WT_Q6, see q6_load) with the file's codes, sub-scales and d: per pair of groups and
@@ -290,14 +294,10 @@ void ts_q6k_to_q6(const uint8_t *raw, const int64_t *order, int64_t rows, int64_
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < rows; i++)
         for (int64_t s = 0; s < S; s++) {
-            const uint8_t *b = raw + ((order ? order[i] : i) * S + s) * 210, *ql = b, *qh = b + 128;
+            const uint8_t *b = raw + ((order ? order[i] : i) * S + s) * 210;
             const int64_t row = r0 + i;
             uint8_t q[256];
-            for (int h = 0; h < 2; h++)     /* as q6k_values */
-                for (int c = 0; c < 4; c++)
-                    for (int l = 0; l < 32; l++)
-                        q[h * 128 + c * 32 + l] = (uint8_t)(((ql[h * 64 + (c % 2) * 32 + l] >> (4 * (c / 2))) & 15) |
-                                                            ((qh[h * 32 + l] >> (2 * c)) & 3) << 4);
+            q6k_codes(b, q);
             for (int pp = 0; pp < 4; pp++) {
                 uint8_t *blk = codes + ((row / 4) * P + s * 4 + pp) * 208, *o = blk + (row % 4) * 48;
                 const uint8_t *v = q + pp * 64;
