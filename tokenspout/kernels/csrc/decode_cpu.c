@@ -220,6 +220,9 @@ typedef struct {
                   * of groups p at byte (m * P + p) * 64 (P = pairs per row), in the row8 layout */
     int64_t act8;
     int32_t *q8s; /* AVX-512, act8, tiled: 128 x the sum of a group's int8 codes, [G][mp] (tile_group8_512's Q8 term) */
+    int32_t *q6t; /* AVX2, act8, tiled, a linear holding int6: per group g, quarter j (16 columns) and row m, at
+                   * (2 g + j) * mp + m, two int16: -32 x the sums of the codes of columns 4k, 4k + 1 and of 4k + 2,
+                   * 4k + 3 over the quarter's quads k (tile_group6's start: it multiplies unsigned codes) */
 } ts_qact;
 
 /* Batch rows from which the quantized linears take the tiled path (blocks_tile).  bench.linear: AVX2's row path
@@ -299,6 +302,7 @@ static void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, ts_q
                 if (act8)
                     for (int t = 0; t < 8; t++) ((int32_t *)a->q8)[tiled8(g, t, m, mp)] = 0;
                 if (act8 && TS_AVX512) a->q8s[g * mp + m] = 0;
+                if (act8 && !TS_AVX512 && narrow) a->q6t[2 * g * mp + m] = a->q6t[(2 * g + 1) * mp + m] = 0;
                 continue;
             }
             const float *p = x + m * ldx + g * 32;
@@ -344,7 +348,13 @@ static void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, ts_q
                         int32_t sum = 0;
                         for (int j = 0; j < 32; j++) sum += q[j];
                         a->q8s[g * mp + m] = 128 * sum;
-                    }
+                    } else if (narrow) /* (|.| <= 32 x 8 x 127: int16) */
+                        for (int j = 0; j < 2; j++) {
+                            int32_t s0 = 0, s1 = 0;
+                            for (int k = 16 * j; k < 16 * j + 16; k += 4) s0 += q[k] + q[k + 1], s1 += q[k + 2] + q[k + 3];
+                            a->q6t[(2 * g + j) * mp + m] = (int32_t)((uint32_t)(uint16_t)(int16_t)(-32 * s0) |
+                                                                     (uint32_t)(uint16_t)(int16_t)(-32 * s1) << 16);
+                        }
                 }
             }
         }
@@ -404,18 +414,26 @@ typedef struct {
     __m256i sv;     /* the row's four sub-scales as int16, repeated in every 64 bits */
 } q6_row;
 
-static inline __attribute__((always_inline)) q6_row q6_load(const uint8_t *pair, int r) {
+/* row r's 64 codes q (0..63) as bytes: columns 0..31 in *qa, 32..63 in *qb */
+static inline __attribute__((always_inline)) void q6_codes(const uint8_t *pair, int r, __m256i *qa, __m256i *qb) {
     const uint8_t *c = pair + r * 48;
     const __m256i raw = _mm256_loadu_si256((const __m256i *)c);
     const __m256i hb = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(c + 32)));
-    const __m256i nib = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30), off = _mm256_set1_epi8(32);
+    const __m256i nib = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(0x30);
     /* columns 0..15 take bits 0-1 of hb to 4-5, 16..31 bits 2-3; 32..47 bits 4-5 as they are, 48..63 bits 6-7 (what
      * crosses into a neighbouring byte lands outside 4-5 and is masked off) */
     const __m256i ha = _mm256_and_si256(_mm256_sllv_epi32(hb, _mm256_setr_epi32(4, 4, 4, 4, 2, 2, 2, 2)), two);
     const __m256i hbb = _mm256_and_si256(_mm256_srlv_epi32(hb, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2)), two);
+    *qa = _mm256_or_si256(_mm256_and_si256(raw, nib), ha);
+    *qb = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nib), hbb);
+}
+
+static inline __attribute__((always_inline)) q6_row q6_load(const uint8_t *pair, int r) {
+    const __m256i off = _mm256_set1_epi8(32);
     const __m128i pick = _mm_add_epi8(_mm_setr_epi8(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12), _mm_set1_epi8((char)r));
-    return (q6_row){_mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(raw, nib), ha), off),
-                    _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nib), hbb), off),
+    __m256i qa, qb;
+    q6_codes(pair, r, &qa, &qb);
+    return (q6_row){_mm256_sub_epi8(qa, off), _mm256_sub_epi8(qb, off),
                     _mm256_cvtepi8_epi16(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(pair + 192)), pick))};
 }
 
@@ -685,6 +703,20 @@ static inline __attribute__((always_inline)) void block_q1(const ts_weight *W, c
     store_eo(acc, accm, out);
 }
 
+/* Four rows' int32 dots of a pair of groups, each [g, g, g+1, g+1 | g, g, g+1, g+1], reduced to [r0: g, g+1, r1: g, g+1 |
+ * r2: ..., r3: ...] as float (the one-row byte kernels' order) */
+static inline __m256 a8_rows4(const __m256i R[4]) {
+    const __m256i t01 = _mm256_hadd_epi32(R[0], R[1]), t23 = _mm256_hadd_epi32(R[2], R[3]);
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(t01, t23, 0x20),
+                                               _mm256_permute2x128_si256(t01, t23, 0x31)));
+}
+
+/* the float16 terms of a pair of groups ([g: r0..3 | g+1: r0..3] from s) in a8_rows4's order */
+static inline __m256 a8_terms(const uint16_t *s) {
+    return _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)s)),
+                                    _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 /* block_q1 for int4 codes and int8 activations (act8), AVX2: per row and pair of groups, the nibbles are masked
  * in place and their bytes shuffled so that each 128-bit lane holds eight columns of group g and eight of g + 1
  * (the row8 layout); vpmaddubsw multiplies them by the activations (quantize_act lays them out to match) and adds
@@ -701,7 +733,6 @@ static inline __attribute__((always_inline)) void block_q1_a8(const ts_weight *W
     const __m256i nib = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi16(1);
     const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
                                            0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* [g: r0..3 | g+1: r0..3] -> s's lanes */
     __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
     int64_t g = 0;
     for (; g + 1 < G; g += 2) {
@@ -716,15 +747,10 @@ static inline __attribute__((always_inline)) void block_q1_a8(const ts_weight *W
             const __m256i hi = _mm256_shuffle_epi8(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nib), split);
             R[r] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)), one);
         }
-        const __m256i t01 = _mm256_hadd_epi32(R[0], R[1]), t23 = _mm256_hadd_epi32(R[2], R[3]);
-        const __m256 s = _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(t01, t23, 0x20),
-                                                             _mm256_permute2x128_si256(t01, t23, 0x31)));
-        const __m256 ws = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sc + g * 4))), order);
-        const __m256 wm = _mm256_permutevar8x32_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(mn + g * 4))), order);
         const __m256 dxp = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(dx + g)));
         const __m256 sxp = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(sx + g)));
-        acc = _mm256_fmadd_ps(s, _mm256_mul_ps(ws, dxp), acc);
-        accm = _mm256_fmadd_ps(wm, sxp, accm);
+        acc = _mm256_fmadd_ps(a8_rows4(R), _mm256_mul_ps(a8_terms(sc + g * 4), dxp), acc);
+        accm = _mm256_fmadd_ps(a8_terms(mn + g * 4), sxp, accm);
     }
     float v[8];
     _mm256_storeu_ps(v, _mm256_add_ps(acc, accm));
@@ -739,6 +765,53 @@ static inline __attribute__((always_inline)) void block_q1_a8(const ts_weight *W
         for (int r = 0; r < 4; r++) o[r] += lv[r];
     }
     memcpy(out, o, sizeof o);
+}
+
+/* block_q1_a8 for int6 codes (act8, AVX2): per row and pair of groups the codes are rebuilt as unsigned bytes
+ * (q6_codes) and their 64-bit halves regrouped (vpunpck{l,h}qdq) into the 128-bit lanes of the row8 activations
+ * (quantize_act), so that two vpmaddubsw pair each code with its own column and every 16-bit lane sums four
+ * products of one quarter (lanes 0-3 of each 128-bit half: quarter 0 / 1, lanes 4-7: quarter 2 / 3).  32 x the
+ * activations' pair sums (vpmaddubsw by 32, once per pair of groups for the four rows) come off in int16, which
+ * leaves the (q - 32) x sums, |.| <= 4 x 32 x 127 (the wrap of the unsigned sums cancels); one vpmaddwd by the
+ * quarters' sub-scales widens them to int32 [g, g, g+1, g+1] per half, and from there it is block_q1_a8's
+ * reduction with Q6_K's d as the scale and no min term.  int6 under act8 otherwise took the int16 kernels over the
+ * int8 values (the sub-scales' vpmullw and the codes' widening per 16 columns). */
+static inline __attribute__((always_inline)) void block_q1_a8_q6(const ts_weight *W, int64_t b, int64_t K,
+                                                                 const ts_qact *a, int64_t m, float *out) {
+    const int64_t G = K / 32, P = G / 2; /* (int6: K % 64 == 0) */
+    const uint16_t *sc = W->scale + b * G * 4;
+    const int8_t *xq = a->q8 + m * P * 64;
+    const float *dx = a->d + m * G;
+    const uint8_t *codes = (const uint8_t *)W->w + b * block_bytes(WT_Q6, K);
+    const __m256i k32 = _mm256_set1_epi8(32);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g += 2) {
+        const uint8_t *c = codes + g / 2 * 208;
+        q6_prefetch(c + PF256);
+        const __m256i xl = _mm256_loadu_si256((const __m256i *)(xq + g / 2 * 64));
+        const __m256i xh = _mm256_loadu_si256((const __m256i *)(xq + g / 2 * 64 + 32));
+        /* [c0..7, c32..39 | c16..23, c48..55] and [c8..15, c40..47 | c24..31, c56..63] */
+        const __m256i x1 = _mm256_permute2x128_si256(xl, xh, 0x20), x2 = _mm256_permute2x128_si256(xl, xh, 0x31);
+        const __m256i off = _mm256_add_epi16(_mm256_maddubs_epi16(k32, x1), _mm256_maddubs_epi16(k32, x2));
+        const __m128i sb = _mm_loadu_si128((const __m128i *)(c + 192)); /* [quarter][row] */
+        __m256i R[4];
+        for (int r = 0; r < 4; r++) {
+            __m256i qa, qb;
+            q6_codes(c, r, &qa, &qb);
+            const __m256i p = _mm256_sub_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(_mm256_unpacklo_epi64(qa, qb), x1),
+                                                                _mm256_maddubs_epi16(_mm256_unpackhi_epi64(qa, qb), x2)),
+                                               off);
+            /* the row's sub-scales as 16-bit lanes [s0 x 4, s2 x 4 | s1 x 4, s3 x 4] */
+            const __m128i pick = _mm_add_epi8(_mm_setr_epi8(0, 0, 0, 0, 8, 8, 8, 8, 4, 4, 4, 4, 12, 12, 12, 12),
+                                              _mm_set1_epi8((char)r));
+            R[r] = _mm256_madd_epi16(p, _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sb, pick)));
+        }
+        const __m256 dxp = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(dx + g)));
+        acc = _mm256_fmadd_ps(a8_rows4(R), _mm256_mul_ps(a8_terms(sc + g * 4), dxp), acc);
+    }
+    float v[8];
+    _mm256_storeu_ps(v, acc);
+    for (int r = 0; r < 4; r++) out[r] = v[2 * r] + v[2 * r + 1];
 }
 
 /* ---- the row path at 2 to TILE_MIN - 1 batch rows: block_q (and block_q_q5), or block_q_inv ----
@@ -1328,6 +1401,21 @@ static void widen_codes8(const ts_weight *W, int64_t b, int64_t K, int64_t g0, i
                                     _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(codes + (g * 4 + r) * 32)), flip));
         return;
     }
+    if (W->wt == WT_Q6) { /* (AVX2's tile_group6) the codes q (0..63) as bytes, and the sub-scales as int16 after
+                           * the codes: local group gl's at (int16) 2 * CG * 32 + gl * 8 + [quarter of the group][row] */
+        int16_t *sub = t->w + 2 * CG * 32;
+        for (int64_t p = g0 / 2; 2 * p < g1; p++) {
+            const uint8_t *c = codes + p * 208;
+            for (int r = 0; r < 4; r++) {
+                __m256i qa, qb;
+                q6_codes(c, r, &qa, &qb);
+                _mm256_storeu_si256((__m256i *)(w8 + r * CW + (2 * p - g0) * 32), qa);
+                _mm256_storeu_si256((__m256i *)(w8 + r * CW + (2 * p - g0) * 32 + 32), qb);
+            }
+            for (int i = 0; i < 16; i++) sub[(2 * p - g0) * 8 + i] = (int8_t)c[192 + i]; /* (quarters 0..3 x rows) */
+        }
+        return;
+    }
     if (W->wt == WT_Q5) { /* int5 codes (0..31) widened as for the int16 tile, then packed to bytes */
         for (int r = 0; r < 4; r++) {
             __m256i l[CG], h[CG];
@@ -1389,6 +1477,57 @@ static inline __attribute__((always_inline)) void tile_group8(const ts_wtile *t,
                              {W32(c01, d01), W32(c11, d11), W32(c21, d21), W32(c31, d31)}};
 #undef W32
     tile_scale(t, WT_Q4, g, a, m0, NV, c, f);
+}
+
+/* tile_group for int6 codes and int8 activations (AVX2): the unsigned codes (widen_codes8) times the activations'
+ * quads with vpmaddubsw (pair sums at most 2 x 63 x 127), added per quarter (16 columns, four quads) in int16 onto
+ * a->q6t's -32 x the activations' pair sums: what is left is the sum of eight (q - 32) x products, |.| <= 32512, so
+ * the int16 lanes' wrap on the way cancels; one vpmaddwd by the quarter's sub-scale widens it to int32.  A tile of 4
+ * weight rows x 16 batch rows and one group: 64 vpmaddubsw + 64 vpaddw + 16 vpmaddwd + 8 vpaddd, where the int16
+ * tile it took before takes 128 vpmaddwd + 128 vpaddd.  ts_linear on 1.7B-shaped int6 layers, 2 threads, AVX2 EPYC:
+ * 1.35x the int16 tile's speed at 8 and 64 rows, 1.27x at 16 (the quarter's int32 sums live on the stack). */
+static inline __attribute__((always_inline)) void tile_group6(const ts_wtile *t, const int wt, int64_t gl, int64_t g,
+                                                              const ts_qact *a, int64_t m0, const int NV, float *f) {
+    (void)wt;
+    const int64_t mp = a->mp;
+    const uint8_t *w8 = (const uint8_t *)t->w + gl * 32;
+    const int16_t *sub = t->w + 2 * CG * 32 + gl * 8; /* [quarter][row] */
+    const int32_t *xq = (const int32_t *)a->q8 + tiled8(g, 0, m0, mp), *tq = a->q6t + 2 * g * mp + m0;
+    const int32_t *w0 = (const int32_t *)w8, *w1 = (const int32_t *)(w8 + CG * 32);
+    const int32_t *w2 = (const int32_t *)(w8 + 2 * CG * 32), *w3 = (const int32_t *)(w8 + 3 * CG * 32);
+    __m256i c[2][4];
+#pragma GCC unroll 2
+    for (int j = 0; j < 2; j++) {
+        const __m256i t0 = _mm256_loadu_si256((const __m256i *)(tq + j * mp));
+        const __m256i t1 = NV > 1 ? _mm256_loadu_si256((const __m256i *)(tq + j * mp + 8)) : t0;
+        __m256i c00 = t0, c01 = t1, c10 = t0, c11 = t1, c20 = t0, c21 = t1, c30 = t0, c31 = t1;
+#pragma GCC unroll 4
+        for (int k = 4 * j; k < 4 * j + 4; k++) {
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + k * mp));
+            const __m256i x1 = NV > 1 ? _mm256_loadu_si256((const __m256i *)(xq + k * mp + 8)) : x0;
+#define TAP(cr0, cr1, wr)                                                          \
+    {                                                                              \
+        const __m256i b = _mm256_set1_epi32(wr[k]);                                \
+        cr0 = _mm256_add_epi16(cr0, _mm256_maddubs_epi16(b, x0));                  \
+        if (NV > 1) cr1 = _mm256_add_epi16(cr1, _mm256_maddubs_epi16(b, x1));      \
+    }
+            TAP(c00, c01, w0) TAP(c10, c11, w1) TAP(c20, c21, w2) TAP(c30, c31, w3)
+#undef TAP
+            /* (as in tile_group: unrolled, gcc would otherwise hoist every load and spill) */
+            __asm__("" : "+x"(c00), "+x"(c01), "+x"(c10), "+x"(c11), "+x"(c20), "+x"(c21), "+x"(c30), "+x"(c31));
+        }
+        const __m256i q[2][4] = {{c00, c10, c20, c30}, {c01, c11, c21, c31}};
+        for (int r = 0; r < 4; r++) {
+            const __m256i sv = _mm256_set1_epi16(sub[4 * j + r]);
+            for (int v = 0; v < NV; v++) {
+                const __m256i d = _mm256_madd_epi16(q[v][r], sv);
+                c[v][r] = j ? _mm256_add_epi32(c[v][r], d) : d;
+            }
+        }
+    }
+    if (NV == 1)
+        for (int r = 0; r < 4; r++) c[1][r] = c[0][r];
+    tile_scale(t, WT_Q6, g, a, m0, NV, c, f);
 }
 
 #if TS_AVX512
@@ -1503,6 +1642,9 @@ TILE_FN(tile_q5a8x1, TILE_GROUP8, WT_Q5, 1)
 #if TS_AVX512 /* (AVX2's vpmaddubsw would overflow on int8 codes: there they take the int16 tile) */
 TILE_FN(tile_q8a8x2, TILE_GROUP8, WT_Q8, 2)
 TILE_FN(tile_q8a8x1, TILE_GROUP8, WT_Q8, 1)
+#else /* (int6 codes: AVX2's byte tile of their own) */
+TILE_FN(tile_q6a8x2, tile_group6, WT_Q6, 2)
+TILE_FN(tile_q6a8x1, tile_group6, WT_Q6, 1)
 #endif
 #undef TILE_FN
 
@@ -1515,6 +1657,8 @@ static inline tile_fn tile_for(const int wt, const int a8, const int x2) {
     if (!a8) return wt == WT_Q8 || wt == WT_Q6 ? (x2 ? tile_q8x2 : tile_q8x1) : (x2 ? tile_q4x2 : tile_q4x1);
 #if TS_AVX512
     if (wt == WT_Q8) return x2 ? tile_q8a8x2 : tile_q8a8x1;
+#else
+    if (wt == WT_Q6) return x2 ? tile_q6a8x2 : tile_q6a8x1;
 #endif
     if (wt == WT_Q5) return x2 ? tile_q5a8x2 : tile_q5a8x1;
     return x2 ? tile_q4a8x2 : tile_q4a8x1;
@@ -1533,8 +1677,8 @@ static void blocks_tile(const ts_weight *W, int64_t b, ts_wtile *t, int nb, cons
     for (int64_t g0 = 0; g0 < G; g0 += cg) {
         const int64_t g1 = g0 + cg < G ? g0 + cg : G;
         /* int8 activations x int4 / int5 codes: the byte tile (tile_group8, AVX-512: tile_group8_512, which takes
-         * int8 codes too) */
-        const int a8 = a->act8 && (wt == WT_Q4 || wt == WT_Q5 || (TS_AVX512 && wt == WT_Q8));
+         * int8 codes too; AVX2: tile_group6 for int6 codes) */
+        const int a8 = a->act8 && (wt == WT_Q4 || wt == WT_Q5 || (TS_AVX512 ? wt == WT_Q8 : wt == WT_Q6));
         const tile_fn x2 = tile_for(wt, a8, 1), x1 = tile_for(wt, a8, 0);
         for (int i = 0; i < nb; i++) {
             if (a8) widen_codes8(W, b + i, K, g0, g1, t + i);
@@ -1621,7 +1765,7 @@ static void store_pass(const float *f, int64_t mp, int64_t M, int64_t n, float *
  * float weights (used from FTILE_MIN rows). */
 static ts_qact qact_alloc(int64_t M, int64_t K, int64_t wt) {
     M = (M + TW - 1) / TW * TW; /* room for the tiled layout's padding rows */
-    ts_qact a = {NULL, NULL, NULL, 0, NULL, NULL, 0, NULL};
+    ts_qact a = {NULL, NULL, NULL, 0, NULL, NULL, 0, NULL, NULL};
     if (IS_FLOAT(wt)) {
         if (M >= FTILE_MIN) a.xt = (float *)malloc(sizeof(float) * (size_t)(M * K));
         return a;
@@ -1631,10 +1775,13 @@ static ts_qact qact_alloc(int64_t M, int64_t K, int64_t wt) {
     a.s = (float *)malloc(sizeof(float) * (size_t)(M * K / 32));
     a.q8 = (int8_t *)malloc((size_t)(M * (K + 32))); /* (written only with act8; a row: its pairs of groups) */
     if (TS_AVX512) a.q8s = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * K / 32));
+    else a.q6t = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * K / 16));
     return a;
 }
 
-static void qact_free(ts_qact *a) { free(a->q); free(a->d); free(a->s); free(a->xt); free(a->q8); free(a->q8s); }
+static void qact_free(ts_qact *a) {
+    free(a->q), free(a->d), free(a->s), free(a->xt), free(a->q8), free(a->q8s), free(a->q6t);
+}
 
 /* ---- float weights, many batch rows: the float tiled path ----
  * The row path above re-reads each block of four weight rows (and re-widens 16-bit ones) for every pair of batch
@@ -1857,6 +2004,9 @@ static void linear_body(const float *x, int64_t ldx, int64_t M, const ts_weight 
             if (mt == 1 && W->wt == WT_Q8) BLOCK_Q1(W, WT_Q8, b, K, a, m0, o);
             /* Q5: AVX2 row kernels in every build (int8 activations: the int16 kernels over their values) */
             else if (mt == 1 && W->wt == WT_Q5) block_q1_q5(W, b, K, a, m0, o);
+#if !TS_AVX512
+            else if (mt == 1 && W->wt == WT_Q6 && a->act8) block_q1_a8_q6(W, b, K, a, m0, o);
+#endif
             else if (mt == 1 && W->wt == WT_Q6) BLOCK_Q1(W, WT_Q6, b, K, a, m0, o);
             else if (TS_BATCH_INVARIANT && !a->act8 && W->wt == WT_Q6) block_q_inv(W, WT_Q6, b, K, a, m0, mt, o);
             else if (TS_BATCH_INVARIANT && !a->act8 && W->wt == WT_Q8) block_q_inv(W, WT_Q8, b, K, a, m0, mt, o);
