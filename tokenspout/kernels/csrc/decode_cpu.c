@@ -1439,6 +1439,25 @@ static void widen_codes8(const ts_weight *W, int64_t b, int64_t K, int64_t g0, i
         }
 }
 
+/* Quad k (columns 4k..4k+3 of a group) of the byte tiles (tile_group8, tile_group6): cRV += vpmaddubsw(weight row
+ * R's four codes (wR[k], bytes), vector V of the batch rows' quads) in int16, for the four weight rows and NV (1, 2)
+ * vectors of eight batch rows (tiled8, from xq).  A macro over the caller's named sums: an inline function over an
+ * array of them made gcc spill the sums after the loop (the int4 byte tile 0.93-0.95x). */
+#define BYTE_QUAD(k)                                                                                         \
+    {                                                                                                        \
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + (k) * mp));                            \
+        const __m256i x1 = NV > 1 ? _mm256_loadu_si256((const __m256i *)(xq + (k) * mp + 8)) : x0;           \
+        BYTE_TAP(c00, c01, w0, k) BYTE_TAP(c10, c11, w1, k) BYTE_TAP(c20, c21, w2, k) BYTE_TAP(c30, c31, w3, k) \
+        /* keeps the sums in registers: unrolled, gcc otherwise hoists every load and spills */             \
+        __asm__("" : "+x"(c00), "+x"(c01), "+x"(c10), "+x"(c11), "+x"(c20), "+x"(c21), "+x"(c30), "+x"(c31)); \
+    }
+#define BYTE_TAP(cr0, cr1, wr, k)                                                                            \
+    {                                                                                                        \
+        const __m256i b = _mm256_set1_epi32(wr[k]);                                                          \
+        cr0 = _mm256_add_epi16(cr0, _mm256_maddubs_epi16(b, x0));                                            \
+        if (NV > 1) cr1 = _mm256_add_epi16(cr1, _mm256_maddubs_epi16(b, x1));                                \
+    }
+
 /* tile_group for int4 or int5 codes (wt; widen_codes8) and int8 activations: the same f update.  int5 codes (0..31)
  * give pair sums of at most 7874: four quads still add up in int16 (31496), eight would not, so int5 widens its
  * sums to int32 halfway through the group as well. */
@@ -1454,17 +1473,7 @@ static inline __attribute__((always_inline)) void tile_group8(const ts_wtile *t,
     const __m256i one = _mm256_set1_epi16(1);
 #pragma GCC unroll 8
     for (int k = 0; k < 8; k++) {
-        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + k * mp));
-        const __m256i x1 = NV > 1 ? _mm256_loadu_si256((const __m256i *)(xq + k * mp + 8)) : x0;
-#define TAP(cr0, cr1, wr)                                                          \
-    {                                                                              \
-        const __m256i b = _mm256_set1_epi32(wr[k]);                                \
-        cr0 = _mm256_add_epi16(cr0, _mm256_maddubs_epi16(b, x0));                  \
-        if (NV > 1) cr1 = _mm256_add_epi16(cr1, _mm256_maddubs_epi16(b, x1));      \
-    }
-        TAP(c00, c01, w0) TAP(c10, c11, w1) TAP(c20, c21, w2) TAP(c30, c31, w3)
-#undef TAP
-        __asm__("" : "+x"(c00), "+x"(c01), "+x"(c10), "+x"(c11), "+x"(c20), "+x"(c21), "+x"(c30), "+x"(c31));
+        BYTE_QUAD(k)
         if (wt == WT_Q5 && k == 3) { /* the first four quads' sums to int32 */
 #define W32H(v, d) { d = _mm256_madd_epi16(v, one); v = _mm256_setzero_si256(); }
             W32H(c00, d00) W32H(c10, d10) W32H(c20, d20) W32H(c30, d30)
@@ -1502,20 +1511,7 @@ static inline __attribute__((always_inline)) void tile_group6(const ts_wtile *t,
         const __m256i t1 = NV > 1 ? _mm256_loadu_si256((const __m256i *)(tq + j * mp + 8)) : t0;
         __m256i c00 = t0, c01 = t1, c10 = t0, c11 = t1, c20 = t0, c21 = t1, c30 = t0, c31 = t1;
 #pragma GCC unroll 4
-        for (int k = 4 * j; k < 4 * j + 4; k++) {
-            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + k * mp));
-            const __m256i x1 = NV > 1 ? _mm256_loadu_si256((const __m256i *)(xq + k * mp + 8)) : x0;
-#define TAP(cr0, cr1, wr)                                                          \
-    {                                                                              \
-        const __m256i b = _mm256_set1_epi32(wr[k]);                                \
-        cr0 = _mm256_add_epi16(cr0, _mm256_maddubs_epi16(b, x0));                  \
-        if (NV > 1) cr1 = _mm256_add_epi16(cr1, _mm256_maddubs_epi16(b, x1));      \
-    }
-            TAP(c00, c01, w0) TAP(c10, c11, w1) TAP(c20, c21, w2) TAP(c30, c31, w3)
-#undef TAP
-            /* (as in tile_group: unrolled, gcc would otherwise hoist every load and spill) */
-            __asm__("" : "+x"(c00), "+x"(c01), "+x"(c10), "+x"(c11), "+x"(c20), "+x"(c21), "+x"(c30), "+x"(c31));
-        }
+        for (int k = 4 * j; k < 4 * j + 4; k++) BYTE_QUAD(k)
         const __m256i q[2][4] = {{c00, c10, c20, c30}, {c01, c11, c21, c31}};
         for (int r = 0; r < 4; r++) {
             const __m256i sv = _mm256_set1_epi16(sub[4 * j + r]);
