@@ -13,8 +13,8 @@ down 576x1536, int4 = Q4_1) plus 1/30 of its LM head (49,152x576, int8 = Q8_0), 
 step's linear work.  Columns, measured in alternating rounds (median ms per pass):
 * `kernels_<isa>`: tokenspout's library as shipped, built for that ISA level (row path below TILE_MIN = 16 rows,
   tiled path from there);
-* `row`: the best level's library built with the tiled path off (-DTILE_MIN=1000000, and TILE_MIN6 / TILE_MIN8:
-  int6 weights and int8 activations tile from 8 rows), to show what the tiled path buys;
+* `row`: the best level's library built with the tiled path off (-DTILE_MIN=1000000, and TILE_MIN6 / TILE_MIN8 /
+  TILE_MIN5_A8: int6 weights and int4 / int5 ones with int8 activations tile earlier), to show what the tiled path buys;
 * `torch`: F.linear on the dequantized float32 weights (what the torch model computes; MKL sgemm);
 * with `--act8`, `kernels_<isa>_a8`: the same library and weights with int8 activations (`--activation-quant int8`:
   the byte tiles, vpmaddubsw with AVX2 for int4 / int5, vpdpbusd with AVX-512 for int4 / int5 / int8).
@@ -126,7 +126,8 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         libs["row"] = built_library(Path(tmp) / "decode_cpu-row-only.so", isas[-1],
-                                    ("TILE_MIN=1000000", "TILE_MIN6=1000000", "TILE_MIN8=1000000"))
+                                    ("TILE_MIN=1000000", "TILE_MIN6=1000000", "TILE_MIN8=1000000",
+                                     "TILE_MIN5_A8=1000000"))
         if args.against:
             libs[f"kernels_{args.against}"] = library_at(args.against, Path(tmp), isas[-1])
         for m in args.rows:

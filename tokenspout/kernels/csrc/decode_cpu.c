@@ -23,8 +23,8 @@
  * multiply-adds, so it widens each block's codes once and reuses them across the batch).  Both multiply the codes
  * by the activations rounded to int16 per group of 32 (ts_qact), or, where a weight asks for it (ts_weight.act8,
  * `--activation-quant int8`), to int8: then int4 / int5 codes take byte kernels (tile_group8 from TILE_MIN8 rows,
- * block_q1_a8 at one row; the AVX-512 build's tile_group8_512 takes int8 codes too) and every other case the int16
- * kernels over the int8 values.
+ * block_q_a8 below that for int4; the AVX-512 build's tile_group8_512 takes int8 codes too, its row path none), as do
+ * int6 codes with AVX2 (tile_group6, block_q_a8), and every other case the int16 kernels over the int8 values.
  */
 #include "isa.h"
 #include <limits.h>
@@ -237,15 +237,26 @@ typedef struct {
 #endif
 #endif
 
-/* Batch rows from which int4 weights with int8 activations (act8) take the tiled path: its int8 tile
- * (tile_group8) does about half the int16 tile's multiply work, so it wins earlier.  ts_linear on 1.7B-shaped int4
- * layers, 2 threads, AVX2 EPYC: the row path's time over the tile's 0.68-0.71x at 4 rows, 1.17-1.29x at 8,
- * 1.67-1.75x at 12, 1.76-2.10x at 15.  AVX-512 pads the tiled layout to 16 rows: it keeps TILE_MIN. */
+/* Batch rows from which int4 weights with int8 activations (act8) take the tiled path (the byte tile, tile_group8;
+ * below it the byte row kernel, block_q_a8).  The tile pads to 16 rows, so from 9 rows it costs what 16 do.
+ * ts_linear on 1.7B-shaped int4 layers, 2 threads, AVX2 EPYC: the row path's time over the tile's 0.89x at 8 rows,
+ * 0.72x at 10, 0.92x at 12, 1.11x at 16 (before block_q_a8 the row path took the int16 kernels: 1.17-1.29x at 8,
+ * and this was 8).  AVX-512 pads the tiled layout to 16 rows: it keeps TILE_MIN. */
 #ifndef TILE_MIN8
 #if TS_AVX512
 #define TILE_MIN8 TILE_MIN
 #else
-#define TILE_MIN8 8
+#define TILE_MIN8 14
+#endif
+#endif
+
+/* Batch rows from which int5 weights with int8 activations take the byte tile (their row path takes the int16
+ * kernels over the int8 values: the tile at 8 rows 1.18x their speed on the 360M shape's Q5_0 layers). */
+#ifndef TILE_MIN5_A8
+#if TS_AVX512
+#define TILE_MIN5_A8 TILE_MIN
+#else
+#define TILE_MIN5_A8 8
 #endif
 #endif
 
@@ -278,8 +289,8 @@ static inline int64_t tiled(int64_t g, int t, int64_t m, int64_t mp) {
  * group and quad, every batch row's four bytes in a row: the eight rows of a tile's vector are 32 contiguous bytes. */
 static inline int64_t tiled8(int64_t g, int t, int64_t m, int64_t mp) { return (g * 8 + t) * mp + m; }
 
-/* The row8 layout of int8 activations (one batch row, block_q1_a8): a pair of groups' 64 bytes in the order
- * block_q1_a8's byte shuffles make of an int4 row's 32 bytes, low nibbles [c0..7, c32..39 | c8..15, c40..47]
+/* The row8 layout of int8 activations (the row path, block_q_a8): a pair of groups' 64 bytes in the order
+ * block_q_a8's byte shuffles make of an int4 row's 32 bytes, low nibbles [c0..7, c32..39 | c8..15, c40..47]
  * then high nibbles [c16..23, c48..55 | c24..31, c56..63], so that each product pairs a code with its own
  * column: column c of the pair (group c / 32) at byte (q / 2) * 32 + (q % 2) * 16 + (c / 32) * 8 + c % 8,
  * q = (c % 32) / 8. */
@@ -717,101 +728,103 @@ static inline __m256 a8_terms(const uint16_t *s) {
                                     _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-/* block_q1 for int4 codes and int8 activations (act8), AVX2: per row and pair of groups, the nibbles are masked
- * in place and their bytes shuffled so that each 128-bit lane holds eight columns of group g and eight of g + 1
- * (the row8 layout); vpmaddubsw multiplies them by the activations (quantize_act lays them out to match) and adds
- * column pairs into int16 (at most 2 x 15 x 127, twice), one vpmaddwd widens to [g, g, g+1, g+1] per lane, and
- * four rows reduce to [r0: g, g+1, r1: g, g+1 | r2 ... r3 ...] for one conversion and one FMA.  ~0.24 vector instructions a
- * weight where block_q1 takes ~0.33 (no int16 widening of the codes, one multiply per 32 products). */
-static inline __attribute__((always_inline)) void block_q1_a8(const ts_weight *W, int64_t b, int64_t K, const ts_qact *a,
-                                                              int64_t m, float *out) {
-    const int64_t G = K / 32, P = (G + 1) / 2;
-    const uint16_t *sc = W->scale + b * G * 4, *mn = W->min + b * G * 4;
-    const int8_t *xq = a->q8 + m * P * 64;
-    const float *dx = a->d + m * G, *sx = a->s + m * G;
-    const uint8_t *codes = (const uint8_t *)W->w + b * block_bytes(WT_Q4, K);
-    const __m256i nib = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi16(1);
+/* The row path with int8 activations (act8, AVX2) for int4 and int6 codes, at 1 to MT batch rows (below TILE_MIN8 /
+ * TILE_MIN6): per pair of groups, each weight row's 64 codes are put once in the order of the row8 activations
+ * (quantize_act), and every batch row multiplies them with two vpmaddubsw.
+ * - int4: the nibbles masked in place and their bytes shuffled so that each 128-bit lane holds eight columns of
+ *   group g and eight of g + 1; the column pairs' sums (at most 2 x 15 x 127, twice) add in int16 and one vpmaddwd
+ *   by ones widens them to [g, g, g+1, g+1] per lane.
+ * - int6: the codes rebuilt as unsigned bytes (q6_codes) and their 64-bit halves regrouped (vpunpck{l,h}qdq) to meet
+ *   the activations' lanes (the activations' two halves swapped lanes: [c0..7, c32..39 | c16..23, c48..55] and [c8..15,
+ *   c40..47 | c24..31, c56..63]), so that every 16-bit lane sums four products of one quarter (lanes 0-3 of a 128-bit
+ *   half: quarter 0 / 1, lanes 4-7: quarter 2 / 3).  32 x the activations' pair sums (vpmaddubsw by 32) come off in
+ *   int16, leaving the (q - 32) x sums, |.| <= 4 x 32 x 127 (the wrap of the unsigned sums cancels), and one vpmaddwd
+ *   by the quarters' sub-scales widens them to [g, g, g+1, g+1] per lane; d is the scale, no min term.
+ * Four weight rows then reduce to [r0: g, g+1, r1: g, g+1 | r2 ... r3 ...] (a8_rows4) for one conversion and one FMA
+ * per batch row.  At one row ~0.24 vector instructions a weight for int4 where block_q1 takes ~0.33 (no int16 widening
+ * of the codes, one multiply per 32 products); int6 there 1.35x the int16 kernels' speed over the same int8 values. */
+typedef struct {
+    __m256i u, v, sv; /* int4: the shuffled low / high nibbles; int6: the regrouped codes and the sub-scales */
+} a8_codes;
+
+/* weight row r of the pair of groups at c in block_q_a8's order */
+static inline __attribute__((always_inline)) a8_codes a8_row(const int wt, const uint8_t *c, int r) {
+    if (wt == WT_Q6) {
+        __m256i qa, qb;
+        q6_codes(c, r, &qa, &qb);
+        /* the row's sub-scales (c + 192: [quarter][row]) as 16-bit lanes [s0 x 4, s2 x 4 | s1 x 4, s3 x 4] */
+        const __m128i pick = _mm_add_epi8(_mm_setr_epi8(0, 0, 0, 0, 8, 8, 8, 8, 4, 4, 4, 4, 12, 12, 12, 12),
+                                          _mm_set1_epi8((char)r));
+        return (a8_codes){_mm256_unpacklo_epi64(qa, qb), _mm256_unpackhi_epi64(qa, qb),
+                          _mm256_cvtepi8_epi16(_mm_shuffle_epi8(_mm_loadu_si128((const __m128i *)(c + 192)), pick))};
+    }
+    const __m256i nib = _mm256_set1_epi8(0x0F);
     const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
                                            0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    __m256 acc = _mm256_setzero_ps(), accm = _mm256_setzero_ps();
-    int64_t g = 0;
-    for (; g + 1 < G; g += 2) {
-        const uint8_t *c = codes + g / 2 * 4 * 32;
-        prefetch2(c + PF256);
-        const __m256i xl = _mm256_loadu_si256((const __m256i *)(xq + g / 2 * 64));
-        const __m256i xh = _mm256_loadu_si256((const __m256i *)(xq + g / 2 * 64 + 32));
-        __m256i R[4];
-        for (int r = 0; r < 4; r++) {
-            const __m256i raw = _mm256_loadu_si256((const __m256i *)(c + r * 32));
-            const __m256i lo = _mm256_shuffle_epi8(_mm256_and_si256(raw, nib), split);
-            const __m256i hi = _mm256_shuffle_epi8(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nib), split);
-            R[r] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)), one);
-        }
-        const __m256 dxp = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(dx + g)));
-        const __m256 sxp = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(sx + g)));
-        acc = _mm256_fmadd_ps(a8_rows4(R), _mm256_mul_ps(a8_terms(sc + g * 4), dxp), acc);
-        accm = _mm256_fmadd_ps(a8_terms(mn + g * 4), sxp, accm);
-    }
-    float v[8];
-    _mm256_storeu_ps(v, _mm256_add_ps(acc, accm));
-    float o[4] = {v[0] + v[1], v[2] + v[3], v[4] + v[5], v[6] + v[7]};
-    if (g < G) { /* a lone last group: the int16 kernels over the same int8 values */
-        float lv[4];
-        __m256i D[4];
-        group_dots(D, codes, WT_Q4, a, m, K, g);
-        __m128 e = _mm_setzero_ps(), em = _mm_setzero_ps();
-        scale_one(&e, &em, D, sc, mn, dx[g], sx[g], g);
-        _mm_storeu_ps(lv, _mm_add_ps(e, em));
-        for (int r = 0; r < 4; r++) o[r] += lv[r];
-    }
-    memcpy(out, o, sizeof o);
+    const __m256i raw = _mm256_loadu_si256((const __m256i *)(c + r * 32));
+    return (a8_codes){_mm256_shuffle_epi8(_mm256_and_si256(raw, nib), split),
+                      _mm256_shuffle_epi8(_mm256_and_si256(_mm256_srli_epi16(raw, 4), nib), split), _mm256_setzero_si256()};
 }
 
-/* block_q1_a8 for int6 codes (act8, AVX2): per row and pair of groups the codes are rebuilt as unsigned bytes
- * (q6_codes) and their 64-bit halves regrouped (vpunpck{l,h}qdq) into the 128-bit lanes of the row8 activations
- * (quantize_act), so that two vpmaddubsw pair each code with its own column and every 16-bit lane sums four
- * products of one quarter (lanes 0-3 of each 128-bit half: quarter 0 / 1, lanes 4-7: quarter 2 / 3).  32 x the
- * activations' pair sums (vpmaddubsw by 32, once per pair of groups for the four rows) come off in int16, which
- * leaves the (q - 32) x sums, |.| <= 4 x 32 x 127 (the wrap of the unsigned sums cancels); one vpmaddwd by the
- * quarters' sub-scales widens them to int32 [g, g, g+1, g+1] per half, and from there it is block_q1_a8's
- * reduction with Q6_K's d as the scale and no min term.  int6 under act8 otherwise took the int16 kernels over the
- * int8 values (the sub-scales' vpmullw and the codes' widening per 16 columns). */
-static inline __attribute__((always_inline)) void block_q1_a8_q6(const ts_weight *W, int64_t b, int64_t K,
-                                                                 const ts_qact *a, int64_t m, float *out) {
-    const int64_t G = K / 32, P = G / 2; /* (int6: K % 64 == 0) */
-    const uint16_t *sc = W->scale + b * G * 4;
-    const int8_t *xq = a->q8 + m * P * 64;
-    const float *dx = a->d + m * G;
-    const uint8_t *codes = (const uint8_t *)W->w + b * block_bytes(WT_Q6, K);
+typedef struct {
+    __m256i l, h, off; /* the pair of groups' two 32-byte halves (int6: lanes swapped), int6: 32 x their pair sums */
+} a8_acts;
+
+static inline __attribute__((always_inline)) a8_acts a8_act(const int wt, const int8_t *xq) {
+    const __m256i xl = _mm256_loadu_si256((const __m256i *)xq), xh = _mm256_loadu_si256((const __m256i *)(xq + 32));
+    if (wt != WT_Q6) return (a8_acts){xl, xh, _mm256_setzero_si256()};
+    const __m256i x1 = _mm256_permute2x128_si256(xl, xh, 0x20), x2 = _mm256_permute2x128_si256(xl, xh, 0x31);
     const __m256i k32 = _mm256_set1_epi8(32);
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; g += 2) {
-        const uint8_t *c = codes + g / 2 * 208;
-        q6_prefetch(c + PF256);
-        const __m256i xl = _mm256_loadu_si256((const __m256i *)(xq + g / 2 * 64));
-        const __m256i xh = _mm256_loadu_si256((const __m256i *)(xq + g / 2 * 64 + 32));
-        /* [c0..7, c32..39 | c16..23, c48..55] and [c8..15, c40..47 | c24..31, c56..63] */
-        const __m256i x1 = _mm256_permute2x128_si256(xl, xh, 0x20), x2 = _mm256_permute2x128_si256(xl, xh, 0x31);
-        const __m256i off = _mm256_add_epi16(_mm256_maddubs_epi16(k32, x1), _mm256_maddubs_epi16(k32, x2));
-        const __m128i sb = _mm_loadu_si128((const __m128i *)(c + 192)); /* [quarter][row] */
-        __m256i R[4];
-        for (int r = 0; r < 4; r++) {
-            __m256i qa, qb;
-            q6_codes(c, r, &qa, &qb);
-            const __m256i p = _mm256_sub_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(_mm256_unpacklo_epi64(qa, qb), x1),
-                                                                _mm256_maddubs_epi16(_mm256_unpackhi_epi64(qa, qb), x2)),
-                                               off);
-            /* the row's sub-scales as 16-bit lanes [s0 x 4, s2 x 4 | s1 x 4, s3 x 4] */
-            const __m128i pick = _mm_add_epi8(_mm_setr_epi8(0, 0, 0, 0, 8, 8, 8, 8, 4, 4, 4, 4, 12, 12, 12, 12),
-                                              _mm_set1_epi8((char)r));
-            R[r] = _mm256_madd_epi16(p, _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sb, pick)));
+    return (a8_acts){x1, x2, _mm256_add_epi16(_mm256_maddubs_epi16(k32, x1), _mm256_maddubs_epi16(k32, x2))};
+}
+
+/* a weight row's int32 dots with a batch row: [g, g, g+1, g+1] per 128-bit lane */
+static inline __attribute__((always_inline)) __m256i a8_dot(const int wt, a8_codes w, a8_acts x) {
+    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w.u, x.l), _mm256_maddubs_epi16(w.v, x.h));
+    return wt == WT_Q6 ? _mm256_madd_epi16(_mm256_sub_epi16(p, x.off), w.sv) : _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+
+static inline __attribute__((always_inline)) void block_q_a8(const ts_weight *W, const int wt, int64_t b, int64_t K,
+                                                             const ts_qact *a, int64_t m0, const int64_t mt, float *out) {
+    const int64_t G = K / 32, P = (G + 1) / 2, pair = block_bytes(wt, 64);
+    const uint16_t *sc = W->scale + b * G * 4, *mn = wt == WT_Q4 ? W->min + b * G * 4 : NULL;
+    const uint8_t *codes = (const uint8_t *)W->w + b * block_bytes(wt, K);
+    __m256 acc[MT], accm[MT];
+    for (int64_t m = 0; m < mt; m++) acc[m] = accm[m] = _mm256_setzero_ps();
+    int64_t g = 0;
+    for (; g + 1 < G; g += 2) {
+        const uint8_t *c = codes + g / 2 * pair;
+        if (wt == WT_Q6) q6_prefetch(c + PF256);
+        else prefetch2(c + PF256);
+        const __m256 ws = a8_terms(sc + g * 4), wm = wt == WT_Q4 ? a8_terms(mn + g * 4) : _mm256_setzero_ps();
+        a8_codes w[4];
+        if (mt > 1) /* (one batch row: each weight row's codes go straight into its dots below, in registers) */
+            for (int r = 0; r < 4; r++) w[r] = a8_row(wt, c, r);
+        for (int64_t m = 0; m < mt; m++) {
+            const int64_t i = (m0 + m) * G + g;
+            const a8_acts x = a8_act(wt, a->q8 + (m0 + m) * P * 64 + g / 2 * 64);
+            __m256i R[4];
+            for (int r = 0; r < 4; r++) R[r] = a8_dot(wt, mt > 1 ? w[r] : a8_row(wt, c, r), x);
+            const __m256 dxp = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(a->d + i)));
+            acc[m] = _mm256_fmadd_ps(a8_rows4(R), _mm256_mul_ps(ws, dxp), acc[m]);
+            if (wt == WT_Q4)
+                accm[m] = _mm256_fmadd_ps(wm, _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(a->s + i))), accm[m]);
         }
-        const __m256 dxp = _mm256_castpd_ps(_mm256_broadcast_sd((const double *)(dx + g)));
-        acc = _mm256_fmadd_ps(a8_rows4(R), _mm256_mul_ps(a8_terms(sc + g * 4), dxp), acc);
     }
-    float v[8];
-    _mm256_storeu_ps(v, acc);
-    for (int r = 0; r < 4; r++) out[r] = v[2 * r] + v[2 * r + 1];
+    for (int64_t m = 0; m < mt; m++) {
+        float t[8], *o = out + m * 4;
+        _mm256_storeu_ps(t, _mm256_add_ps(acc[m], accm[m]));
+        for (int r = 0; r < 4; r++) o[r] = t[2 * r] + t[2 * r + 1];
+        if (g < G) { /* int4's lone last group: the int16 kernels over the same int8 values */
+            float lv[4];
+            __m256i D[4];
+            group_dots(D, codes, WT_Q4, a, m0 + m, K, g);
+            __m128 e = _mm_setzero_ps(), em = _mm_setzero_ps();
+            scale_one(&e, &em, D, sc, mn, a->d[(m0 + m) * G + g], a->s[(m0 + m) * G + g], g);
+            _mm_storeu_ps(lv, _mm_add_ps(e, em));
+            for (int r = 0; r < 4; r++) o[r] += lv[r];
+        }
+    }
 }
 
 /* ---- the row path at 2 to TILE_MIN - 1 batch rows: block_q (and block_q_q5), or block_q_inv ----
@@ -1908,7 +1921,10 @@ static void float_tiled(const ts_weight *W, const float *bias, int64_t M, int64_
 static inline void prep_act(const ts_weight *W, const float *x, int64_t ldx, int64_t M, int64_t K, ts_qact *a) {
     if (IS_FLOAT(W->wt)) transpose_act(x, ldx, M, K, a);
     else quantize_act(x, ldx, M, K, a, W->act8,
-                      W->act8 && (W->wt == WT_Q4 || W->wt == WT_Q5) ? TILE_MIN8 : W->wt == WT_Q6 ? TILE_MIN6 : TILE_MIN,
+                      W->act8 && W->wt == WT_Q4   ? TILE_MIN8
+                      : W->act8 && W->wt == WT_Q5 ? TILE_MIN5_A8
+                      : W->wt == WT_Q6            ? TILE_MIN6
+                                                  : TILE_MIN,
                       W->wt == WT_Q6 || (W->tail && W->tail->wt == WT_Q6));
 }
 
@@ -2000,8 +2016,11 @@ static void linear_body(const float *x, int64_t ldx, int64_t M, const ts_weight 
             if (mt == 1 && W->wt == WT_Q8) BLOCK_Q1(W, WT_Q8, b, K, a, m0, o);
             /* Q5: AVX2 row kernels in every build (int8 activations: the int16 kernels over their values) */
             else if (mt == 1 && W->wt == WT_Q5) block_q1_q5(W, b, K, a, m0, o);
-#if !TS_AVX512
-            else if (mt == 1 && W->wt == WT_Q6 && a->act8) block_q1_a8_q6(W, b, K, a, m0, o);
+#if !TS_AVX512 /* (the AVX-512 build keeps its int16 row path for int8 activations: same results, not measured) */
+            else if (a->act8 && W->wt == WT_Q6 && mt == 1) block_q_a8(W, WT_Q6, b, K, a, m0, 1, o);
+            else if (a->act8 && W->wt == WT_Q6) block_q_a8(W, WT_Q6, b, K, a, m0, mt, o);
+            else if (a->act8 && W->wt == WT_Q4 && mt == 1) block_q_a8(W, WT_Q4, b, K, a, m0, 1, o);
+            else if (a->act8 && W->wt == WT_Q4) block_q_a8(W, WT_Q4, b, K, a, m0, mt, o);
 #endif
             else if (mt == 1 && W->wt == WT_Q6) BLOCK_Q1(W, WT_Q6, b, K, a, m0, o);
             else if (TS_BATCH_INVARIANT && !a->act8 && W->wt == WT_Q6) block_q_inv(W, WT_Q6, b, K, a, m0, mt, o);
@@ -2010,9 +2029,6 @@ static void linear_body(const float *x, int64_t ldx, int64_t M, const ts_weight 
             else if (TS_BATCH_INVARIANT && !a->act8) block_q_inv(W, WT_Q4, b, K, a, m0, mt, o);
             else if (W->wt == WT_Q5) block_q_q5(W, b, K, a, m0, mt, o);
             else if (W->wt == WT_Q6) BLOCK_Q(W, WT_Q6, b, K, a, m0, mt, o);
-#if !TS_AVX512 /* (the AVX-512 build keeps its int16 row path for int8 activations: same results, not measured) */
-            else if (mt == 1 && a->act8) block_q1_a8(W, b, K, a, m0, o);
-#endif
             else if (mt == 1) BLOCK_Q1(W, WT_Q4, b, K, a, m0, o);
             else if (W->wt == WT_Q8) BLOCK_Q(W, WT_Q8, b, K, a, m0, mt, o);
             else BLOCK_Q(W, WT_Q4, b, K, a, m0, mt, o);
