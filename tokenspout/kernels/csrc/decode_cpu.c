@@ -221,8 +221,8 @@ typedef struct {
     int64_t act8;
     int32_t *q8s; /* AVX-512, act8, tiled: 128 x the sum of a group's int8 codes, [G][mp] (tile_group8_512's Q8 term) */
     int32_t *q6t; /* AVX2, act8, tiled, a linear holding int6: per group g, quarter j (16 columns) and row m, at
-                   * (2 g + j) * mp + m, two int16: -32 x the sums of the codes of columns 4k, 4k + 1 and of 4k + 2,
-                   * 4k + 3 over the quarter's quads k (tile_group6's start: it multiplies unsigned codes) */
+                   * (2 g + j) * mp + m, two int16: -32 x the sum of the int8 activations of columns 4k, 4k + 1 and
+                   * of 4k + 2, 4k + 3 over the quarter's quads k (tile_group6's start: it multiplies unsigned codes) */
 } ts_qact;
 
 /* Batch rows from which the quantized linears take the tiled path (blocks_tile).  bench.linear: AVX2's row path
