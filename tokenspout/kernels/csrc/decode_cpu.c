@@ -715,7 +715,7 @@ static inline __attribute__((always_inline)) void block_q1(const ts_weight *W, c
 }
 
 /* Four rows' int32 dots of a pair of groups, each [g, g, g+1, g+1 | g, g, g+1, g+1], reduced to [r0: g, g+1, r1: g, g+1 |
- * r2: ..., r3: ...] as float (the one-row byte kernels' order) */
+ * r2: ..., r3: ...] as float (block_q_a8's order) */
 static inline __m256 a8_rows4(const __m256i R[4]) {
     const __m256i t01 = _mm256_hadd_epi32(R[0], R[1]), t23 = _mm256_hadd_epi32(R[2], R[3]);
     return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_permute2x128_si256(t01, t23, 0x20),
