@@ -2,7 +2,7 @@
 
 * InprocClient: the EngineCore in this process (tests, simple offline use); get_output() steps it.
 * SyncMPClient: EngineCoreProc in a spawned process over ZMQ, blocking calls (offline LLM).
-* AsyncMPClient: the same process over zmq.asyncio (AsyncLLM / the API server).
+* AsyncMPClient: the same process, read from an asyncio event loop (AsyncLLM / the API server).
 
 The MP clients watch the engine process: if it dies, get_output() raises EngineDeadError instead of hanging.  They
 also watch its heartbeat (the engine sends something at least every HEARTBEAT_S): silence for `hang_timeout_s`
@@ -24,7 +24,6 @@ import weakref
 
 import msgspec
 import zmq
-import zmq.asyncio
 
 from tokenspout.config import EngineConfig
 from tokenspout.core.engine_core_proc import ABORT, ADD, FAILED, HEARTBEAT_S, OUTPUTS, READY, UTILITY, EngineReady
@@ -265,24 +264,55 @@ class SyncMPClient(_MPBase):
 
 
 class AsyncMPClient(_MPBase):
+    """Reads the output socket from the event loop without zmq.asyncio: a non-blocking recv, and when nothing is
+    there, one wait for the socket's file descriptor to become readable (a reader added for that wait and removed
+    after it).  zmq.asyncio's futures (a poll, then a recv, each through its event bookkeeping) cost the API server
+    ~0.15 ms more CPU per engine message, which at one client is one message per token: CPU taken from the decode
+    threads on a small machine (README, "Engine")."""
+
     def __init__(self, config: EngineConfig, **kw):
         super().__init__(config, **kw)
-        # The output socket, asyncio flavour.  A shadow of the same socket that binds to the running event loop at
-        # its first use, so it can exist while the READY handshake (blocking calls on out_sock) has yet to happen.
-        self.async_out = zmq.asyncio.Socket.shadow(self.out_sock)
+        self._fd = self.out_sock.getsockopt(zmq.FD)
+        self._reader_loop: asyncio.AbstractEventLoop | None = None  # the loop a wait's reader is registered with
 
     def shutdown(self) -> None:
-        # The shadow first: closing it takes its file descriptor out of the event loop's selector.  Closed under it
-        # instead, the loop kept a stale entry for that number, and the next socket to reuse it (an HTTP connection
-        # accepted right after a dead engine was replaced) was never watched: its request hung (epoll forgets a
-        # closed descriptor, asyncio's map of them does not).  A shadow does not own the socket: out_sock closes it.
-        try:
-            self.async_out.close(linger=0)
-        except Exception:  # noqa: BLE001 - at interpreter teardown the loop may be gone; nothing left to unregister
-            logger.debug("could not close the engine output socket's asyncio shadow", exc_info=True)
+        # A waiting reader first: closed under it, the loop kept a stale entry for the descriptor, and the next
+        # socket to reuse that number (an HTTP connection accepted right after a dead engine was replaced) was
+        # never watched: its request hung (epoll forgets a closed descriptor, asyncio's map of them does not).
+        self._drop_reader()
         super().shutdown()
 
+    def _drop_reader(self) -> None:
+        loop, self._reader_loop = self._reader_loop, None
+        if loop is not None and not loop.is_closed():
+            loop.remove_reader(self._fd)
+
+    async def _readable(self, timeout_s: float) -> bool:
+        """Waits until the output socket may hold a message (True) or timeout_s passed (False).  Only after a recv
+        found nothing: zmq's descriptor signals a change of the socket's state, not a level, and that failed recv
+        is what re-arms it (so the next message to arrive signals it, however soon)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        loop.add_reader(self._fd, _wake, fut, True)
+        self._reader_loop = loop
+        timer = loop.call_later(timeout_s, _wake, fut, False)
+        try:
+            return await fut
+        finally:
+            timer.cancel()
+            self._drop_reader()
+
     async def get_output_async(self) -> EngineCoreOutputs:
-        while not await self.async_out.poll(_POLL_MS):
-            self._check_alive()
-        return self._decode_outputs(await self.async_out.recv_multipart(copy=False))
+        while True:
+            try:
+                frames = self.out_sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                if not await self._readable(_POLL_MS / 1000):
+                    self._check_alive()
+                continue
+            return self._decode_outputs(frames)
+
+
+def _wake(fut: asyncio.Future, value: bool) -> None:
+    if not fut.done():
+        fut.set_result(value)
