@@ -295,3 +295,36 @@ def test_decode_only_batch_metadata_matches_the_general_path(int4_model, prompt_
     assert torch.equal(fast.seq_lens, ref.meta.decode_seq_lens)
     assert torch.equal(fast.decode_block_ids.reshape(-1), ref.meta.decode_block_ids)
     assert fast.kernel_tokens == 5
+
+
+@pytest.mark.parametrize("which", ["float32", "int4"])
+def test_decode_steps_take_their_logits_from_the_layers_call(loaded_model, int4_model, prompt_ids, which, isa):
+    """A step of decodes whose every row samples gets its logits from the same kernel call as its layers
+    (CpuDecoder.forward_logits: the final norm and LM head in the layers' parallel region); the logits equal,
+    bit for bit, those of the separate norm + LM head call, at 1 row and at 16 (the tiled path; natively built
+    levels only: 16 rows on SIMDe's emulated intrinsics take ~40 s, and the fusion is the same code on every level)."""
+    loaded = loaded_model if which == "float32" else int4_model
+    prompts = (prompt_ids * 4)[:16]
+
+    def run(fused: bool, batch):
+        core = make_core(loaded)
+        calls = []
+        if fused:
+            inner = core.runner.decoder.forward_logits
+            core.runner.decoder.forward_logits = lambda *a: calls.append(a[0].shape[0]) or inner(*a)
+        else:
+            core.runner._fuses_logits = lambda step, n: False
+        logits: dict[str, list[torch.Tensor]] = {}
+        core.runner.logits_hook = lambda ids, lg: [logits.setdefault(r, []).append(lg[i].clone())
+                                                   for i, r in enumerate(ids)]
+        out = run_to_completion(core, batch, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+        return out, logits, calls
+
+    for batch in (prompts[:1], prompts) if not isa.endswith("-emulated") else (prompts[:1],):
+        ours, lk, calls = run(True, batch)
+        ref, lr, _ = run(False, batch)
+        assert ours == ref
+        assert len(batch) in calls  # (the prefill steps sample through the torch path's logits)
+        for r in ref:
+            assert len(lk[r]) == len(lr[r]) == 6
+            assert all(torch.equal(a, b) for a, b in zip(lk[r], lr[r])), r

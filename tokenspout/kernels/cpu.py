@@ -216,7 +216,8 @@ def _load(isa: str, invariant: bool = False, emulated: bool = False) -> ctypes.C
     lib.ts_rmsnorm.restype = None
     lib.ts_attn_decode.argtypes = [vp, i64, vp, i64, vp, i64, vp, i64, i64, i64, i64, i64, f32, vp, i64, i64]
     lib.ts_attn_decode.restype = None
-    lib.ts_decode_layers.argtypes = [ctypes.POINTER(Model), vp, i64, vp, vp, vp, i64, vp, vp]
+    lib.ts_decode_layers.argtypes = [ctypes.POINTER(Model), vp, i64, vp, vp, vp, i64, vp, vp, vp,
+                                     ctypes.POINTER(Weight), i64, vp]
     lib.ts_decode_layers.restype = None
     lib.ts_sample_rows.argtypes = [vp, i64, i64, vp, i64, vp, vp, vp, vp, vp, vp, i64, vp]
     lib.ts_sample_rows.restype = None

@@ -122,6 +122,9 @@ class CpuDecoder:
         self.desc = descriptor(bool(q))
         self.max_tokens = sys.maxsize if unbounded else QUANTIZED_MAX_TOKENS if q else MAX_TOKENS
         self.lm_head = q["lm_head"] if "lm_head" in q else model.lm_head.weight.data
+        # the final norm and the LM head as ts_decode_layers takes them (forward_logits)
+        self._norm = ptr(model.norm.weight.data)
+        self._lm_desc, self.vocab_size = cpu.weight(self.lm_head)  # (self.lm_head keeps its tensors alive)
         self.scratch_per_token = ((a.num_heads + 2 * a.num_kv_heads) * a.head_dim
                                   + a.num_heads * a.head_dim + 3 * a.intermediate_size)
         self._scratch = torch.empty(0, dtype=torch.float32)
@@ -130,15 +133,30 @@ class CpuDecoder:
                 block_ids: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         """Hidden states [T, hidden] after the last layer (before the final norm) for T decode tokens;
         block_ids [T, nb] int64 contiguous, seq_lens [T] = positions + 1."""
+        return self._layers(input_ids, positions, slot_mapping, block_ids, seq_lens, None)
+
+    def forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                       block_ids: torch.Tensor, seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward's hidden states, logits(hidden)) in one call of the kernels (one parallel region: see
+        ts_decode_layers), for steps whose every token samples; at most max_tokens tokens."""
+        t = input_ids.shape[0]
+        assert t <= self.max_tokens
+        logits = torch.empty(t, self.vocab_size, dtype=torch.float32)
+        return self._layers(input_ids, positions, slot_mapping, block_ids, seq_lens, logits), logits
+
+    def _layers(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+                block_ids: torch.Tensor, seq_lens: torch.Tensor, logits: torch.Tensor | None) -> torch.Tensor:
         t = input_ids.shape[0]
         x = self.model.embed_tokens(input_ids).contiguous()
         need = t * self.scratch_per_token
         if self._scratch.numel() < need:  # kept between steps: a fresh buffer is fresh pages, faulted in every step
             self._scratch = torch.empty(need, dtype=torch.float32)
         scratch = self._scratch
+        lm = (self._norm, ctypes.byref(self._lm_desc), self.vocab_size, logits.data_ptr()) if logits is not None \
+            else (None, None, 0, None)
         self.lib.ts_decode_layers(ctypes.byref(self.desc), x.data_ptr(), t, positions.data_ptr(),
                                   slot_mapping.data_ptr(), block_ids.data_ptr(), block_ids.shape[1],
-                                  seq_lens.data_ptr(), scratch.data_ptr())
+                                  seq_lens.data_ptr(), scratch.data_ptr(), *lm)
         return x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

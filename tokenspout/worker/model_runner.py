@@ -204,8 +204,15 @@ class ModelRunner:
             assert self._last_sampled is not None  # a placeholder follows a step that sampled
             input_ids[dst] = self._last_sampled[src]
         qsl = step.flat.query_start_loc
-        hidden = self.forward(self.model, self.decoder, self.kv_caches, input_ids, step.flat)
         plan = step.prompt_lp
+        logits = None
+        if self._fuses_logits(step, len(input_ids)):
+            flat = step.flat
+            assert self.decoder is not None  # (_fuses_logits checked it)
+            hidden, logits = self.decoder.forward_logits(input_ids, flat.positions, flat.slot_mapping,
+                                                         flat.decode_block_ids, flat.seq_lens)
+        else:
+            hidden = self.forward(self.model, self.decoder, self.kv_caches, input_ids, step.flat)
         scored = (plan, prompt_logprobs.score(plan, hidden, self._logits)) if plan is not None else None
 
         sample_idx = step.sample_idx
@@ -216,9 +223,10 @@ class ModelRunner:
             if scored is not None:  # prefill chunks only: their scores are the step's one transfer
                 result.prompt_logprobs = prompt_logprobs.unpack(scored[0], scored[1].reshape(-1).tolist())
             return result
-        sel = long_tensor(sample_idx)
-        logits_indices = qsl[1:][sel] - 1
-        logits = self._logits(hidden[logits_indices])
+        if logits is None:
+            sel = long_tensor(sample_idx)
+            logits_indices = qsl[1:][sel] - 1
+            logits = self._logits(hidden[logits_indices])
         guidance.combine(logits, entries, sample_idx, qsl, hidden, self._logits)
         sample_rows = [rows[i] for i in sample_idx]
         req_ids = [entries[i].request.request_id for i in sample_idx]
@@ -236,6 +244,13 @@ class ModelRunner:
         self.input_batch.sampling.append_tokens(sample_rows, [result.sampled[r] for r in req_ids])
         result.sampled.update(spec_result)
         return result
+
+    def _fuses_logits(self, step: PreparedStep, num_tokens: int) -> bool:
+        """The step's logits come with its hidden states from one call of the C decoder: a step of decodes only
+        (one token each) whose every token samples, no prompt logprobs, no drafts to verify."""
+        return (self.decoder is not None and step.flat is not None and step.flat.meta is None
+                and step.prompt_lp is None and not step.spec_idx and len(step.sample_idx) == num_tokens
+                and num_tokens == len(step.entries) and num_tokens <= self.decoder.max_tokens)
 
     def _verify(self, entries, spec_idx: list[int], rows: list[int], qsl: torch.Tensor,
                 hidden: torch.Tensor) -> dict[str, list[int]]:
