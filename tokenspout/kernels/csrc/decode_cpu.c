@@ -1659,8 +1659,15 @@ TILE_FN(tile_q6a8x1, tile_group6, WT_Q6, 1)
 
 typedef void (*tile_fn)(const ts_wtile *, int64_t, int64_t, const ts_qact *, int64_t, float *);
 
-/* The tile for weights of type wt over 2 (x2) or 1 vectors of batch rows: the byte tile with int8 activations (a8),
- * else the int16 one (Q5 takes Q4's: its codes widen to int16 with the same min term). */
+/* Whether int8 activations have a byte tile for weights of type wt on this ISA level (tile_group8 for int4 / int5,
+ * and int8 with AVX-512 (tile_group8_512); tile_group6 for int6 with AVX2); else they take the int16 tile over the
+ * int8 values.  tile_for names the kernels. */
+static inline int byte_tile(const int wt) {
+    return wt == WT_Q4 || wt == WT_Q5 || (TS_AVX512 ? wt == WT_Q8 : wt == WT_Q6);
+}
+
+/* The tile for weights of type wt over 2 (x2) or 1 vectors of batch rows: the byte tile with int8 activations where
+ * there is one (a8: byte_tile), else the int16 one (Q5 takes Q4's: its codes widen to int16 with the same min term). */
 static inline tile_fn tile_for(const int wt, const int a8, const int x2) {
     /* (Q6 widens to int16 values with no min term, as Q8's: it takes Q8's int16 tiles, int8 activations too) */
     if (!a8) return wt == WT_Q8 || wt == WT_Q6 ? (x2 ? tile_q8x2 : tile_q8x1) : (x2 ? tile_q4x2 : tile_q4x1);
@@ -1685,9 +1692,7 @@ static void blocks_tile(const ts_weight *W, int64_t b, ts_wtile *t, int nb, cons
     const int64_t cg = wt == WT_Q5 ? 6 : CG;
     for (int64_t g0 = 0; g0 < G; g0 += cg) {
         const int64_t g1 = g0 + cg < G ? g0 + cg : G;
-        /* int8 activations x int4 / int5 codes: the byte tile (tile_group8, AVX-512: tile_group8_512, which takes
-         * int8 codes too; AVX2: tile_group6 for int6 codes) */
-        const int a8 = a->act8 && (wt == WT_Q4 || wt == WT_Q5 || (TS_AVX512 ? wt == WT_Q8 : wt == WT_Q6));
+        const int a8 = a->act8 && byte_tile(wt);
         const tile_fn x2 = tile_for(wt, a8, 1), x1 = tile_for(wt, a8, 0);
         for (int i = 0; i < nb; i++) {
             if (a8) widen_codes8(W, b + i, K, g0, g1, t + i);
