@@ -272,7 +272,9 @@ class AsyncMPClient(_MPBase):
 
     def __init__(self, config: EngineConfig, **kw):
         super().__init__(config, **kw)
-        self._fd = self.out_sock.getsockopt(zmq.FD)
+        fd = self.out_sock.getsockopt(zmq.FD)
+        assert isinstance(fd, int)  # (typed int | bytes: getsockopt's type for every option)
+        self._fd = fd
         self._reader_loop: asyncio.AbstractEventLoop | None = None  # the loop a wait's reader is registered with
 
     def shutdown(self) -> None:
