@@ -274,7 +274,6 @@ class EngineCoreProc:
                 request_id, [], finish_reason="error", stop_reason=f"the engine rejected the request: {error}")]))
 
     def _output_loop(self) -> None:
-        encoder = msgspec.msgpack.Encoder()
         while True:
             try:
                 out = self.outputs.get(timeout=HEARTBEAT_S)
@@ -282,11 +281,11 @@ class EngineCoreProc:
                 out = EngineCoreOutputs()  # heartbeat: alive, nothing to say
             if out is None:
                 return
-            with self._send_lock:
-                self.out_sock.send_multipart([OUTPUTS, encoder.encode(out)], copy=False)
+            self._send(out)
 
     def _send(self, out: EngineCoreOutputs) -> None:
-        """A step's outputs, from the main thread (see the module's docstring: Threads)."""
+        """Encodes and sends, from the main thread (a step's outputs, see the module's docstring: Threads) or the
+        output thread: the lock serialises the socket and the one encoder."""
         with self._send_lock:
             self.out_sock.send_multipart([OUTPUTS, self._encoder.encode(out)], copy=False)
 
