@@ -29,6 +29,8 @@ def _reader(ctx: zmq.Context, addr: str) -> AsyncMPClient:
     client.out_sock.bind(addr)
     client._fd = client.out_sock.getsockopt(zmq.FD)
     client._reader_loop = None
+    client._tick = None
+    client._waiter = None
     client.decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
     client.dead_reason = None
     client.info = None  # (liveness checks: nothing to watch)
@@ -77,12 +79,13 @@ def test_every_message_arrives_without_waiting_for_the_poll(tmp_path, seed):
     assert len(delays) == n
     # a missed wake-up waits for the liveness poll (core_client._POLL_MS): 200 ms
     assert max(delays) < core_client._POLL_MS / 1000 / 2, sorted(delays)[-5:]
-    assert client._reader_loop is None  # no reader left registered between reads
+    assert client._waiter is None
 
 
-def test_a_cancelled_wait_leaves_no_reader(tmp_path):
-    """Cancelling the output handler (shutdown) removes the descriptor from the loop: a stale entry would keep the
-    next socket given that number from ever being watched."""
+def test_a_cancelled_wait_leaves_the_reader_until_shutdown(tmp_path):
+    """Cancelling the output handler (shutdown, an engine restart) ends the wait; the reader stays registered until
+    the client's shutdown removes it: a stale entry would keep the next socket given that number from ever being
+    watched."""
     ctx = zmq.Context()
     client = _reader(ctx, f"ipc://{tmp_path}/out")
 
@@ -90,12 +93,56 @@ def test_a_cancelled_wait_leaves_no_reader(tmp_path):
         loop = asyncio.get_running_loop()
         task = loop.create_task(client.get_output_async())
         await asyncio.sleep(0.05)
-        assert client._reader_loop is loop
+        assert client._reader_loop is loop and client._waiter is not None
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        assert client._reader_loop is None
+        assert client._waiter is None and client._reader_loop is loop
+        client._drop_reader()  # (what shutdown does first)
+        assert client._reader_loop is None and client._tick is None
         assert not loop.remove_reader(client._fd)  # (False: nothing registered for it)
+
+    try:
+        asyncio.run(run())
+    finally:
+        client.out_sock.close(linger=0)
+        ctx.term()
+
+
+def test_an_idle_reader_neither_spins_nor_misses_the_liveness_check(tmp_path, monkeypatch):
+    """Between messages the descriptor must go quiet (the reader takes the socket's state in each time it is called:
+    otherwise the loop calls it on every turn, a busy loop while no read waits), and a read that waits still checks
+    the engine every _POLL_MS."""
+    ctx = zmq.Context()
+    addr = f"ipc://{tmp_path}/out"
+    client = _reader(ctx, addr)
+    calls = {"readable": 0, "alive": 0}
+    on_readable = client._on_readable
+
+    def counted() -> None:
+        calls["readable"] += 1
+        on_readable()
+
+    client._on_readable = counted  # type: ignore[method-assign]
+    monkeypatch.setattr(client, "_check_alive", lambda: calls.__setitem__("alive", calls["alive"] + 1))
+
+    async def run() -> None:
+        sender = threading.Thread(target=_send_all, args=(ctx, addr, 20, 2))
+        sender.start()
+        for _ in range(20):
+            await client.get_output_async()
+        sender.join()
+        await asyncio.sleep(0.05)  # (the last sends' signals)
+        before = calls["readable"]
+        await asyncio.sleep(0.3)  # no read waits, no message comes
+        assert calls["readable"] - before <= 2, calls
+        waiting = asyncio.get_running_loop().create_task(client.get_output_async())
+        await asyncio.sleep(core_client._POLL_MS / 1000 * 2.6)
+        assert 2 <= calls["alive"] <= 3, calls
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        client._drop_reader()
 
     try:
         asyncio.run(run())

@@ -264,57 +264,77 @@ class SyncMPClient(_MPBase):
 
 
 class AsyncMPClient(_MPBase):
-    """Reads the output socket from the event loop without zmq.asyncio: a non-blocking recv, and when nothing is
-    there, one wait for the socket's file descriptor to become readable (a reader added for that wait and removed
-    after it).  zmq.asyncio's futures (a poll, then a recv, each through its event bookkeeping) cost the API server
-    ~0.15 ms more CPU per engine message, which at one client is one message per token: CPU taken from the decode
-    threads on a small machine (README, "Engine")."""
+    """Reads the output socket from the event loop without zmq.asyncio: a reader on the socket's file descriptor,
+    registered with the loop once and kept until shutdown, wakes the one waiting read; a read takes a message when
+    the socket's EVENTS say one is there, else waits for that wake-up (or the liveness tick).  zmq.asyncio's futures
+    (a poll, then a recv, each through its event bookkeeping) cost the API server ~0.15 ms more CPU per engine
+    message, and a reader added and removed around every wait (with its own timeout timer, and a recv that failed
+    with an exception before it) ~0.1 ms more: at one client that is per token, CPU taken from the decode threads on
+    a small machine (README, "Engine")."""
 
     def __init__(self, config: EngineConfig, **kw):
         super().__init__(config, **kw)
         fd = self.out_sock.getsockopt(zmq.FD)
         assert isinstance(fd, int)  # (typed int | bytes: getsockopt's type for every option)
         self._fd = fd
-        self._reader_loop: asyncio.AbstractEventLoop | None = None  # the loop a wait's reader is registered with
+        self._reader_loop: asyncio.AbstractEventLoop | None = None  # the loop the reader is registered with
+        self._tick: asyncio.TimerHandle | None = None  # the liveness tick, every _POLL_MS while registered
+        self._waiter: asyncio.Future[bool] | None = None  # the read waiting for the socket (at most one)
 
     def shutdown(self) -> None:
-        # A waiting reader first: closed under it, the loop kept a stale entry for the descriptor, and the next
-        # socket to reuse that number (an HTTP connection accepted right after a dead engine was replaced) was
-        # never watched: its request hung (epoll forgets a closed descriptor, asyncio's map of them does not).
+        # The reader first: closed under it, the loop kept a stale entry for the descriptor, and the next socket to
+        # reuse that number (an HTTP connection accepted right after a dead engine was replaced) was never watched:
+        # its request hung (epoll forgets a closed descriptor, asyncio's map of them does not).
         self._drop_reader()
         super().shutdown()
 
     def _drop_reader(self) -> None:
         loop, self._reader_loop = self._reader_loop, None
+        if self._tick is not None:
+            self._tick.cancel()
+            self._tick = None
         if loop is not None and not loop.is_closed():
             loop.remove_reader(self._fd)
 
-    async def _readable(self, timeout_s: float) -> bool:
-        """Waits until the output socket may hold a message (True) or timeout_s passed (False).  Only after a recv
-        found nothing: zmq's descriptor signals a change of the socket's state, not a level, and that failed recv
-        is what re-arms it (so the next message to arrive signals it, however soon)."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        loop.add_reader(self._fd, _wake, fut, True)
-        self._reader_loop = loop
-        timer = loop.call_later(timeout_s, _wake, fut, False)
-        try:
-            return await fut
-        finally:
-            timer.cancel()
+    def _watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Registers the reader and the liveness tick with `loop` (once per loop: a new one takes them over)."""
+        if self._reader_loop is not loop:
             self._drop_reader()
+            loop.add_reader(self._fd, self._on_readable)
+            self._reader_loop = loop
+            self._tick = loop.call_later(_POLL_MS / 1000, self._on_tick)
+
+    def _on_readable(self) -> None:
+        """zmq's descriptor signals a change of the socket's state and stays readable until the socket takes it in:
+        EVENTS does that (without it the loop would call back on every turn while no read waits), and the next
+        change signals again."""
+        try:
+            self.out_sock.getsockopt(zmq.EVENTS)
+        except zmq.ZMQError:
+            pass  # (closed under it: the waiter's next check says so)
+        _wake(self._waiter, True)
+
+    def _on_tick(self) -> None:
+        loop = self._reader_loop
+        if loop is not None:
+            self._tick = loop.call_later(_POLL_MS / 1000, self._on_tick)
+        _wake(self._waiter, False)
 
     async def get_output_async(self) -> EngineCoreOutputs:
-        while True:
+        loop = asyncio.get_running_loop()
+        self._watch(loop)
+        while not int(self.out_sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            # Nothing there, and EVENTS has taken in the socket's state: the next message signals the
+            # descriptor, however soon it comes, and no loop turn runs between this check and the await.
+            waiter = self._waiter = loop.create_future()
             try:
-                frames = self.out_sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                if not await self._readable(_POLL_MS / 1000):
+                if not await waiter:
                     self._check_alive()
-                continue
-            return self._decode_outputs(frames)
+            finally:
+                self._waiter = None
+        return self._decode_outputs(self.out_sock.recv_multipart(zmq.NOBLOCK, copy=False))
 
 
-def _wake(fut: asyncio.Future, value: bool) -> None:
-    if not fut.done():
+def _wake(fut: asyncio.Future[bool] | None, value: bool) -> None:
+    if fut is not None and not fut.done():
         fut.set_result(value)
