@@ -5,7 +5,8 @@
 Writes config.json, model.safetensors (random normal * 0.02, tensor by tensor: never the whole model in memory) and
 the default model's tokenizer files into DIR (default: $TOKENSPOUT_CACHE/shapes/<name>-<dtype>), and prints DIR.
 Shapes: SmolLM2-360M and SmolLM2-1.7B as published, Llama-3.1-8B's layer shape, and Qwen3-0.6B's (a Qwen3 model:
-per-head q / k RMSNorm, head_dim 128 where hidden / heads is 64), all with the default vocabulary.
+per-head q / k RMSNorm, head_dim 128 where hidden / heads is 64), all with the default vocabulary; and `tiny` (two
+layers 64 wide, for bench.frontend).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ SHAPES: dict[str, dict] = {
                      "num_attention_heads": 32, "num_key_value_heads": 32, "tie_word_embeddings": True},
     "llama-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                  "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": False},
+    # (bench.frontend: a forward that costs a fraction of a step, so a token's time is the serving path's)
+    "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
+             "num_key_value_heads": 1, "tie_word_embeddings": True},
     "qwen3-0.6b": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
                    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True,
                    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"},
