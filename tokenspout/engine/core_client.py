@@ -269,8 +269,8 @@ class AsyncMPClient(_MPBase):
     the socket's EVENTS say one is there, else waits for that wake-up (or the liveness tick).  zmq.asyncio's futures
     (a poll, then a recv, each through its event bookkeeping) cost the API server ~0.15 ms more CPU per engine
     message, and a reader added and removed around every wait (with its own timeout timer, and a recv that failed
-    with an exception before it) ~0.1 ms more: at one client that is per token, CPU taken from the decode threads on
-    a small machine (README, "Engine")."""
+    with an exception before it) ~0.04-0.07 ms more: at one client that is per token, CPU taken from the decode
+    threads on a small machine (README, "Engine")."""
 
     def __init__(self, config: EngineConfig, **kw):
         super().__init__(config, **kw)
