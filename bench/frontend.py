@@ -4,11 +4,13 @@
     python -m bench.frontend --against HEAD~1         # that revision's tree serves in alternate rounds too
 
 The model is bench.shapes' `tiny` (two layers 64 wide, random weights, the default vocabulary and tokenizer), served
-with `--quantization int4 --num-threads 1`: its forward is a fraction of a step, so a streamed token costs what the
-serving path costs (the scheduler, input preparation, the sampler over the 49,152-token vocabulary, the engine's
-outputs, the API server's reading, detokenization, SSE framing and HTTP writes).  On a small machine that CPU comes
-out of the decode threads: at one client the default model's token is ~6 ms, and every 0.1 ms the two processes
-spend on it outside the kernels is ~1.5% of the token rate.
+with `--quantization int4 --num-threads 1`: its forward is the same in every tree and small (~0.6 ms a one-row step
+on a 2-core AVX2 EPYC, nearly all of it the LM head's 49,152 rows of 64, where per-block overhead dominates), so what
+differs between trees and what the API server spends is the serving path (the scheduler, input preparation, the
+sampler over the 49,152-token vocabulary, the engine's outputs, the API server's reading, detokenization, SSE
+framing and HTTP writes).  On a small machine that CPU comes out of the decode threads: at one client the default
+model's token is ~6 ms, and every 0.1 ms the two processes spend on it outside the kernels is ~1.5% of the token
+rate.
 
 Per level (bench.serve's load: greedy, streamed, 128 tokens a request, ignore_eos): tok/s, ITL p50 and the CPU time
 (/proc/<pid>/stat utime + stime, the process's every thread) the API server and the engine took per streamed token.
