@@ -1,15 +1,21 @@
-"""Shared bits of the benchmarks: a fixed prompt set, medians, JSON output."""
+"""Shared bits of the benchmarks: a fixed prompt set, medians, JSON output, a tokenspout server started and stopped."""
 
 from __future__ import annotations
 
 import ctypes
 import json
+import os
 import platform
+import signal
+import socket
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import httpx
 
 if TYPE_CHECKING:
     import torch
@@ -64,6 +70,56 @@ def write_json(name: str, data: dict) -> Path:
     path.write_text(json.dumps(data, indent=2))
     return path
 
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_tokenspout(flags: list[str], tree: Path | None = None,
+                     log: Path | None = None) -> tuple[subprocess.Popen, str, float]:
+    """`tokenspout serve FLAGS` on a free port, in its own session group, until /health answers: (process, base url,
+    seconds to healthy).  tree: another checkout's tokenspout (its folder on PYTHONPATH, the server run there);
+    log: where its output goes (else nowhere)."""
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=str(tree)) if tree is not None else None
+    t0 = time.monotonic()
+    with open(log, "w") if log is not None else open(os.devnull, "w") as out:  # (the child holds its own copy)
+        proc = subprocess.Popen([sys.executable, "-m", "tokenspout.entrypoints.cli", "serve", "--port", str(port),
+                                 *flags], cwd=tree, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    while time.monotonic() - t0 < 300:
+        if proc.poll() is not None:
+            stop_server(proc)  # a Ray server that failed may leave its cluster's processes in its group
+            raise RuntimeError(f"tokenspout serve {' '.join(flags)} exited ({proc.returncode})"
+                               + (f"; see {log}" if log is not None else ""))
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url, time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    stop_server(proc)
+    raise RuntimeError("server did not become healthy")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server only (a Ray server then removes its app and stops the cluster it started: signalling
+    the cluster's processes too would leave it talking to a dead GCS), then whatever is left of its group."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(10)
 
 def built_library(so: Path, isa: str, defines: tuple[str, ...] = (), csrc: Path | None = None) -> ctypes.CDLL:
     """A variant of the C kernels built for `isa` into `so` (cpu._build: `defines`, or the sources of another folder)

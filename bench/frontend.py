@@ -25,19 +25,14 @@ import argparse
 import asyncio
 import os
 import shutil
-import signal
 import statistics
 import subprocess
-import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 from bench import serve
-from bench.common import ROOT, write_json
+from bench.common import ROOT, start_tokenspout, stop_server, write_json
 
-PORT = 8017
 CLK = os.sysconf("SC_CLK_TCK")
 
 
@@ -68,38 +63,8 @@ def children(pid: int) -> list[int]:
     return out
 
 
-def start(tree: Path, model: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "tokenspout.entrypoints.cli", "serve", str(model), "--port", str(PORT),
-           "--served-model-name", "tiny", "--quantization", "int4", "--num-threads", "1"]
-    env = dict(os.environ, PYTHONPATH=str(tree))
-    log = open(Path(tempfile.gettempdir()) / f"bench-frontend-{tree.name}.log", "w")
-    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server of {tree} exited ({proc.returncode}); see {log.name}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=1) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            pass
-        time.sleep(0.3)
-    stop(proc)
-    raise RuntimeError(f"the server of {tree} did not start within 300 s; see {log.name}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(30)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
-def level(concurrency: int, num_requests: int, max_tokens: int, api: int, engine: int) -> dict:
-    sargs = serve.parse_args(["--base-url", f"http://127.0.0.1:{PORT}/v1", "--model", "tiny", "--concurrency",
+def level(url: str, concurrency: int, num_requests: int, max_tokens: int, api: int, engine: int) -> dict:
+    sargs = serve.parse_args(["--base-url", url + "/v1", "--model", "tiny", "--concurrency",
                               str(concurrency), "--mode", "greedy", "--max-tokens", str(max_tokens),
                               "--num-requests", str(num_requests), "--label", "frontend"])
     before = cpu_ticks(api), cpu_ticks(engine)
@@ -112,16 +77,18 @@ def level(concurrency: int, num_requests: int, max_tokens: int, api: int, engine
 
 
 def measure(tree: Path, model: Path, args: argparse.Namespace) -> list[dict]:
-    proc = start(tree, model)
+    proc, url, _ = start_tokenspout([str(model), "--served-model-name", "tiny", "--quantization", "int4",
+                                     "--num-threads", "1"], tree=tree,
+                                    log=Path(tempfile.gettempdir()) / f"bench-frontend-{tree.name}.log")
     try:
         engines = children(proc.pid)
         if len(engines) != 1:
             raise RuntimeError(f"expected one engine process under {proc.pid}, found {engines}")
-        level(1, 4, 16, proc.pid, engines[0])  # warm-up: first requests, compiled paths, caches
-        return [level(c, args.num_requests or max(32, 2 * c), args.max_tokens, proc.pid, engines[0])
+        level(url, 1, 4, 16, proc.pid, engines[0])  # warm-up: first requests, compiled paths, caches
+        return [level(url, c, args.num_requests or max(32, 2 * c), args.max_tokens, proc.pid, engines[0])
                 for c in args.concurrency]
     finally:
-        stop(proc)
+        stop_server(proc)
 
 
 KEYS = ("output_tok_s", "itl_p50_ms", "api_cpu_ms_per_token", "engine_cpu_ms_per_token")

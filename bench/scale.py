@@ -20,18 +20,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
-import socket
 import statistics
-import subprocess
-import sys
 import time
 
-import httpx
-
 from bench import serve
-from bench.common import RESULTS, write_json
+from bench.common import RESULTS, start_tokenspout, stop_server, write_json
 
 CONFIGS = {  # name -> serve flags
     "1x2": ["--data-parallel-size", "1", "--num-threads", "2"],
@@ -43,56 +36,15 @@ CONFIGS = {  # name -> serve flags
 DEFAULT_CONFIGS = ["1x2", "2x1", "1x1", "ray1x1", "ray2x1"]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start(flags: list[str]) -> tuple[subprocess.Popen, str, float]:
-    port = _port()
-    t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "tokenspout.entrypoints.cli", "serve", "--port", str(port),
-                             *flags], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    while time.monotonic() - t0 < 300:
-        if proc.poll() is not None:
-            stop(proc)  # a Ray server that failed may leave its cluster's processes in its group
-            raise RuntimeError(f"tokenspout serve {' '.join(flags)} exited ({proc.returncode})")
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url, time.monotonic() - t0
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError("server did not become healthy")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the server only (a Ray server then removes its app and stops the cluster it started: signalling
-    the cluster's processes too would leave it talking to a dead GCS), then whatever is left of its group."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(90)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    proc.wait(10)
-
-
 def measure(name: str, args: argparse.Namespace) -> dict:
-    proc, url, startup = start(CONFIGS[name])
+    proc, url, startup = start_tokenspout(CONFIGS[name])
     try:
         sargs = serve.parse_args(["--base-url", url + "/v1", "--model", "SmolLM2-135M-Instruct", "--concurrency",
                                   *map(str, args.concurrency), "--mode", *args.mode, "--max-tokens",
                                   str(args.max_tokens), "--label", name])
         res = asyncio.run(serve.run(sargs))
     finally:
-        stop(proc)
+        stop_server(proc)
     res["startup_s"] = startup
     return res
 

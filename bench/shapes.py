@@ -25,7 +25,7 @@ SHAPES: dict[str, dict] = {
                      "num_attention_heads": 32, "num_key_value_heads": 32, "tie_word_embeddings": True},
     "llama-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
                  "num_attention_heads": 32, "num_key_value_heads": 8, "tie_word_embeddings": False},
-    # (bench.frontend: a forward that costs a fraction of a step, so a token's time is the serving path's)
+    # (bench.frontend: a small forward, the same in every tree, so what differs is the serving path)
     "tiny": {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 2,
              "num_key_value_heads": 1, "tie_word_embeddings": True},
     "qwen3-0.6b": {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
