@@ -1,7 +1,7 @@
 """tokenspout against its peers (vLLM CPU, llama.cpp) in one run: the same prompts, load generator and minutes.
 
     python -m bench.compare [--servers tokenspout tokenspout-fp32 vllm llamacpp] [--concurrency 1 16 64]
-                            [--mode greedy random] [--max-tokens 128] [--peers-dir ../shared/peers]
+                            [--mode greedy random] [--max-tokens 128] [--context TOKENS] [--peers-dir ../shared/peers]
 
 Servers are started one at a time (2 cores: never measure two at once) through ../shared/peers/start_server.sh,
 which records start-up time (to a healthy /health) and the peak RSS of the server's whole process tree:
@@ -10,7 +10,8 @@ which records start-up time (to a healthy /health) and the peak RSS of the serve
 * vllm             vLLM CPU 0.32 on the same float32 folder (`vllm.sh`; install it first: vllm.sh install);
 * vllm-bf16        the same served in bfloat16 (DTYPE=bfloat16: vLLM's fast path on AVX512-BF16 CPUs);
 * llamacpp         llama.cpp's server on the original Q4_1 GGUF (`llamacpp.sh`; llamacpp.sh install).
-Each server is measured with bench/serve.py (closed loop, streamed, ignore_eos).  Writes
+Each server is measured with bench/serve.py (closed loop, streamed, ignore_eos; `--context N`: a document of about N
+tokens before each question, decoding at that depth).  Writes
 bench/results/serve_compare.json and prints a markdown table (the one in README.md).
 """
 
@@ -92,11 +93,17 @@ def main() -> None:
     ap.add_argument("--mode", nargs="+", default=["greedy", "random"])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--num-requests", type=int, default=None)
+    ap.add_argument("--context", type=int, default=0,
+                    help="about this many tokens of document before each question (bench.serve --context): decoding "
+                         "at depth; llama.cpp then gets one slot per client of context + 1024 tokens")
     ap.add_argument("--peers-dir", type=Path, default=ROOT.parent / "shared" / "peers")
     ap.add_argument("--out", default="serve_compare.json")
     args = ap.parse_args()
     env = dict(os.environ, PEERS=os.environ.get("PEERS", "/tmp/peers"))
-    report: dict = {"max_tokens": args.max_tokens, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "servers": {}}
+    if args.context:  # llama.cpp's default slots (64 x 512 tokens) cannot hold the prompts
+        np_ = max(args.concurrency)
+        env.update(NP=str(np_), CTX=str(np_ * (args.context + args.max_tokens + 1024)))
+    report: dict = {"max_tokens": args.max_tokens, "context": args.context, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "servers": {}}
     for name in args.servers:
         print(f"== {name}", flush=True)
         try:
@@ -109,7 +116,8 @@ def main() -> None:
             model = "smollm2" if name in ("vllm", "vllm-bf16", "llamacpp") else "SmolLM2-135M-Instruct"
             sargs = serve.parse_args(["--base-url", f"http://127.0.0.1:{PORTS[name]}/v1", "--model", model,
                                       "--concurrency", *map(str, args.concurrency), "--mode", *args.mode,
-                                      "--max-tokens", str(args.max_tokens), "--label", name]
+                                      "--max-tokens", str(args.max_tokens), "--label", name,
+                                      "--context", str(args.context)]
                                      # llama.cpp's repetition penalty defaults on; the others' are off already
                                      + (["--extra-body", '{"repeat_penalty": 1.0}'] if name == "llamacpp" else [])
                                      + (["--num-requests", str(args.num_requests)] if args.num_requests else []))

@@ -12,6 +12,9 @@ exactly max_tokens tokens on servers that honour it.  Reported per level:
 - TTFT p50/p99: request sent → first non-empty content chunk,
 - ITL p50/p99: gaps between consecutive content chunks,
 - errors: non-200 answers, error frames and transport failures.
+`--context N` puts a document of about N tokens before each question (a long chat or an agent's context; each
+request's own, so no server reuses another's prompt cache): the ITL then is decoding at that depth, the TTFT the
+whole prompt's processing, and `prompt_tokens_p50` says how long the prompts were (from the usage chunk).
 Sampling: greedy = temperature 0; random = temperature 0.8, top_p 0.95, top_k 50.  Both send `min_p: 0`, and
 `--extra-body '{"repeat_penalty": 1}'` (what bench.compare passes to llama.cpp's server, whose defaults differ)
 adds fields to every request; tokenspout answers 400 to fields it does not know, so they are not sent to it.
@@ -115,6 +118,7 @@ class RequestResult:
     ok: bool = False
     error: str | None = None
     tokens: int = 0
+    prompt_tokens: int | None = None
     ttft: float | None = None
     itls: list[float] = field(default_factory=list)
     latency: float = 0.0
@@ -182,6 +186,7 @@ class _Stream:
             raise ServerError(f"error frame: {obj['error']}")
         if obj.get("usage"):
             self.usage_tokens = obj["usage"].get("completion_tokens")
+            self.res.prompt_tokens = obj["usage"].get("prompt_tokens")
         for choice in obj.get("choices") or ():
             if (choice.get("delta") or {}).get("content"):
                 if self.last is None:
@@ -246,6 +251,21 @@ async def _exchange(target: Target, body: dict, stream: _Stream) -> None:
         writer.close()
 
 
+CHARS_PER_TOKEN = 5.6  # the numbered prompts below, default model tokenizer (what --context sizes documents by)
+
+
+def with_context(prompt: str, index: int, tokens: int) -> str:
+    """prompt after a document of about `tokens` tokens: the prompts list from a different starting point for
+    each index (so that no two requests share a prefix beyond the chat template), numbered paragraphs."""
+    if tokens <= 0:
+        return prompt
+    parts, n, j = [f"Notes, set {index}:"], 0, 0
+    while n < tokens * CHARS_PER_TOKEN:
+        parts.append(f"{j + 1}. {PROMPTS[(index * 7 + j) % len(PROMPTS)]}")
+        n, j = n + len(parts[-1]) + 1, j + 1
+    return "\n".join(parts) + "\n\nWith those notes in mind: " + prompt
+
+
 def request_body(args: argparse.Namespace, prompt: str, mode: str, max_tokens: int) -> dict:
     return {
         "model": args.model,
@@ -270,7 +290,7 @@ async def run_level(target: Target, args: argparse.Namespace, mode: str, concurr
         while next_index < total:  # closed loop: the next request leaves when this worker's last one finished
             i = next_index
             next_index += 1
-            body = request_body(args, PROMPTS[i % len(PROMPTS)], mode, args.max_tokens)
+            body = request_body(args, with_context(PROMPTS[i % len(PROMPTS)], i, args.context), mode, args.max_tokens)
             results.append(await one_request(target, body))
 
     start = time.perf_counter()
@@ -280,6 +300,7 @@ async def run_level(target: Target, args: argparse.Namespace, mode: str, concurr
     ttfts = [r.ttft for r in ok if r.ttft is not None]
     itls = [x for r in ok for x in r.itls]
     tokens = sum(r.tokens for r in ok)
+    prompt_tokens = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
     errors = [r.error for r in results if not r.ok]
 
     def ms(x: float | None) -> float | None:
@@ -300,6 +321,7 @@ async def run_level(target: Target, args: argparse.Namespace, mode: str, concurr
         "itl_p50_ms": ms(percentile(itls, 50)),
         "itl_p99_ms": ms(percentile(itls, 99)),
         "mean_latency_s": round(sum(r.latency for r in ok) / len(ok), 3) if ok else None,
+        "prompt_tokens_p50": percentile(prompt_tokens, 50) if prompt_tokens else None,
     }
 
 
@@ -347,6 +369,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--api-key", default=None)
     p.add_argument("--extra-body", default="{}", help="JSON object of fields added to every request body")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--context", type=int, default=0, help="tokens of document before each question (about)")
     return p.parse_args(argv)
 
 

@@ -190,6 +190,50 @@ def test_paged_decode_attention_matches_sdpa(lib, d: int, lens: list[int], dtype
         torch.testing.assert_close(out[t], ref, atol=1e-5, rtol=1e-4)
 
 
+def _sdpa_over_table(kv: torch.Tensor, q: torch.Tensor, table: torch.Tensor, lens: list[int], bs: int, group: int):
+    """SDPA over each token's positions of the paged cache kv [2, slots, Hkv, D] (widened to float32)."""
+    kv = kv.float()
+    refs = []
+    for t, n in enumerate(lens):
+        slots = torch.cat([torch.arange(b * bs, b * bs + bs) for b in table[t].tolist()])[:n]
+        k = kv[0][slots].repeat_interleave(group, dim=1).transpose(0, 1)  # [H, L, D]
+        v = kv[1][slots].repeat_interleave(group, dim=1).transpose(0, 1)
+        refs.append(F.scaled_dot_product_attention(q[t][:, None], k, v)[:, 0])
+    return torch.stack(refs)
+
+
+def _attn(lib, q, kv, table, lens, bs, hkv):
+    t, h, d = q.shape
+    out, seq_lens = torch.empty_like(q), torch.tensor(lens, dtype=torch.int64)
+    lib.ts_attn_decode(q.data_ptr(), h * d, kv.data_ptr(), kv.shape[1], table.data_ptr(), table.shape[1],
+                       seq_lens.data_ptr(), bs, t, h, hkv, d, ctypes.c_float(d**-0.5),
+                       out.data_ptr(), h * d, int(kv.dtype == torch.float16))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("h, hkv, d, lens", [(9, 3, 64, [1100]), (9, 3, 64, [257, 700, 9, 256]),
+                                             (4, 4, 128, [513, 40]), (14, 2, 24, [2049, 300, 1]),
+                                             (5, 5, 16, [258, 2000])])
+def test_long_sequences_split_in_chunks_match_sdpa(lib, h: int, hkv: int, d: int, lens: list[int], dtype):
+    """Sequences longer than ATTN_CH (256) positions are split in chunks whose partial results are combined: one
+    long sequence alone (the one-client case the split is for), a mix of split and whole ones (257: two chunks of
+    unequal length, 256: one), 2049 (nine chunks), against SDPA; and each token's result is bit-identical to its
+    result alone (the chunks depend on its length only: --batch-invariant and prompt tokens rely on that)."""
+    g = torch.Generator().manual_seed(1)
+    bs = 16
+    nb = max(lens) // bs + 1
+    nblocks = len(lens) * nb
+    kv = torch.randn(2, nblocks * bs, hkv, d, generator=g).to(dtype)
+    table = torch.randperm(nblocks, generator=g).view(len(lens), nb).contiguous()
+    q = torch.randn(len(lens), h, d, generator=g)
+    out = _attn(lib, q, kv, table, lens, bs, hkv)
+    torch.testing.assert_close(out, _sdpa_over_table(kv, q, table, lens, bs, h // hkv), atol=1e-5, rtol=1e-4)
+    for t, n in enumerate(lens):
+        alone = _attn(lib, q[t : t + 1].contiguous(), kv, table[t : t + 1].contiguous(), [n], bs, hkv)
+        assert torch.equal(alone[0], out[t]), f"token {t} ({n} positions) alone differs from its result in the batch"
+
+
 @pytest.mark.parametrize("fn", [quantize_int4, quantize_int8])
 def test_quantize_rows_in_chunks_equals_the_whole_matrix(fn):
     """The streaming loader quantizes a fused weight from its checkpoint parts, a chunk of rows at a time: the same

@@ -2160,12 +2160,12 @@ static inline __attribute__((always_inline)) void weighted_rows_heads(const char
                                                                       const float *w, int64_t ldw, int64_t p0,
                                                                       int64_t p1, int64_t d0, const int NV, const int GB,
                                                                       int first, int last, const float *inv,
-                                                                      float *out, int64_t D, const int HALF) {
+                                                                      float *out, int64_t lds, const int HALF) {
     __m512 acc[16];
     const int64_t off = roff + d0 * (HALF ? 2 : 4);
     for (int g = 0; g < GB; g++)
         for (int j = 0; j < NV; j++)
-            acc[g * NV + j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + g * D + d0 + 16 * j);
+            acc[g * NV + j] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(out + g * lds + d0 + 16 * j);
     for (int64_t p = p0; p < p1; p++) {
         __m512 v[4];
         for (int j = 0; j < NV; j++)
@@ -2179,33 +2179,33 @@ static inline __attribute__((always_inline)) void weighted_rows_heads(const char
     for (int g = 0; g < GB; g++)
         for (int j = 0; j < NV; j++) {
             const __m512 r = acc[g * NV + j];
-            _mm512_storeu_ps(out + g * D + d0 + 16 * j, last ? _mm512_mul_ps(r, _mm512_set1_ps(inv[g])) : r);
+            _mm512_storeu_ps(out + g * lds + d0 + 16 * j, last ? _mm512_mul_ps(r, _mm512_set1_ps(inv[g])) : r);
         }
 }
 
 /* Every query head of one KV head over positions p0..p1: heads in groups of up to four, 64 dims (or 16) per pass. */
 static inline __attribute__((always_inline)) void v_pass_heads(const char *const *rows, int64_t roff, const float *w,
                                                                int64_t ldw, int64_t p0, int64_t p1, int first, int last,
-                                                               int64_t G, const float *inv, float *out, int64_t D,
-                                                               const int HALF) {
+                                                               int64_t G, const float *inv, float *out, int64_t lds,
+                                                               int64_t D, const int HALF) {
     for (int64_t g0 = 0; g0 < G; g0 += 4) {
         const int64_t gb = G - g0 < 4 ? G - g0 : 4;
         const float *wg = w + g0 * ldw, *ig = inv + g0;
-        float *og = out + g0 * D;
+        float *og = out + g0 * lds;
         int64_t d0 = 0;
 #define VPASS(NV)                                                                                               \
     switch (gb) {                                                                                               \
-    case 1: weighted_rows_heads(rows, roff, wg, ldw, p0, p1, d0, NV, 1, first, last, ig, og, D, HALF); break;  \
-    case 2: weighted_rows_heads(rows, roff, wg, ldw, p0, p1, d0, NV, 2, first, last, ig, og, D, HALF); break;  \
-    case 3: weighted_rows_heads(rows, roff, wg, ldw, p0, p1, d0, NV, 3, first, last, ig, og, D, HALF); break;  \
-    default: weighted_rows_heads(rows, roff, wg, ldw, p0, p1, d0, NV, 4, first, last, ig, og, D, HALF); break; \
+    case 1: weighted_rows_heads(rows, roff, wg, ldw, p0, p1, d0, NV, 1, first, last, ig, og, lds, HALF); break;  \
+    case 2: weighted_rows_heads(rows, roff, wg, ldw, p0, p1, d0, NV, 2, first, last, ig, og, lds, HALF); break;  \
+    case 3: weighted_rows_heads(rows, roff, wg, ldw, p0, p1, d0, NV, 3, first, last, ig, og, lds, HALF); break;  \
+    default: weighted_rows_heads(rows, roff, wg, ldw, p0, p1, d0, NV, 4, first, last, ig, og, lds, HALF); break; \
     }
         for (; d0 + 64 <= D; d0 += 64) VPASS(4)
         for (; d0 + 16 <= D; d0 += 16) VPASS(1)
 #undef VPASS
         for (; d0 < D; d0 += 8) /* a last 8 dims (D = 16k + 8) */
             for (int64_t g = 0; g < gb; g++)
-                weighted_rows(rows, roff, wg + g * ldw, p0, p1, d0, 1, first, last, ig[g], og + g * D, HALF);
+                weighted_rows(rows, roff, wg + g * ldw, p0, p1, d0, 1, first, last, ig[g], og + g * lds, HALF);
     }
 }
 #endif
@@ -2219,122 +2219,219 @@ static inline __attribute__((always_inline)) void v_pass_heads(const char *const
 #ifndef ATTN_PC
 #define ATTN_PC 16
 #endif
+/* Positions per chunk (at most) of a long sequence's attention: a sequence of L > ATTN_CH positions is split into
+ * equal chunks, each a work item of its own (split-K, "flash decoding"), whose partial results (the chunk's
+ * unnormalized value sums, its maximum score and sum of weights) are then combined.  One long sequence (one
+ * client, a long chat) otherwise gave the threads one item per KV head: a model with three KV heads kept one of
+ * two threads idle a third of the time.  The chunks are a function of L alone, so a token's result is the same in
+ * every batch (--batch-invariant) and whether it is a prompt's token or a decode. */
+#ifndef ATTN_CH
+#define ATTN_CH 256
+#endif
+
+/* Positions per chunk of a sequence of L positions (a multiple of 8) and the number of chunks. */
+static inline int64_t attn_chunk_len(int64_t L) {
+    const int64_t n = L > ATTN_CH ? (L + ATTN_CH - 1) / ATTN_CH : 1;
+    return ((L + n - 1) / n + 7) / 8 * 8;
+}
+static inline int64_t attn_chunks(int64_t L) {
+    const int64_t c = attn_chunk_len(L);
+    return L > c ? (L + c - 1) / c : 1;
+}
+
+/* Floats of the partial results of tokens whose attention is split in chunks: per chunk and query head, D value
+ * sums, the chunk's maximum score and its sum of weights. */
+static int64_t attn_part_floats(const int64_t *seq_lens, int64_t T, int64_t H, int64_t D) {
+    int64_t n = 0;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t c = attn_chunks(seq_lens[t]);
+        if (c > 1) n += c * H * (D + 2);
+    }
+    return n;
+}
+
+/* One work item: query heads of KV heads h0..h0+hn-1 of one token (query row qt) over its positions c0..c1-1 (the
+ * token's block table bt).  The K and V row addresses of every position first (one walk of the block table, no
+ * division per position), then the scores eight positions at a time for each of its query heads (eight dot
+ * products reduced together, not one horizontal sum each), a vectorised softmax per query head, and the weighted
+ * sums of V rows in runs of ATTN_PC positions, every head's run over the same rows (in L1) before the next run,
+ * the sums carried in the output between runs, up to 64 dims of accumulators in registers.
+ * part NULL (the whole sequence): the attention of query head (h0 + i) * G + g at o + ((h0 + i) * G + g) * D.
+ * Else a chunk's partial results: the head's unnormalized sums at part + k * (D + 2) (k its query head), its
+ * maximum score and sum of weights after them. */
+static inline __attribute__((always_inline)) void attn_item(const float *qt, const char *kc, const char *vc,
+                                                            const int64_t *bt, int64_t bs, int64_t tok, int64_t h0,
+                                                            int64_t hn, int64_t G, int64_t D, int64_t c0, int64_t c1,
+                                                            float scale, float *o, float *part, const int HALF) {
+    const int64_t esz = HALF ? 2 : 4, hd = D * esz, nq = hn * G;
+    const int64_t L = c1 - c0, L8 = (L + 7) / 8 * 8, run = hn * hd; /* bytes of a position's rows */
+    /* scores padded to a multiple of 8 (the padding scores -inf: weight 0) per query head, then its weights,
+     * and its softmax's 1 / sum; the rows of KV head h0 at every position (head h0 + i: + i * hd) */
+    float *sc = (float *)malloc(sizeof(float) * (size_t)(nq * L8 + nq)), *inv = sc + nq * L8;
+    const char **krow = (const char **)malloc(sizeof(char *) * (size_t)(2 * L8));
+    const char **vrow = krow + L8;
+    for (int64_t p = 0, i = c0 / bs, j0 = c0 % bs; p < L; i++, j0 = 0)
+        for (int64_t j = j0; j < bs && p < L; j++, p++) {
+            const int64_t off = ((bt[i] * bs + j) * tok + h0 * D) * esz;
+            krow[p] = kc + off;
+            vrow[p] = vc + off;
+        }
+    for (int64_t p = L; p < L8; p++) krow[p] = krow[0];
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int64_t p0 = 0; p0 < L8; p0 += 8) {
+        /* the K rows ATTN_PF positions ahead.  (The V rows are the value pass's to prefetch: asked for into L2
+         * here, a whole score pass early, a token's 800 KB of them at 200 positions (1.7B) outran L2, 1.2x
+         * slower.) */
+        for (int64_t p = p0; p + ATTN_PF < L && p < p0 + 8; p++)
+            for (int64_t off = 0; off < run; off += 64) _mm_prefetch(krow[p + ATTN_PF] + off, _MM_HINT_T0);
+        for (int64_t i = 0; i < hn; i++)
+            for (int64_t g = 0; g < G; g++) {
+                const float *qg = qt + ((h0 + i) * G + g) * D;
+                __m256 a[8];
+                for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+                for (int64_t d = 0; d < D; d += 8) {
+                    const __m256 qv = _mm256_loadu_ps(qg + d);
+                    for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(ldkv(krow[p0 + j] + i * hd, d, HALF), qv, a[j]);
+                }
+                __m256 s = _mm256_mul_ps(sum8(a), vscale);
+                if (p0 + 8 > L) { /* the padding lanes */
+                    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+                    s = _mm256_blendv_ps(s, _mm256_set1_ps(-INFINITY),
+                                         _mm256_cmp_ps(lane, _mm256_set1_ps((float)(L - p0)), _CMP_GE_OQ));
+                }
+                _mm256_storeu_ps(sc + (i * G + g) * L8 + p0, s);
+            }
+    }
+    float *dst = part ? part + h0 * G * (D + 2) : o + h0 * G * D; /* query head (h0 + i) * G + g at dst + (i * G + g) * lds */
+    const int64_t lds = part ? D + 2 : D;
+    for (int64_t k = 0; k < nq; k++) {
+        float *sg = sc + k * L8;
+        __m256 vmax = _mm256_set1_ps(-INFINITY);
+        for (int64_t p0 = 0; p0 < L8; p0 += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sg + p0));
+        const float m = hmax8(vmax);
+        const __m256 mx = _mm256_set1_ps(m);
+        __m256 vsum = _mm256_setzero_ps();
+        for (int64_t p0 = 0; p0 < L8; p0 += 8) {
+            const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(sg + p0), mx));
+            vsum = _mm256_add_ps(vsum, e);
+            _mm256_storeu_ps(sg + p0, e);
+        }
+        const float sum = hsum8(vsum);
+        inv[k] = part ? 1.0f : 1.0f / sum; /* (a chunk's sums stay unnormalized: the combination scales them) */
+        if (part) dst[k * lds + D] = m, dst[k * lds + D + 1] = sum;
+    }
+    for (int64_t p0 = 0; p0 < L; p0 += ATTN_PC) {
+        const int64_t p1 = p0 + ATTN_PC < L ? p0 + ATTN_PC : L;
+        const int first = p0 == 0, last = p1 == L;
+        for (int64_t p = p1; p < p1 + ATTN_PC && p < L; p++) /* the next run's rows (nothing asked for them before) */
+            for (int64_t off = 0; off < run; off += 64) _mm_prefetch(vrow[p] + off, _MM_HINT_T0);
+        for (int64_t i = 0; i < hn; i++) {
+#if TS_AVX512
+            v_pass_heads(vrow, i * hd, sc + i * G * L8, L8, p0, p1, first, last, G, inv + i * G, dst + i * G * lds, lds,
+                         D, HALF);
+#else
+            for (int64_t g = 0; g < G; g++) {
+                const int64_t k = i * G + g;
+                const float *w = sc + k * L8;
+                float *og = dst + k * lds;
+                int64_t d0 = 0;
+                for (; d0 + 64 <= D; d0 += 64) weighted_rows(vrow, i * hd, w, p0, p1, d0, 8, first, last, inv[k], og, HALF);
+                for (; d0 + 32 <= D; d0 += 32) weighted_rows(vrow, i * hd, w, p0, p1, d0, 4, first, last, inv[k], og, HALF);
+                for (; d0 < D; d0 += 8) weighted_rows(vrow, i * hd, w, p0, p1, d0, 1, first, last, inv[k], og, HALF);
+            }
+#endif
+        }
+    }
+    free(krow);
+    free(sc);
+}
 
 /* Decode attention over the paged cache, in place (no gather): token t's query heads (row stride ldq) attend to
  * positions 0..seq_lens[t]-1 of its blocks.  Query head h uses KV head h / G (GQA).  Parallel over (t, a run of up
- * to ATTN_HB KV heads): a position's K (or V) rows of neighbouring KV heads lie side by side in the cache, so an
- * item reads runs of hb * D values per position where one KV head per item read D (128 bytes at D = 64 in float16,
- * one every 4 KB: 7 GB/s, a third of this VM's read bandwidth, and 20% of a 16-row step of a 1.7B model).
- * Per item: the K and V row addresses of every position first (one walk of the block table, no division per
- * position), then the scores eight positions at a time for each of its query heads (eight dot products reduced
- * together, not one horizontal sum each), a vectorised softmax per query head, and the weighted sums of V rows in
- * runs of ATTN_PC positions, every head's run over the same rows (in L1) before the next run, the sums carried in
- * the output between runs, up to 64 dims of accumulators in registers.  A float16 cache (HALF) halves the bytes
- * read, which bound this at large batches.  Each head's results are those of one head per item. */
+ * to ATTN_HB KV heads, a chunk of positions): a position's K (or V) rows of neighbouring KV heads lie side by side
+ * in the cache, so an item reads runs of hb * D values per position where one KV head per item read D (128 bytes
+ * at D = 64 in float16, one every 4 KB: 7 GB/s, a third of this VM's read bandwidth, and 20% of a 16-row step of a
+ * 1.7B model).  A float16 cache (HALF) halves the bytes read, which bound this at large batches.  Each head's
+ * results are those of one head per item.  part: attn_part_floats(...) floats (NULL when that is 0), for the
+ * chunks' partial results, combined per query head after the items (a second pass, after a barrier). */
 static inline __attribute__((always_inline)) void attn_impl(const float *q, int64_t ldq, const void *kv, int64_t slots,
                                                             const int64_t *block_ids, int64_t nb, const int64_t *seq_lens,
                                                             int64_t bs, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                                                            float scale, float *out, int64_t ldo, ts_barrier *bar,
-                                                            const int HALF) {
-    const int64_t G = H / Hkv, tok = Hkv * D, esz = HALF ? 2 : 4, hd = D * esz;
+                                                            float scale, float *out, int64_t ldo, float *part,
+                                                            ts_barrier *bar, const int HALF) {
+    const int64_t G = H / Hkv, tok = Hkv * D, esz = HALF ? 2 : 4;
     const char *kc = (const char *)kv, *vc = kc + slots * tok * esz;
-    /* fewer heads per item where the items would not give every thread two (one token: a 1.7B model's 32 KV
-     * heads in 4 items) */
+    /* per token: its first chunk's index among all tokens' chunks (nck[T]: their count) and its partial results'
+     * offset in part */
+    int64_t *nck = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * T + 1)), *poff = nck + T + 1;
+    nck[0] = 0;
+    for (int64_t t = 0, po = 0; t < T; t++) {
+        const int64_t c = attn_chunks(seq_lens[t]);
+        nck[t + 1] = nck[t] + c;
+        poff[t] = po;
+        if (c > 1) po += c * H * (D + 2);
+    }
+    /* fewer heads per item where the items would not give every thread two (one short sequence: a 1.7B model's
+     * 32 KV heads in 4 items) */
     int64_t hb = Hkv < ATTN_HB ? Hkv : ATTN_HB;
-    while (hb > 1 && T * ((Hkv + hb - 1) / hb) < 2 * omp_get_num_threads()) hb = (hb + 1) / 2;
+    while (hb > 1 && nck[T] * ((Hkv + hb - 1) / hb) < 2 * omp_get_num_threads()) hb = (hb + 1) / 2;
     const int64_t nhb = (Hkv + hb - 1) / hb;
 #pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t th = 0; th < T * nhb; th++) {
-        const int64_t t = th / nhb, h0 = th % nhb * hb, hn = Hkv - h0 < hb ? Hkv - h0 : hb, nq = hn * G;
-        const int64_t L = seq_lens[t], L8 = (L + 7) / 8 * 8, run = hn * hd; /* bytes of a position's rows */
-        const int64_t *bt = block_ids + t * nb;
-        /* scores padded to a multiple of 8 (the padding scores -inf: weight 0) per query head, then its weights,
-         * and its softmax's 1 / sum; the rows of KV head h0 at every position (head h0 + i: + i * hd) */
-        float *sc = (float *)malloc(sizeof(float) * (size_t)(nq * L8 + nq)), *inv = sc + nq * L8;
-        const char **krow = (const char **)malloc(sizeof(char *) * (size_t)(2 * L8));
-        const char **vrow = krow + L8;
-        for (int64_t p = 0, i = 0; p < L; i++)
-            for (int64_t j = 0; j < bs && p < L; j++, p++) {
-                const int64_t off = ((bt[i] * bs + j) * tok + h0 * D) * esz;
-                krow[p] = kc + off;
-                vrow[p] = vc + off;
-            }
-        for (int64_t p = L; p < L8; p++) krow[p] = krow[0];
-        const __m256 vscale = _mm256_set1_ps(scale);
-        for (int64_t p0 = 0; p0 < L8; p0 += 8) {
-            /* the K rows ATTN_PF positions ahead.  (The V rows are the value pass's to prefetch: asked for into L2
-             * here, a whole score pass early, a token's 800 KB of them at 200 positions (1.7B) outran L2, 1.2x
-             * slower.) */
-            for (int64_t p = p0; p + ATTN_PF < L && p < p0 + 8; p++)
-                for (int64_t o = 0; o < run; o += 64) _mm_prefetch(krow[p + ATTN_PF] + o, _MM_HINT_T0);
-            for (int64_t i = 0; i < hn; i++)
-                for (int64_t g = 0; g < G; g++) {
-                    const float *qg = q + t * ldq + ((h0 + i) * G + g) * D;
-                    __m256 a[8];
-                    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
-                    for (int64_t d = 0; d < D; d += 8) {
-                        const __m256 qv = _mm256_loadu_ps(qg + d);
-                        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(ldkv(krow[p0 + j] + i * hd, d, HALF), qv, a[j]);
-                    }
-                    __m256 s = _mm256_mul_ps(sum8(a), vscale);
-                    if (p0 + 8 > L) { /* the padding lanes */
-                        const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-                        s = _mm256_blendv_ps(s, _mm256_set1_ps(-INFINITY),
-                                             _mm256_cmp_ps(lane, _mm256_set1_ps((float)(L - p0)), _CMP_GE_OQ));
-                    }
-                    _mm256_storeu_ps(sc + (i * G + g) * L8 + p0, s);
-                }
+    for (int64_t it = 0; it < nck[T] * nhb; it++) {
+        const int64_t ci = it / nhb, h0 = it % nhb * hb, hn = Hkv - h0 < hb ? Hkv - h0 : hb;
+        int64_t lo = 0, hi = T - 1; /* the token of chunk ci: the last t with nck[t] <= ci */
+        while (lo < hi) {
+            const int64_t mid = (lo + hi + 1) / 2;
+            if (nck[mid] <= ci) lo = mid;
+            else hi = mid - 1;
         }
-        for (int64_t k = 0; k < nq; k++) {
-            float *sg = sc + k * L8;
-            __m256 vmax = _mm256_set1_ps(-INFINITY);
-            for (int64_t p0 = 0; p0 < L8; p0 += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sg + p0));
-            const __m256 mx = _mm256_set1_ps(hmax8(vmax));
-            __m256 vsum = _mm256_setzero_ps();
-            for (int64_t p0 = 0; p0 < L8; p0 += 8) {
-                const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(sg + p0), mx));
-                vsum = _mm256_add_ps(vsum, e);
-                _mm256_storeu_ps(sg + p0, e);
-            }
-            inv[k] = 1.0f / hsum8(vsum);
-        }
-        float *o = out + t * ldo + h0 * G * D; /* query head (h0 + i) * G + g at o + (i * G + g) * D */
-        for (int64_t p0 = 0; p0 < L; p0 += ATTN_PC) {
-            const int64_t p1 = p0 + ATTN_PC < L ? p0 + ATTN_PC : L;
-            const int first = p0 == 0, last = p1 == L;
-            for (int64_t p = p1; p < p1 + ATTN_PC && p < L; p++) /* the next run's rows (nothing asked for them before) */
-                for (int64_t off = 0; off < run; off += 64) _mm_prefetch(vrow[p] + off, _MM_HINT_T0);
-            for (int64_t i = 0; i < hn; i++) {
-#if TS_AVX512
-                v_pass_heads(vrow, i * hd, sc + i * G * L8, L8, p0, p1, first, last, G, inv + i * G, o + i * G * D, D,
-                             HALF);
-#else
-                for (int64_t g = 0; g < G; g++) {
-                    const int64_t k = i * G + g;
-                    const float *w = sc + k * L8;
-                    float *og = o + k * D;
-                    int64_t d0 = 0;
-                    for (; d0 + 64 <= D; d0 += 64) weighted_rows(vrow, i * hd, w, p0, p1, d0, 8, first, last, inv[k], og, HALF);
-                    for (; d0 + 32 <= D; d0 += 32) weighted_rows(vrow, i * hd, w, p0, p1, d0, 4, first, last, inv[k], og, HALF);
-                    for (; d0 < D; d0 += 8) weighted_rows(vrow, i * hd, w, p0, p1, d0, 1, first, last, inv[k], og, HALF);
-                }
-#endif
-            }
-        }
-        free(krow);
-        free(sc);
+        const int64_t t = lo, c = ci - nck[t], n = nck[t + 1] - nck[t], L = seq_lens[t], cl = attn_chunk_len(L);
+        const int64_t c0 = c * cl, c1 = c0 + cl < L ? c0 + cl : L;
+        attn_item(q + t * ldq, kc, vc, block_ids + t * nb, bs, tok, h0, hn, G, D, c0, c1, scale, out + t * ldo,
+                  n > 1 ? part + poff[t] + c * H * (D + 2) : NULL, HALF);
     }
+    if (part != NULL) { /* the chunks' partial results into each query head's output, in chunk order */
+        bar_wait(bar);
+#pragma omp for schedule(static) nowait
+        for (int64_t tk = 0; tk < T * H; tk++) {
+            const int64_t t = tk / H, k = tk % H, n = nck[t + 1] - nck[t], st = H * (D + 2);
+            if (n == 1) continue;
+            const float *pp = part + poff[t] + k * (D + 2);
+            float m = -INFINITY, s = 0.0f;
+            for (int64_t c = 0; c < n; c++) m = fmaxf(m, pp[c * st + D]);
+            float *w = (float *)malloc(sizeof(float) * (size_t)n);
+            for (int64_t c = 0; c < n; c++) {
+                w[c] = expf(pp[c * st + D] - m);
+                s += w[c] * pp[c * st + D + 1];
+            }
+            float *ot = out + t * ldo + k * D;
+            const __m256 r = _mm256_set1_ps(1.0f / s);
+            for (int64_t d = 0; d < D; d += 8) {
+                __m256 a = _mm256_setzero_ps();
+                for (int64_t c = 0; c < n; c++) a = _mm256_fmadd_ps(_mm256_set1_ps(w[c]), _mm256_loadu_ps(pp + c * st + d), a);
+                _mm256_storeu_ps(ot + d, _mm256_mul_ps(a, r));
+            }
+            free(w);
+        }
+    }
+    free(nck);
     bar_wait(bar);
 }
 
 static void attn_body(const float *q, int64_t ldq, const void *kv, int64_t slots, const int64_t *block_ids,
                       int64_t nb, const int64_t *seq_lens, int64_t bs, int64_t T, int64_t H, int64_t Hkv,
-                      int64_t D, float scale, float *out, int64_t ldo, ts_barrier *bar, int64_t kv_half) {
+                      int64_t D, float scale, float *out, int64_t ldo, float *part, ts_barrier *bar, int64_t kv_half) {
 #ifdef SKIP_ATTN
     bar_wait(bar); return;
 #endif
-    if (kv_half) attn_impl(q, ldq, kv, slots, block_ids, nb, seq_lens, bs, T, H, Hkv, D, scale, out, ldo, bar, 1);
-    else attn_impl(q, ldq, kv, slots, block_ids, nb, seq_lens, bs, T, H, Hkv, D, scale, out, ldo, bar, 0);
+    if (kv_half) attn_impl(q, ldq, kv, slots, block_ids, nb, seq_lens, bs, T, H, Hkv, D, scale, out, ldo, part, bar, 1);
+    else attn_impl(q, ldq, kv, slots, block_ids, nb, seq_lens, bs, T, H, Hkv, D, scale, out, ldo, part, bar, 0);
+}
+
+/* The buffer of attn_impl's partial results for these sequence lengths (NULL where no sequence is split). */
+static float *attn_part_alloc(const int64_t *seq_lens, int64_t T, int64_t H, int64_t D) {
+    const int64_t n = attn_part_floats(seq_lens, T, H, D);
+    return n ? (float *)malloc(sizeof(float) * (size_t)n) : NULL;
 }
 
 /* kv_half: the cache holds float16 (else float32). */
@@ -2342,11 +2439,13 @@ void ts_attn_decode(const float *q, int64_t ldq, const void *kv, int64_t slots, 
                     int64_t nb, const int64_t *seq_lens, int64_t bs, int64_t T, int64_t H, int64_t Hkv,
                     int64_t D, float scale, float *out, int64_t ldo, int64_t kv_half) {
     ts_barrier bar = {0};
+    float *part = attn_part_alloc(seq_lens, T, H, D);
 #pragma omp parallel
     {
         bar_join(&bar);
-        attn_body(q, ldq, kv, slots, block_ids, nb, seq_lens, bs, T, H, Hkv, D, scale, out, ldo, &bar, kv_half);
+        attn_body(q, ldq, kv, slots, block_ids, nb, seq_lens, bs, T, H, Hkv, D, scale, out, ldo, part, &bar, kv_half);
     }
+    free(part);
 }
 
 /* One decoder layer's weights, as the loader laid them out (fused qkv and gate_up). */
@@ -2384,6 +2483,7 @@ void ts_decode_layers(const ts_model *md, float *x, int64_t M, const int64_t *po
     const int64_t nqkv = (H + 2 * Hkv) * D, tok = Hkv * D, half = D / 2, esz = md->kv_half ? 2 : 4;
     float *qkv = scratch, *att = qkv + M * nqkv, *gu = att + M * H * D, *act = gu + M * 2 * I;
     const int64_t wt = md->layers[0].qkv.wt;
+    float *part = attn_part_alloc(seq_lens, M, H, D); /* (every layer's attention: the same sequence lengths) */
     ts_barrier bar = {0};
 #pragma omp parallel
     {
@@ -2412,7 +2512,7 @@ void ts_decode_layers(const ts_model *md, float *x, int64_t M, const int64_t *po
             }
             bar_wait(&bar);
             attn_body(qkv, nqkv, L->kv, md->slots, block_ids, nb, seq_lens, md->block_size, M, H, Hkv, D,
-                      md->scale, att, H * D, &bar, md->kv_half);
+                      md->scale, att, H * D, part, &bar, md->kv_half);
             prep_act(&L->o, att, H * D, M, H * D, &a);
             linear_body(att, H * D, M, &L->o, NULL, E, H * D, x, E, 1, &a, &bar);
             ts_rmsnorm(x, M, E, L->ln2, md->eps, h);
@@ -2434,4 +2534,5 @@ void ts_decode_layers(const ts_model *md, float *x, int64_t M, const int64_t *po
         free(h);
         qact_free(&a);
     }
+    free(part);
 }
