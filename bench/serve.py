@@ -251,7 +251,7 @@ async def _exchange(target: Target, body: dict, stream: _Stream) -> None:
         writer.close()
 
 
-CHARS_PER_TOKEN = 5.6  # the numbered prompts below, default model tokenizer (what --context sizes documents by)
+CHARS_PER_TOKEN = 3.55  # the numbered prompts below, default model tokenizer (what --context sizes documents by)
 
 
 def with_context(prompt: str, index: int, tokens: int) -> str:
@@ -280,7 +280,8 @@ def request_body(args: argparse.Namespace, prompt: str, mode: str, max_tokens: i
     }
 
 
-async def run_level(target: Target, args: argparse.Namespace, mode: str, concurrency: int) -> dict:
+async def run_level(target: Target, args: argparse.Namespace, mode: str, concurrency: int, first: int = 0) -> dict:
+    """first: the index of the level's first request (--context documents differ across levels too)"""
     total = args.num_requests or max(16, 2 * concurrency)
     next_index = 0
     results: list[RequestResult] = []
@@ -290,7 +291,8 @@ async def run_level(target: Target, args: argparse.Namespace, mode: str, concurr
         while next_index < total:  # closed loop: the next request leaves when this worker's last one finished
             i = next_index
             next_index += 1
-            body = request_body(args, with_context(PROMPTS[i % len(PROMPTS)], i, args.context), mode, args.max_tokens)
+            prompt = with_context(PROMPTS[i % len(PROMPTS)], first + i, args.context)
+            body = request_body(args, prompt, mode, args.max_tokens)
             results.append(await one_request(target, body))
 
     start = time.perf_counter()
@@ -343,7 +345,7 @@ async def run(args: argparse.Namespace) -> dict:
     rows = []
     for mode in args.mode:
         for c in args.concurrency:
-            rows.append(await run_level(target, args, mode, c))
+            rows.append(await run_level(target, args, mode, c, first=sum(r["num_requests"] for r in rows)))
             print(format_table(rows[-1:]).splitlines()[-1], flush=True)
     return {
         "label": args.label,

@@ -2219,19 +2219,29 @@ static inline __attribute__((always_inline)) void v_pass_heads(const char *const
 #ifndef ATTN_PC
 #define ATTN_PC 16
 #endif
-/* Positions per chunk (at most) of a long sequence's attention: a sequence of L > ATTN_CH positions is split into
- * equal chunks, each a work item of its own (split-K, "flash decoding"), whose partial results (the chunk's
- * unnormalized value sums, its maximum score and sum of weights) are then combined.  One long sequence (one
- * client, a long chat) otherwise gave the threads one item per KV head: a model with three KV heads kept one of
- * two threads idle a third of the time.  The chunks are a function of L alone, so a token's result is the same in
- * every batch (--batch-invariant) and whether it is a prompt's token or a decode. */
+/* Positions per chunk (at least: at most ATTN_MAXCH chunks) of a long sequence's attention in a step of few
+ * tokens: a sequence of L > ATTN_CH positions is split into equal chunks, each a work item of its own (split-K,
+ * "flash decoding"), whose partial results (the chunk's unnormalized value sums, its maximum score and sum of
+ * weights) are then combined.  One long sequence (one client, a long chat) otherwise gave the threads one item per
+ * KV head: a model with three KV heads kept one of two threads idle a third of the time, a 1.7B model's 32 read
+ * 10 GB/s.  Only steps of at most ATTN_SPLIT tokens per thread are split (a larger step has items enough, and a
+ * 512-token prompt chunk's partial results would take tens of MB), and never in the batch-invariant build (the
+ * split, which changes the rounding, would depend on the step).  Within a split step the chunks are a function of
+ * L alone. */
 #ifndef ATTN_CH
 #define ATTN_CH 256
 #endif
+#ifndef ATTN_MAXCH
+#define ATTN_MAXCH 64
+#endif
+#ifndef ATTN_SPLIT
+#define ATTN_SPLIT 4
+#endif
 
-/* Positions per chunk of a sequence of L positions (a multiple of 8) and the number of chunks. */
+/* Positions per chunk of a split sequence of L positions (a multiple of 8) and the number of chunks. */
 static inline int64_t attn_chunk_len(int64_t L) {
-    const int64_t n = L > ATTN_CH ? (L + ATTN_CH - 1) / ATTN_CH : 1;
+    int64_t n = L > ATTN_CH ? (L + ATTN_CH - 1) / ATTN_CH : 1;
+    if (n > ATTN_MAXCH) n = ATTN_MAXCH;
     return ((L + n - 1) / n + 7) / 8 * 8;
 }
 static inline int64_t attn_chunks(int64_t L) {
@@ -2239,15 +2249,16 @@ static inline int64_t attn_chunks(int64_t L) {
     return L > c ? (L + c - 1) / c : 1;
 }
 
-/* Floats of the partial results of tokens whose attention is split in chunks: per chunk and query head, D value
- * sums, the chunk's maximum score and its sum of weights. */
-static int64_t attn_part_floats(const int64_t *seq_lens, int64_t T, int64_t H, int64_t D) {
+/* The buffer of the partial results of a step's split sequences (per chunk and query head: D value sums, the
+ * chunk's maximum score and its sum of weights), or NULL where the step is not split (see ATTN_CH). */
+static float *attn_part_alloc(const int64_t *seq_lens, int64_t T, int64_t H, int64_t D) {
+    if (TS_BATCH_INVARIANT || T > ATTN_SPLIT * omp_get_max_threads()) return NULL;
     int64_t n = 0;
     for (int64_t t = 0; t < T; t++) {
         const int64_t c = attn_chunks(seq_lens[t]);
         if (c > 1) n += c * H * (D + 2);
     }
-    return n;
+    return n ? (float *)malloc(sizeof(float) * (size_t)n) : NULL;
 }
 
 /* One work item: query heads of KV heads h0..h0+hn-1 of one token (query row qt) over its positions c0..c1-1 (the
@@ -2352,8 +2363,8 @@ static inline __attribute__((always_inline)) void attn_item(const float *qt, con
  * in the cache, so an item reads runs of hb * D values per position where one KV head per item read D (128 bytes
  * at D = 64 in float16, one every 4 KB: 7 GB/s, a third of this VM's read bandwidth, and 20% of a 16-row step of a
  * 1.7B model).  A float16 cache (HALF) halves the bytes read, which bound this at large batches.  Each head's
- * results are those of one head per item.  part: attn_part_floats(...) floats (NULL when that is 0), for the
- * chunks' partial results, combined per query head after the items (a second pass, after a barrier). */
+ * results are those of one head per item.  part (attn_part_alloc; NULL: no sequence split): the chunks' partial
+ * results, combined per query head after the items (a second pass, after a barrier). */
 static inline __attribute__((always_inline)) void attn_impl(const float *q, int64_t ldq, const void *kv, int64_t slots,
                                                             const int64_t *block_ids, int64_t nb, const int64_t *seq_lens,
                                                             int64_t bs, int64_t T, int64_t H, int64_t Hkv, int64_t D,
@@ -2366,7 +2377,7 @@ static inline __attribute__((always_inline)) void attn_impl(const float *q, int6
     int64_t *nck = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * T + 1)), *poff = nck + T + 1;
     nck[0] = 0;
     for (int64_t t = 0, po = 0; t < T; t++) {
-        const int64_t c = attn_chunks(seq_lens[t]);
+        const int64_t c = part ? attn_chunks(seq_lens[t]) : 1;
         nck[t + 1] = nck[t] + c;
         poff[t] = po;
         if (c > 1) po += c * H * (D + 2);
@@ -2385,8 +2396,8 @@ static inline __attribute__((always_inline)) void attn_impl(const float *q, int6
             if (nck[mid] <= ci) lo = mid;
             else hi = mid - 1;
         }
-        const int64_t t = lo, c = ci - nck[t], n = nck[t + 1] - nck[t], L = seq_lens[t], cl = attn_chunk_len(L);
-        const int64_t c0 = c * cl, c1 = c0 + cl < L ? c0 + cl : L;
+        const int64_t t = lo, c = ci - nck[t], n = nck[t + 1] - nck[t], L = seq_lens[t];
+        const int64_t cl = n > 1 ? attn_chunk_len(L) : L, c0 = c * cl, c1 = c0 + cl < L ? c0 + cl : L;
         attn_item(q + t * ldq, kc, vc, block_ids + t * nb, bs, tok, h0, hn, G, D, c0, c1, scale, out + t * ldo,
                   n > 1 ? part + poff[t] + c * H * (D + 2) : NULL, HALF);
     }
@@ -2426,12 +2437,6 @@ static void attn_body(const float *q, int64_t ldq, const void *kv, int64_t slots
 #endif
     if (kv_half) attn_impl(q, ldq, kv, slots, block_ids, nb, seq_lens, bs, T, H, Hkv, D, scale, out, ldo, part, bar, 1);
     else attn_impl(q, ldq, kv, slots, block_ids, nb, seq_lens, bs, T, H, Hkv, D, scale, out, ldo, part, bar, 0);
-}
-
-/* The buffer of attn_impl's partial results for these sequence lengths (NULL where no sequence is split). */
-static float *attn_part_alloc(const int64_t *seq_lens, int64_t T, int64_t H, int64_t D) {
-    const int64_t n = attn_part_floats(seq_lens, T, H, D);
-    return n ? (float *)malloc(sizeof(float) * (size_t)n) : NULL;
 }
 
 /* kv_half: the cache holds float16 (else float32). */
