@@ -76,8 +76,10 @@ def table(report: dict) -> str:
         cells = []
         for n in names:
             r = next((x for x in report["servers"][n]["results"] if (x["mode"], x["concurrency"]) == (mode, c)), None)
-            cells.append("—" if r is None else f"{r['output_tok_s']:.0f} ({r['ttft_p50_ms']:.0f})"
-                         + (f" {r['errors']} err" if r["errors"] else ""))
+            if r is None or not r["completed"]:  # (a level whose every request failed has no figures)
+                cells.append("—" if r is None else f"{r['errors']} err: {(r['first_errors'] or [''])[0][:80]}")
+                continue
+            cells.append(f"{r['output_tok_s']:.0f} ({r['ttft_p50_ms']:.0f})" + (f" {r['errors']} err" if r["errors"] else ""))
         lines.append(f"| c={c} {mode} | " + " | ".join(cells) + " |")
     st = [f"{report['servers'][n]['startup_s']:.1f} s / {report['servers'][n].get('peak_rss_mib', 0):.0f} MiB"
           for n in names]

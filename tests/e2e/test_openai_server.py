@@ -472,6 +472,17 @@ def test_bench_serve_smoke(base_url, model, tmp_path):
     for row in rows:
         assert row["errors"] == 0 and row["completed"] == 4 and row["output_tokens"] == 16
         assert row["ttft_p50_ms"] is not None and row["output_tok_s"] > 0
+    # --context: a document of about N tokens before each question, a different one per request and per level
+    from bench.serve import with_context
+
+    ctx = main(["--base-url", base_url, "--model", model, "--concurrency", "1", "2", "--mode", "greedy",
+                "--max-tokens", "2", "--num-requests", "2", "--context", "100"])["results"]
+    plain = max(row["prompt_tokens_p50"] for row in rows)
+    assert all(row["errors"] == 0 and row["prompt_tokens_p50"] > 2 * plain for row in ctx)
+    if model != "fake-model":  # (the fake engine's tokenizer reads characters, not the default model's tokens)
+        assert all(80 <= row["prompt_tokens_p50"] <= 170 for row in ctx)
+    docs = {with_context("Hi", i, 100).split("With those notes")[0] for i in range(4)}
+    assert len(docs) == 4 and with_context("Hi", 0, 0) == "Hi"
 
 
 def test_bench_serve_reports_failures(base_url, model):
