@@ -17,7 +17,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 import psutil
 
-from bench.common import percentile, write_json
+from bench.common import free_port, percentile, write_json
 
 MODEL = "SmolLM2-135M-Instruct"
 CHAT = [{"role": "user", "content": "Hello"}]
@@ -191,12 +190,6 @@ def serve(port: int, *flags: str) -> subprocess.Popen:
         time.sleep(0.2)
     proc.kill()
     raise RuntimeError("the server did not start")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

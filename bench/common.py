@@ -71,7 +71,6 @@ def write_json(name: str, data: dict) -> Path:
     return path
 
 
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -120,6 +119,7 @@ def stop_server(proc: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     proc.wait(10)
+
 
 def built_library(so: Path, isa: str, defines: tuple[str, ...] = (), csrc: Path | None = None) -> ctypes.CDLL:
     """A variant of the C kernels built for `isa` into `so` (cpu._build: `defines`, or the sources of another folder)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -22,15 +21,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from bench.common import write_json
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench.common import ROOT, free_port, write_json
 
 
 def time_to_healthy(quantization: str, extra: list[str], timeout_s: float = 120.0, log: Path | None = None) -> float:

@@ -2249,16 +2249,33 @@ static inline int64_t attn_chunks(int64_t L) {
     return L > c ? (L + c - 1) / c : 1;
 }
 
-/* The buffer of the partial results of a step's split sequences (per chunk and query head: D value sums, the
- * chunk's maximum score and its sum of weights), or NULL where the step is not split (see ATTN_CH). */
-static float *attn_part_alloc(const int64_t *seq_lens, int64_t T, int64_t H, int64_t D) {
-    if (TS_BATCH_INVARIANT || T > ATTN_SPLIT * omp_get_max_threads()) return NULL;
-    int64_t n = 0;
+/* A step's attention plan, the same for every layer: per token its first chunk's index among all tokens' chunks
+ * (nck[T]: their count) and the offset of its partial results in part (per chunk and query head: D value sums, the
+ * chunk's maximum score and its sum of weights); part NULL where no sequence is split (see ATTN_CH). */
+typedef struct {
+    int64_t *nck, *poff;
+    float *part;
+} attn_plan;
+
+static attn_plan attn_plan_make(const int64_t *seq_lens, int64_t T, int64_t H, int64_t D) {
+    const int split = !TS_BATCH_INVARIANT && T <= ATTN_SPLIT * omp_get_max_threads();
+    attn_plan pl = {(int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * T + 1)), NULL, NULL};
+    pl.poff = pl.nck + T + 1;
+    pl.nck[0] = 0;
+    int64_t po = 0;
     for (int64_t t = 0; t < T; t++) {
-        const int64_t c = attn_chunks(seq_lens[t]);
-        if (c > 1) n += c * H * (D + 2);
+        const int64_t c = split ? attn_chunks(seq_lens[t]) : 1;
+        pl.nck[t + 1] = pl.nck[t] + c;
+        pl.poff[t] = po;
+        if (c > 1) po += c * H * (D + 2);
     }
-    return n ? (float *)malloc(sizeof(float) * (size_t)n) : NULL;
+    if (po) pl.part = (float *)malloc(sizeof(float) * (size_t)po);
+    return pl;
+}
+
+static void attn_plan_free(attn_plan *pl) {
+    free(pl->nck);
+    free(pl->part);
 }
 
 /* One work item: query heads of KV heads h0..h0+hn-1 of one token (query row qt) over its positions c0..c1-1 (the
@@ -2363,25 +2380,17 @@ static inline __attribute__((always_inline)) void attn_item(const float *qt, con
  * in the cache, so an item reads runs of hb * D values per position where one KV head per item read D (128 bytes
  * at D = 64 in float16, one every 4 KB: 7 GB/s, a third of this VM's read bandwidth, and 20% of a 16-row step of a
  * 1.7B model).  A float16 cache (HALF) halves the bytes read, which bound this at large batches.  Each head's
- * results are those of one head per item.  part (attn_part_alloc; NULL: no sequence split): the chunks' partial
- * results, combined per query head after the items (a second pass, after a barrier). */
+ * results are those of one head per item.  pl: the step's plan (attn_plan_make); a split sequence's chunks' partial
+ * results are combined per query head after the items (a second pass, after a barrier). */
 static inline __attribute__((always_inline)) void attn_impl(const float *q, int64_t ldq, const void *kv, int64_t slots,
                                                             const int64_t *block_ids, int64_t nb, const int64_t *seq_lens,
                                                             int64_t bs, int64_t T, int64_t H, int64_t Hkv, int64_t D,
-                                                            float scale, float *out, int64_t ldo, float *part,
-                                                            ts_barrier *bar, const int HALF) {
+                                                            float scale, float *out, int64_t ldo,
+                                                            const attn_plan *pl, ts_barrier *bar, const int HALF) {
     const int64_t G = H / Hkv, tok = Hkv * D, esz = HALF ? 2 : 4;
     const char *kc = (const char *)kv, *vc = kc + slots * tok * esz;
-    /* per token: its first chunk's index among all tokens' chunks (nck[T]: their count) and its partial results'
-     * offset in part */
-    int64_t *nck = (int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * T + 1)), *poff = nck + T + 1;
-    nck[0] = 0;
-    for (int64_t t = 0, po = 0; t < T; t++) {
-        const int64_t c = part ? attn_chunks(seq_lens[t]) : 1;
-        nck[t + 1] = nck[t] + c;
-        poff[t] = po;
-        if (c > 1) po += c * H * (D + 2);
-    }
+    const int64_t *nck = pl->nck, *poff = pl->poff;
+    float *part = pl->part;
     /* fewer heads per item where the items would not give every thread two (one short sequence: a 1.7B model's
      * 32 KV heads in 4 items) */
     int64_t hb = Hkv < ATTN_HB ? Hkv : ATTN_HB;
@@ -2425,18 +2434,18 @@ static inline __attribute__((always_inline)) void attn_impl(const float *q, int6
             free(w);
         }
     }
-    free(nck);
     bar_wait(bar);
 }
 
 static void attn_body(const float *q, int64_t ldq, const void *kv, int64_t slots, const int64_t *block_ids,
                       int64_t nb, const int64_t *seq_lens, int64_t bs, int64_t T, int64_t H, int64_t Hkv,
-                      int64_t D, float scale, float *out, int64_t ldo, float *part, ts_barrier *bar, int64_t kv_half) {
+                      int64_t D, float scale, float *out, int64_t ldo, const attn_plan *pl, ts_barrier *bar,
+                      int64_t kv_half) {
 #ifdef SKIP_ATTN
     bar_wait(bar); return;
 #endif
-    if (kv_half) attn_impl(q, ldq, kv, slots, block_ids, nb, seq_lens, bs, T, H, Hkv, D, scale, out, ldo, part, bar, 1);
-    else attn_impl(q, ldq, kv, slots, block_ids, nb, seq_lens, bs, T, H, Hkv, D, scale, out, ldo, part, bar, 0);
+    if (kv_half) attn_impl(q, ldq, kv, slots, block_ids, nb, seq_lens, bs, T, H, Hkv, D, scale, out, ldo, pl, bar, 1);
+    else attn_impl(q, ldq, kv, slots, block_ids, nb, seq_lens, bs, T, H, Hkv, D, scale, out, ldo, pl, bar, 0);
 }
 
 /* kv_half: the cache holds float16 (else float32). */
@@ -2444,13 +2453,13 @@ void ts_attn_decode(const float *q, int64_t ldq, const void *kv, int64_t slots, 
                     int64_t nb, const int64_t *seq_lens, int64_t bs, int64_t T, int64_t H, int64_t Hkv,
                     int64_t D, float scale, float *out, int64_t ldo, int64_t kv_half) {
     ts_barrier bar = {0};
-    float *part = attn_part_alloc(seq_lens, T, H, D);
+    attn_plan pl = attn_plan_make(seq_lens, T, H, D);
 #pragma omp parallel
     {
         bar_join(&bar);
-        attn_body(q, ldq, kv, slots, block_ids, nb, seq_lens, bs, T, H, Hkv, D, scale, out, ldo, part, &bar, kv_half);
+        attn_body(q, ldq, kv, slots, block_ids, nb, seq_lens, bs, T, H, Hkv, D, scale, out, ldo, &pl, &bar, kv_half);
     }
-    free(part);
+    attn_plan_free(&pl);
 }
 
 /* One decoder layer's weights, as the loader laid them out (fused qkv and gate_up). */
@@ -2488,7 +2497,7 @@ void ts_decode_layers(const ts_model *md, float *x, int64_t M, const int64_t *po
     const int64_t nqkv = (H + 2 * Hkv) * D, tok = Hkv * D, half = D / 2, esz = md->kv_half ? 2 : 4;
     float *qkv = scratch, *att = qkv + M * nqkv, *gu = att + M * H * D, *act = gu + M * 2 * I;
     const int64_t wt = md->layers[0].qkv.wt;
-    float *part = attn_part_alloc(seq_lens, M, H, D); /* (every layer's attention: the same sequence lengths) */
+    attn_plan pl = attn_plan_make(seq_lens, M, H, D); /* (every layer's attention: the same sequence lengths) */
     ts_barrier bar = {0};
 #pragma omp parallel
     {
@@ -2517,7 +2526,7 @@ void ts_decode_layers(const ts_model *md, float *x, int64_t M, const int64_t *po
             }
             bar_wait(&bar);
             attn_body(qkv, nqkv, L->kv, md->slots, block_ids, nb, seq_lens, md->block_size, M, H, Hkv, D,
-                      md->scale, att, H * D, part, &bar, md->kv_half);
+                      md->scale, att, H * D, &pl, &bar, md->kv_half);
             prep_act(&L->o, att, H * D, M, H * D, &a);
             linear_body(att, H * D, M, &L->o, NULL, E, H * D, x, E, 1, &a, &bar);
             ts_rmsnorm(x, M, E, L->ln2, md->eps, h);
@@ -2539,5 +2548,5 @@ void ts_decode_layers(const ts_model *md, float *x, int64_t M, const int64_t *po
         free(h);
         qact_free(&a);
     }
-    free(part);
+    attn_plan_free(&pl);
 }
