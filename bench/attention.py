@@ -103,8 +103,8 @@ def main() -> None:
                 rows.append(row)
                 cols = "  ".join(f"{n}: {row[n]['ms']:7.2f} ms {row[n]['gb_s']:5.1f} GB/s ({row[n]['ratio']:.2f}x)"
                                  for n in libs)
-                print(f"{shape:13s} {t:3d} tokens x {n:5d} positions  {cols}"
-                      + ("" if row["bit_identical"] else f"  results differ by up to {row['max_abs_diff']:.2g}"), flush=True)
+                differ = "" if row["bit_identical"] else f"  results differ by up to {row['max_abs_diff']:.2g}"
+                print(f"{shape:13s} {t:3d} tokens x {n:5d} positions  {cols}{differ}", flush=True)
     path = write_json(args.out, {"threads": torch.get_num_threads(), "read_gb_s": round(bw, 2), "layers": LAYERS,
                                  "against": args.against, "rows": rows})
     print(f"read bandwidth {bw:.1f} GB/s; wrote {path}")

@@ -79,7 +79,8 @@ def table(report: dict) -> str:
             if r is None or not r["completed"]:  # (a level whose every request failed has no figures)
                 cells.append("—" if r is None else f"{r['errors']} err: {(r['first_errors'] or [''])[0][:80]}")
                 continue
-            cells.append(f"{r['output_tok_s']:.0f} ({r['ttft_p50_ms']:.0f})" + (f" {r['errors']} err" if r["errors"] else ""))
+            cells.append(f"{r['output_tok_s']:.0f} ({r['ttft_p50_ms']:.0f})"
+                         + (f" {r['errors']} err" if r["errors"] else ""))
         lines.append(f"| c={c} {mode} | " + " | ".join(cells) + " |")
     st = [f"{report['servers'][n]['startup_s']:.1f} s / {report['servers'][n].get('peak_rss_mib', 0):.0f} MiB"
           for n in names]
@@ -105,7 +106,8 @@ def main() -> None:
     if args.context:  # llama.cpp's default slots (64 x 512 tokens) cannot hold the prompts
         np_ = max(args.concurrency)
         env.update(NP=str(np_), CTX=str(np_ * (args.context + args.max_tokens + 1024)))
-    report: dict = {"max_tokens": args.max_tokens, "context": args.context, "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "servers": {}}
+    report: dict = {"max_tokens": args.max_tokens, "context": args.context,
+                    "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "servers": {}}
     for name in args.servers:
         print(f"== {name}", flush=True)
         try:
