@@ -2419,7 +2419,7 @@ static inline __attribute__((always_inline)) void attn_impl(const float *q, int6
             const float *pp = part + poff[t] + k * (D + 2);
             float m = -INFINITY, s = 0.0f;
             for (int64_t c = 0; c < n; c++) m = fmaxf(m, pp[c * st + D]);
-            float *w = (float *)malloc(sizeof(float) * (size_t)n);
+            float w[ATTN_MAXCH]; /* (attn_chunks: at most ATTN_MAXCH) */
             for (int64_t c = 0; c < n; c++) {
                 w[c] = expf(pp[c * st + D] - m);
                 s += w[c] * pp[c * st + D + 1];
@@ -2431,7 +2431,6 @@ static inline __attribute__((always_inline)) void attn_impl(const float *q, int6
                 for (int64_t c = 0; c < n; c++) a = _mm256_fmadd_ps(_mm256_set1_ps(w[c]), _mm256_loadu_ps(pp + c * st + d), a);
                 _mm256_storeu_ps(ot + d, _mm256_mul_ps(a, r));
             }
-            free(w);
         }
     }
     bar_wait(bar);
