@@ -3,6 +3,7 @@ bandwidth measured in the same run, and optionally against the library of anothe
 
     python -m bench.attention [--shapes smollm2-135m smollm2-1.7b] [--tokens 16 64] [--positions 200]
                               [--against REV] [--out attention.json]
+    python -m bench.attention --prompt --tokens 512 --positions 0 3584 --out attention_prompt.json
 
 Per model shape (query heads, KV heads, head dim: SmolLM2-135M 9/3/64, SmolLM2-360M 15/5/64, SmolLM2-1.7B 32/32/64
 (no GQA), Llama-3.1-8B 32/8/128), `--tokens` decode tokens each attend to `--positions` positions of their own
@@ -11,7 +12,10 @@ LAYERS distinct caches (so each call reads its cache from memory, as a step does
 LAYERS calls, median of alternating rounds.  `GB/s` = the K and V bytes a step must read / its time; `ratio` = that
 / a 1 GiB float32 `sum()` with the same threads (bench.bandwidth's reader).  `--against REV` builds the kernels
 of git revision REV (its tokenspout/kernels/csrc) and times both libraries in alternating rounds (results must be
-bit-identical: the order of the sums is fixed).  Writes bench/results/attention.json.
+bit-identical where the order of the sums is the same).  Writes bench/results/attention.json.
+`--prompt`: the `--tokens` are instead one sequence's prompt chunk after `--positions` cached positions (token j
+attends to positions + j + 1 of them, all over one block table), as a prefill step computes them; `GB/s` then counts
+the cache bytes once and `GFLOP/s` the products' (2 x scores + 2 x value sums) multiply-adds.
 """
 
 from __future__ import annotations
@@ -37,14 +41,20 @@ LAYERS = 24
 BLOCK = 16
 
 
-def case(libs: dict[str, ctypes.CDLL], shape: str, tokens: int, positions: int, rounds: int) -> dict:
+def case(libs: dict[str, ctypes.CDLL], shape: str, tokens: int, positions: int, rounds: int, prompt: bool) -> dict:
     h, hkv, d = SHAPES[shape]
     g = torch.Generator().manual_seed(0)
-    nb = (positions + BLOCK - 1) // BLOCK
-    nblocks = tokens * nb
+    if prompt:  # one sequence: its cached positions, then the chunk's tokens
+        nb = (positions + tokens + BLOCK - 1) // BLOCK
+        nblocks = nb
+        table = torch.randperm(nblocks, generator=g).view(1, nb).expand(tokens, nb).contiguous()
+        lens = torch.arange(positions + 1, positions + tokens + 1, dtype=torch.int64)
+    else:
+        nb = (positions + BLOCK - 1) // BLOCK
+        nblocks = tokens * nb
+        table = torch.randperm(nblocks, generator=g).view(tokens, nb).contiguous()
+        lens = torch.full((tokens,), positions, dtype=torch.int64)
     caches = [torch.randn(2, nblocks * BLOCK, hkv, d, generator=g).half() for _ in range(LAYERS)]
-    table = torch.randperm(nblocks, generator=g).view(tokens, nb).contiguous()
-    lens = torch.full((tokens,), positions, dtype=torch.int64)
     q = torch.randn(tokens, h * d, generator=g)
     outs = {name: torch.empty(tokens, h * d) for name in libs}
 
@@ -65,12 +75,14 @@ def case(libs: dict[str, ctypes.CDLL], shape: str, tokens: int, positions: int, 
             t0 = time.perf_counter()
             step(name)
             times[name].append(time.perf_counter() - t0)
-    nbytes = 2 * tokens * positions * hkv * d * 2 * LAYERS
-    row: dict = {"shape": shape, "tokens": tokens, "positions": positions, "bytes": nbytes, "bit_identical": same,
-                 "max_abs_diff": diff}
+    nbytes = 2 * (positions + tokens if prompt else tokens * positions) * hkv * d * 2 * LAYERS
+    flops = 2 * 2 * int(lens.sum()) * h * d * LAYERS
+    row: dict = {"shape": shape, "tokens": tokens, "positions": positions, "prompt": prompt, "bytes": nbytes,
+                 "bit_identical": same, "max_abs_diff": diff}
     for name in names:
         s = statistics.median(times[name])
-        row[name] = {"ms": round(s * 1e3, 2), "gb_s": round(nbytes / s / 1e9, 2)}
+        row[name] = {"ms": round(s * 1e3, 2), "gb_s": round(nbytes / s / 1e9, 2),
+                     "gflop_s": round(flops / s / 1e9, 1)}
     return row
 
 
@@ -82,6 +94,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--against", default=None, help="a git revision whose kernels to time beside today's")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--prompt", action="store_true", help="the tokens are one sequence's prompt chunk (see above)")
     ap.add_argument("--out", default="attention.json", help="file name under bench/results/")
     args = ap.parse_args()
     if args.threads:
@@ -97,12 +110,12 @@ def main() -> None:
         rows = []
         for shape in args.shapes:
             for t, n in [(t, n) for n in args.positions for t in args.tokens]:
-                row = case(libs, shape, t, n, args.rounds)
+                row = case(libs, shape, t, n, args.rounds, args.prompt)
                 for name in libs:
                     row[name]["ratio"] = round(row[name]["gb_s"] / bw, 3)
                 rows.append(row)
                 cols = "  ".join(f"{n}: {row[n]['ms']:7.2f} ms {row[n]['gb_s']:5.1f} GB/s ({row[n]['ratio']:.2f}x)"
-                                 for n in libs)
+                                 + (f" {row[n]['gflop_s']:5.1f} GFLOP/s" if args.prompt else "") for n in libs)
                 differ = "" if row["bit_identical"] else f"  results differ by up to {row['max_abs_diff']:.2g}"
                 print(f"{shape:13s} {t:3d} tokens x {n:5d} positions  {cols}{differ}", flush=True)
     path = write_json(args.out, {"threads": torch.get_num_threads(), "read_gb_s": round(bw, 2), "layers": LAYERS,

@@ -235,6 +235,30 @@ def test_long_sequences_split_in_chunks_match_sdpa(lib, h: int, hkv: int, d: int
         assert torch.equal(alone[0], out[t]), f"token {t} ({n} positions) alone differs from its result in the batch"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("h, hkv, d, prompts", [(9, 3, 64, [(0, 40)]), (9, 3, 64, [(150, 37), (0, 1), (5, 20)]),
+                                                (4, 4, 128, [(70, 33), (0, 9)]), (14, 2, 24, [(300, 13), (0, 12)]),
+                                                (32, 8, 128, [(3, 25)]), (5, 1, 16, [(65, 64), (1, 3)])])
+def test_prompt_chunks_in_runs_match_sdpa(lib, h: int, hkv: int, d: int, prompts: list[tuple[int, int]], dtype):
+    """A step of prompt chunks (each (cached positions, new tokens): token j of a chunk attends to its first
+    cached + j + 1 positions, all over one block table) in the default build goes through runs of a sequence's
+    tokens that share each K / V row (attn_run: chunks of 64 positions, an online softmax, the causal edge inside a
+    chunk and across two): query heads per KV head 1, 3, 4, 5 and 7 (runs of 48 / G tokens at most), head dims 16
+    to 128, runs cut at 16 tokens and at a change of sequence, a lone token between runs, against SDPA."""
+    g = torch.Generator().manual_seed(2)
+    bs = 16
+    nb = max(c + n for c, n in prompts) // bs + 1
+    nblocks = len(prompts) * nb
+    kv = torch.randn(2, nblocks * bs, hkv, d, generator=g).to(dtype)
+    seq_tables = torch.randperm(nblocks, generator=g).view(len(prompts), nb)
+    rows = [i for i, (c, n) in enumerate(prompts) for _ in range(n)]
+    lens = [c + j + 1 for c, n in prompts for j in range(n)]
+    table = seq_tables[rows].contiguous()
+    q = torch.randn(len(lens), h, d, generator=g)
+    out = _attn(lib, q, kv, table, lens, bs, hkv)
+    torch.testing.assert_close(out, _sdpa_over_table(kv, q, table, lens, bs, h // hkv), atol=2e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("fn", [quantize_int4, quantize_int8])
 def test_quantize_rows_in_chunks_equals_the_whole_matrix(fn):
     """The streaming loader quantizes a fused weight from its checkpoint parts, a chunk of rows at a time: the same

@@ -2237,6 +2237,17 @@ static inline __attribute__((always_inline)) void v_pass_heads(const char *const
 #ifndef ATTN_SPLIT
 #define ATTN_SPLIT 4
 #endif
+/* Runs of a prompt chunk's tokens (see attn_run): ATTN_RUN tokens at most, ATTN_RUNROWS query rows (tokens x query
+ * heads per KV head) at most, and positions in chunks of ATTN_KC. */
+#ifndef ATTN_RUN
+#define ATTN_RUN 48
+#endif
+#ifndef ATTN_RUNROWS
+#define ATTN_RUNROWS 48
+#endif
+#ifndef ATTN_KC
+#define ATTN_KC 64
+#endif
 
 /* Positions per chunk of a split sequence of L positions (a multiple of 8) and the number of chunks. */
 static inline int64_t attn_chunk_len(int64_t L) {
@@ -2251,20 +2262,45 @@ static inline int64_t attn_chunks(int64_t L) {
 
 /* A step's attention plan, the same for every layer: per token its first chunk's index among all tokens' chunks
  * (nck[T]: their count) and the offset of its partial results in part (per chunk and query head: D value sums, the
- * chunk's maximum score and its sum of weights); part NULL where no sequence is split (see ATTN_CH). */
+ * chunk's maximum score and its sum of weights); part NULL where no sequence is split (see ATTN_CH).  run: the
+ * step's runs (see attn_run; nrun of them), each its first token and its length; a token in a run has no chunk. */
 typedef struct {
     int64_t *nck, *poff;
     float *part;
+    int64_t nrun, *run;
 } attn_plan;
 
-static attn_plan attn_plan_make(const int64_t *seq_lens, int64_t T, int64_t H, int64_t D) {
-    const int split = !TS_BATCH_INVARIANT && T <= ATTN_SPLIT * omp_get_max_threads();
-    attn_plan pl = {(int64_t *)malloc(sizeof(int64_t) * (size_t)(2 * T + 1)), NULL, NULL};
+/* Token b continues token a's sequence: one position more, over the same blocks. */
+static inline int attn_next(const int64_t *seq_lens, const int64_t *block_ids, int64_t nb, int64_t bs, int64_t a,
+                            int64_t b) {
+    return seq_lens[b] == seq_lens[a] + 1 &&
+           !memcmp(block_ids + a * nb, block_ids + b * nb, sizeof(int64_t) * (size_t)((seq_lens[b] + bs - 1) / bs));
+}
+
+static attn_plan attn_plan_make(const int64_t *seq_lens, const int64_t *block_ids, int64_t nb, int64_t bs, int64_t T,
+                                int64_t H, int64_t Hkv, int64_t D) {
+    const int threads = omp_get_max_threads(), split = !TS_BATCH_INVARIANT && T <= ATTN_SPLIT * threads;
+    /* tokens per run: at most ATTN_RUNROWS query rows, and short enough that the runs' items (one per run and KV
+     * head) give every thread several */
+    int64_t qb = ATTN_RUNROWS / (H / Hkv) < ATTN_RUN ? ATTN_RUNROWS / (H / Hkv) : ATTN_RUN;
+    while (qb > 2 && T / qb * Hkv < 4 * threads) qb /= 2;
+    const int runs = !TS_BATCH_INVARIANT && !split && qb >= 2;
+    attn_plan pl = {(int64_t *)malloc(sizeof(int64_t) * (size_t)(4 * T + 1)), NULL, NULL, 0, NULL};
     pl.poff = pl.nck + T + 1;
+    pl.run = pl.poff + T;
     pl.nck[0] = 0;
-    int64_t po = 0;
+    int64_t po = 0, left = 0; /* left: tokens of the current run after this one */
     for (int64_t t = 0; t < T; t++) {
-        const int64_t c = split ? attn_chunks(seq_lens[t]) : 1;
+        if (runs && left == 0) {
+            int64_t n = 1;
+            while (t + n < T && n < qb && attn_next(seq_lens, block_ids, nb, bs, t + n - 1, t + n)) n++;
+            if (n >= 2) {
+                pl.run[2 * pl.nrun] = t, pl.run[2 * pl.nrun + 1] = n, pl.nrun++;
+                left = n;
+            }
+        }
+        const int64_t c = left ? 0 : split ? attn_chunks(seq_lens[t]) : 1;
+        if (left) left--;
         pl.nck[t + 1] = pl.nck[t] + c;
         pl.poff[t] = po;
         if (c > 1) po += c * H * (D + 2);
@@ -2374,6 +2410,129 @@ static inline __attribute__((always_inline)) void attn_item(const float *qt, con
     free(sc);
 }
 
+/* ---- prompt attention: runs of a sequence's consecutive tokens ----
+ * A prompt chunk's tokens attend to the same positions (token j of a run to one more than token j - 1), so a run of
+ * them can share each K and V row: per KV head, a run's query rows (its tokens x the KV head's query heads) against
+ * a chunk of ATTN_KC positions at a time is two small matrix products, S = K Q^T and O^T += V^T P, with an online
+ * softmax between them (flash attention's running maximum and sum per query row).  Token by token (attn_item) every
+ * row was read and widened once per token and each of its values fed one FMA per query head; here a widened row in
+ * L1 feeds every query row of the run, and the products run as register tiles (mk_tile: 6 x 16 outputs, 12 FMAs
+ * per 8 loads).  Runs are formed per step (attn_plan_make) in the default build where the step is not split. */
+
+/* C[i][0 .. 8 NR) for i < NI (row stride ldc) = C * alpha (alpha NULL: 0) + sum over x < X of A[i * sai + x * sax]
+ * B[x][0 .. 8 NR) (row stride ldb): a register tile of NI x NR vectors (NI, NR literals at each call). */
+static inline __attribute__((always_inline)) void mk_tile(const float *A, int64_t sai, int64_t sax, const float *B,
+                                                          int64_t ldb, int64_t X, float *C, int64_t ldc,
+                                                          const float *alpha, const int NI, const int NR) {
+    __m256 c[6][2];
+    for (int i = 0; i < NI; i++)
+        for (int j = 0; j < NR; j++)
+            c[i][j] = alpha ? _mm256_mul_ps(_mm256_loadu_ps(C + i * ldc + 8 * j), _mm256_loadu_ps(alpha + 8 * j))
+                            : _mm256_setzero_ps();
+    for (int64_t x = 0; x < X; x++) {
+        const __m256 b0 = _mm256_loadu_ps(B + x * ldb), b1 = NR > 1 ? _mm256_loadu_ps(B + x * ldb + 8) : b0;
+        for (int i = 0; i < NI; i++) {
+            const __m256 a = _mm256_broadcast_ss(A + i * sai + x * sax);
+            c[i][0] = _mm256_fmadd_ps(a, b0, c[i][0]);
+            if (NR > 1) c[i][1] = _mm256_fmadd_ps(a, b1, c[i][1]);
+        }
+    }
+    for (int i = 0; i < NI; i++)
+        for (int j = 0; j < NR; j++) _mm256_storeu_ps(C + i * ldc + 8 * j, c[i][j]);
+}
+
+/* C[I][R8] (row stride R8; R8 a multiple of 8) = C * alpha (NULL: 0) + A B, A[i][x] at A + i * sai + x * sax, B[X][R8] */
+static void mk_product(const float *A, int64_t sai, int64_t sax, int64_t I, const float *B, int64_t X, int64_t R8,
+                       float *C, const float *alpha) {
+    for (int64_t r0 = 0; r0 < R8; r0 += 16) {
+        const int two = R8 - r0 >= 16;
+        const float *al = alpha ? alpha + r0 : NULL;
+        int64_t i0 = 0;
+        for (; i0 + 6 <= I; i0 += 6) {
+            if (two) mk_tile(A + i0 * sai, sai, sax, B + r0, R8, X, C + i0 * R8 + r0, R8, al, 6, 2);
+            else mk_tile(A + i0 * sai, sai, sax, B + r0, R8, X, C + i0 * R8 + r0, R8, al, 6, 1);
+        }
+#define MK_REST(NI)                                                                                     \
+    case NI:                                                                                            \
+        if (two) mk_tile(A + i0 * sai, sai, sax, B + r0, R8, X, C + i0 * R8 + r0, R8, al, NI, 2);       \
+        else mk_tile(A + i0 * sai, sai, sax, B + r0, R8, X, C + i0 * R8 + r0, R8, al, NI, 1);           \
+        break;
+        switch (I - i0) {
+            MK_REST(1)
+            MK_REST(2)
+            MK_REST(3)
+            MK_REST(4)
+            MK_REST(5)
+        default: break;
+        }
+#undef MK_REST
+    }
+}
+
+/* One run item: tokens t0 .. t0 + n - 1 of one sequence (token j attends to positions 0 .. L0 + j - 1; block table
+ * bt), the G query heads of KV head h.  Query row r = j * G + g (query head h * G + g of token t0 + j). */
+static inline __attribute__((always_inline)) void attn_run(const float *q, int64_t ldq, const char *kc, const char *vc,
+                                                           const int64_t *bt, int64_t bs, int64_t tok, int64_t h,
+                                                           int64_t G, int64_t D, int64_t L0, int64_t n, float scale,
+                                                           float *out, int64_t ldo, const int HALF) {
+    const int64_t esz = HALF ? 2 : 4, R = n * G, R8 = (R + 7) / 8 * 8, L = L0 + n - 1, KC = ATTN_KC;
+    float *kf = (float *)malloc(sizeof(float) * (size_t)(2 * KC * D + KC * R8 + 2 * D * R8 + 3 * R8));
+    float *vf = kf + KC * D, *s = vf + KC * D, *qt = s + KC * R8, *ot = qt + D * R8, *m = ot + D * R8, *l = m + R8,
+          *alpha = l + R8;
+    const char *krow[ATTN_KC], *vrow[ATTN_KC];
+    /* Q^T, scaled (the padding rows zero: their scores 0, never read back) */
+    memset(qt, 0, sizeof(float) * (size_t)(D * R8));
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t g = 0; g < G; g++) {
+            const float *qr = q + j * ldq + (h * G + g) * D;
+            for (int64_t d = 0; d < D; d++) qt[d * R8 + j * G + g] = qr[d] * scale;
+        }
+    memset(ot, 0, sizeof(float) * (size_t)(D * R8));
+    for (int64_t r = 0; r < R8; r++) m[r] = -INFINITY, l[r] = 0.0f;
+    for (int64_t p0 = 0; p0 < L; p0 += KC) {
+        const int64_t kn = L - p0 < KC ? L - p0 : KC;
+        for (int64_t k = 0; k < kn; k++) {
+            const int64_t p = p0 + k, off = ((bt[p / bs] * bs + p % bs) * tok + h * D) * esz;
+            krow[k] = kc + off;
+            vrow[k] = vc + off;
+        }
+        for (int64_t k = 0; k < kn; k++) /* the chunk's rows widened once (float32: copied) for every query row */
+            for (int64_t d = 0; d < D; d += 8) {
+                _mm256_storeu_ps(kf + k * D + d, ldkv(krow[k], d, HALF));
+                _mm256_storeu_ps(vf + k * D + d, ldkv(vrow[k], d, HALF));
+            }
+        mk_product(kf, D, 1, kn, qt, D, R8, s, NULL); /* s[k][r] = scale * K[p0 + k] . q_r */
+        if (p0 + kn > L0) /* the causal edge: token j sees positions < L0 + j */
+            for (int64_t j = 0; j < n; j++)
+                for (int64_t k = L0 + j - p0 < 0 ? 0 : L0 + j - p0; k < kn; k++)
+                    for (int64_t g = 0; g < G; g++) s[k * R8 + j * G + g] = -INFINITY;
+        for (int64_t r = 0; r < R8; r += 8) { /* online softmax, eight query rows a vector */
+            __m256 mx = _mm256_loadu_ps(m + r);
+            const __m256 m0 = mx;
+            for (int64_t k = 0; k < kn; k++) mx = _mm256_max_ps(mx, _mm256_loadu_ps(s + k * R8 + r));
+            __m256 sum = _mm256_setzero_ps();
+            for (int64_t k = 0; k < kn; k++) {
+                const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + k * R8 + r), mx));
+                sum = _mm256_add_ps(sum, e);
+                _mm256_storeu_ps(s + k * R8 + r, e);
+            }
+            const __m256 a = exp_neg(_mm256_sub_ps(m0, mx)); /* (the first chunk: exp(-inf) = 0) */
+            _mm256_storeu_ps(alpha + r, a);
+            _mm256_storeu_ps(l + r, _mm256_fmadd_ps(_mm256_loadu_ps(l + r), a, sum));
+            _mm256_storeu_ps(m + r, mx);
+        }
+        mk_product(vf, 1, D, D, s, kn, R8, ot, alpha); /* ot[d][r] = alpha_r ot[d][r] + sum_k V[p0 + k][d] w[k][r] */
+    }
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t g = 0; g < G; g++) {
+            const int64_t r = j * G + g;
+            const float inv = 1.0f / l[r];
+            float *o = out + j * ldo + (h * G + g) * D;
+            for (int64_t d = 0; d < D; d++) o[d] = ot[d * R8 + r] * inv;
+        }
+    free(kf);
+}
+
 /* Decode attention over the paged cache, in place (no gather): token t's query heads (row stride ldq) attend to
  * positions 0..seq_lens[t]-1 of its blocks.  Query head h uses KV head h / G (GQA).  Parallel over (t, a run of up
  * to ATTN_HB KV heads, a chunk of positions): a position's K (or V) rows of neighbouring KV heads lie side by side
@@ -2396,9 +2555,16 @@ static inline __attribute__((always_inline)) void attn_impl(const float *q, int6
     int64_t hb = Hkv < ATTN_HB ? Hkv : ATTN_HB;
     while (hb > 1 && nck[T] * ((Hkv + hb - 1) / hb) < 2 * omp_get_num_threads()) hb = (hb + 1) / 2;
     const int64_t nhb = (Hkv + hb - 1) / hb;
+    const int64_t nri = pl->nrun * Hkv; /* the runs' items (one per run and KV head) first: the largest */
 #pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t it = 0; it < nck[T] * nhb; it++) {
-        const int64_t ci = it / nhb, h0 = it % nhb * hb, hn = Hkv - h0 < hb ? Hkv - h0 : hb;
+    for (int64_t it = 0; it < nri + nck[T] * nhb; it++) {
+        if (it < nri) { /* the last runs first (a prompt's last tokens attend to the most positions) */
+            const int64_t *r = pl->run + 2 * (pl->nrun - 1 - it / Hkv), t0 = r[0], n = r[1];
+            attn_run(q + t0 * ldq, ldq, kc, vc, block_ids + (t0 + n - 1) * nb, bs, tok, it % Hkv, G, D, seq_lens[t0],
+                     n, scale, out + t0 * ldo, ldo, HALF);
+            continue;
+        }
+        const int64_t ci = (it - nri) / nhb, h0 = (it - nri) % nhb * hb, hn = Hkv - h0 < hb ? Hkv - h0 : hb;
         int64_t lo = 0, hi = T - 1; /* the token of chunk ci: the last t with nck[t] <= ci */
         while (lo < hi) {
             const int64_t mid = (lo + hi + 1) / 2;
@@ -2452,7 +2618,7 @@ void ts_attn_decode(const float *q, int64_t ldq, const void *kv, int64_t slots, 
                     int64_t nb, const int64_t *seq_lens, int64_t bs, int64_t T, int64_t H, int64_t Hkv,
                     int64_t D, float scale, float *out, int64_t ldo, int64_t kv_half) {
     ts_barrier bar = {0};
-    attn_plan pl = attn_plan_make(seq_lens, T, H, D);
+    attn_plan pl = attn_plan_make(seq_lens, block_ids, nb, bs, T, H, Hkv, D);
 #pragma omp parallel
     {
         bar_join(&bar);
@@ -2496,7 +2662,7 @@ void ts_decode_layers(const ts_model *md, float *x, int64_t M, const int64_t *po
     const int64_t nqkv = (H + 2 * Hkv) * D, tok = Hkv * D, half = D / 2, esz = md->kv_half ? 2 : 4;
     float *qkv = scratch, *att = qkv + M * nqkv, *gu = att + M * H * D, *act = gu + M * 2 * I;
     const int64_t wt = md->layers[0].qkv.wt;
-    attn_plan pl = attn_plan_make(seq_lens, M, H, D); /* (every layer's attention: the same sequence lengths) */
+    attn_plan pl = attn_plan_make(seq_lens, block_ids, nb, md->block_size, M, H, Hkv, D); /* (every layer's attention: the same sequence lengths) */
     ts_barrier bar = {0};
 #pragma omp parallel
     {
