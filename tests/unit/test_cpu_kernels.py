@@ -520,3 +520,14 @@ def test_batch_invariant_kernels_give_a_row_its_result_alone_at_every_batch_size
 def test_batch_invariant_kernels_are_the_avx2_level():
     with pytest.raises(ValueError, match="AVX2 level"):
         cpu.load("avx512", invariant=True)
+
+
+@pytest.mark.parametrize("prompt", [False, True])
+def test_bench_attention_case_runs(prompt: bool):
+    """bench.attention's case (decode tokens, or one sequence's prompt chunk with --prompt) times a library and
+    reports its rates."""
+    from bench.attention import case
+
+    row = case({"now": cpu.load()}, "smollm2-135m", 3, 20, 1, prompt)
+    assert row["prompt"] is prompt and row["bit_identical"]
+    assert row["now"]["ms"] > 0 and row["now"]["gb_s"] > 0 and row["now"]["gflop_s"] > 0
