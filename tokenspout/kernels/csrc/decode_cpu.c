@@ -2237,16 +2237,20 @@ static inline __attribute__((always_inline)) void v_pass_heads(const char *const
 #ifndef ATTN_SPLIT
 #define ATTN_SPLIT 4
 #endif
-/* Runs of a prompt chunk's tokens (see attn_run): ATTN_RUN tokens at most, ATTN_RUNROWS query rows (tokens x query
- * heads per KV head) at most, and positions in chunks of ATTN_KC. */
-#ifndef ATTN_RUN
-#define ATTN_RUN 48
-#endif
+/* Runs of a prompt chunk's tokens (see attn_run): ATTN_RUNROWS query rows (tokens x query heads per KV head) at
+ * most, positions in chunks of ATTN_KC, a run's first token attending to ATTN_RUNMIN positions at least (shorter, the
+ * masked half of a run's last chunk cost more than the sharing saved: a 16-token prompt of the 1.7B shape 1.5x
+ * slower with runs from its first token).  Runs of 32 / 48 / 64 / 96 rows and chunks of 32 / 64 / 128 positions
+ * measured within the noise of each other, except on the 1.7B shape (no GQA), whose items (one KV head each) read
+ * 128 bytes of each 4 KB position: runs of 16 rows 0.67-0.77x the speed of 48. */
 #ifndef ATTN_RUNROWS
 #define ATTN_RUNROWS 48
 #endif
 #ifndef ATTN_KC
 #define ATTN_KC 64
+#endif
+#ifndef ATTN_RUNMIN
+#define ATTN_RUNMIN 32
 #endif
 
 /* Positions per chunk of a split sequence of L positions (a multiple of 8) and the number of chunks. */
@@ -2280,9 +2284,9 @@ static inline int attn_next(const int64_t *seq_lens, const int64_t *block_ids, i
 static attn_plan attn_plan_make(const int64_t *seq_lens, const int64_t *block_ids, int64_t nb, int64_t bs, int64_t T,
                                 int64_t H, int64_t Hkv, int64_t D) {
     const int threads = omp_get_max_threads(), split = !TS_BATCH_INVARIANT && T <= ATTN_SPLIT * threads;
-    /* tokens per run: at most ATTN_RUNROWS query rows, and short enough that the runs' items (one per run and KV
+    /* tokens per run: at most ATTN_RUNROWS query rows, and few enough that the runs' items (one per run and KV
      * head) give every thread several */
-    int64_t qb = ATTN_RUNROWS / (H / Hkv) < ATTN_RUN ? ATTN_RUNROWS / (H / Hkv) : ATTN_RUN;
+    int64_t qb = ATTN_RUNROWS / (H / Hkv);
     while (qb > 2 && T / qb * Hkv < 4 * threads) qb /= 2;
     const int runs = !TS_BATCH_INVARIANT && !split && qb >= 2;
     attn_plan pl = {(int64_t *)malloc(sizeof(int64_t) * (size_t)(4 * T + 1)), NULL, NULL, 0, NULL};
@@ -2291,7 +2295,7 @@ static attn_plan attn_plan_make(const int64_t *seq_lens, const int64_t *block_id
     pl.nck[0] = 0;
     int64_t po = 0, left = 0; /* left: tokens of the current run after this one */
     for (int64_t t = 0; t < T; t++) {
-        if (runs && left == 0) {
+        if (runs && left == 0 && seq_lens[t] >= ATTN_RUNMIN) {
             int64_t n = 1;
             while (t + n < T && n < qb && attn_next(seq_lens, block_ids, nb, bs, t + n - 1, t + n)) n++;
             if (n >= 2) {
