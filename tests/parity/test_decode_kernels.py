@@ -275,6 +275,53 @@ def test_mixed_step_runs_decodes_in_kernels_and_chunks_in_torch(loaded_model, pr
             assert float((a - b).abs().max()) < 1e-3
 
 
+def test_large_quantized_steps_run_in_the_kernels_in_slices(int4_model, prompt_ids, tokenizer, monkeypatch):
+    """A quantized model's step of any size runs in the C decoder (no torch fallback), in slices of SLICE_TOKENS
+    run in order: a step of four decodes and a 120-token prompt chunk, sliced every 16 tokens (the chunk's tokens
+    across slices attend to the K / V earlier slices wrote), gives the tokens and logits of the same step run as
+    one call (logits within 0.02: slices of 16 rows take other summation orders in the linears and the attention,
+    whose rounding the int16 activations' ~0.01 already bounds)."""
+    from tokenspout.kernels import decoder as dec
+
+    long = tokenizer(" ".join(["The quick brown fox jumps over the lazy dog."] * 12)).input_ids
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    def run(slice_tokens: int):
+        monkeypatch.setattr(dec, "SLICE_TOKENS", slice_tokens)
+        core = make_core(int4_model)
+        splits, flat_batch = [], core.runner.flat_batch
+
+        def spy(*args, **kw):
+            flat = flat_batch(*args, **kw)
+            splits.append((flat.kernel_tokens, int(flat.positions.numel()), flat.meta is None))
+            return flat
+
+        core.runner.flat_batch = spy
+        logits: dict[str, list[torch.Tensor]] = {}
+        core.runner.logits_hook = lambda ids, lg: [logits.setdefault(r, []).append(lg[i].clone())
+                                                   for i, r in enumerate(ids)]
+        for i, ids in enumerate(prompt_ids[:4]):
+            core.add_request(EngineCoreRequest(str(i), ids, params))
+        out: dict[str, list[int]] = {}
+        for step in range(100):
+            if step == 2:
+                core.add_request(EngineCoreRequest("long", long, params))
+            if step > 2 and not core.has_unfinished_requests():
+                break
+            for o in core.step().outputs:
+                out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        return out, logits, splits
+
+    sliced, ls, splits = run(16)
+    whole, lw, _ = run(1 << 20)
+    assert len(long) > 100 and (4 + len(long), 4 + len(long), True) in splits  # the whole mixed step in the kernels
+    assert make_core(int4_model).runner.decoder.max_tokens >= 1 << 20  # (and a step of any budget)
+    assert sliced == whole and len(sliced) == 5
+    for r in whole:
+        for a, b in zip(ls[r], lw[r]):
+            assert float((a - b).abs().max()) < 0.02
+
+
 def test_decode_only_batch_metadata_matches_the_general_path(int4_model, prompt_ids):
     """Pure decode steps build their flat batch in numpy (ModelRunner._decode_batch): the same positions, slots,
     sequence lengths and block ids as the torch path computes for the same rows."""

@@ -1,9 +1,9 @@
 """The decode step through the C kernels: every decoder layer of a small decode-only batch in one call.
 
-Used by the model runner when a step holds only decode tokens (query length 1), no more than `max_tokens` of
-them, on a float32 model whose shapes the kernels take (K dims and head_dim multiples of 8; Qwen3's per-head q / k
-RMSNorm included).  Everything else (prefill chunks, larger batches, bfloat16) runs the torch model: both paths read
-and write the same paged KV cache, so a request moves between them freely from step to step.
+Used by the model runner for a step of at most `max_tokens` tokens (a quantized model's steps of any size, prompt
+chunks included; a float32 model's of up to MAX_TOKENS) on a model whose shapes the kernels take (K dims and
+head_dim multiples of 8; Qwen3's per-head q / k RMSNorm included).  Everything else runs the torch model: both paths
+read and write the same paged KV cache, so a request moves between them freely from step to step.
 
 With quantized weights (ModelConfig.quantization, models/quantize.py) the kernels stream the packed codes; where
 they run, the torch model's linear layers are QuantLinear modules over the same packed weights (no float copy), so
@@ -33,8 +33,16 @@ if TYPE_CHECKING:
 # too (in-process, 2 threads: a 400-token prompt 733 -> 534 ms; 1,500 tokens in chunks of 512 equal, 3.0 s, where
 # the kernels' token-by-token attention over the longer context catches up), and a served c=64 run keeps its
 # prefill chunks there (TTFT p50 1.1-1.2 s -> 0.6-0.8 s), so up to the default step budget runs in the kernels.
+# Larger steps (`--max-num-batched-tokens` above 512) ran the torch model: prefill of 1,024 / 4,096 prompt tokens
+# (default model, int4, in process) in steps of 1,024 or 2,048 tokens took 2.4-2.6 / 14.2-17.3 s against 1.8 / 9.8-10.2
+# in steps of 512.  In the kernels as one call they took 2.2-2.6 / 13.0-15.2 s at 2,048 (a step's intermediate
+# activations, 25 KB a token for this model, outgrow the caches), in slices of 512 1.7-2.0 / 9.9-12.0 (steps of 512
+# the same runs: 1.7-2.1 / 9.8-12.1; slices of 256 alike).  So the kernels take a quantized model's steps of any
+# size, in slices of SLICE_TOKENS run one after the other (a slice's tokens attend to the K / V the slices before it
+# wrote, as a later step's would).
 MAX_TOKENS = 64
-QUANTIZED_MAX_TOKENS = 512
+QUANTIZED_MAX_TOKENS = sys.maxsize
+SLICE_TOKENS = 512
 
 
 def build(loaded: LoadedModel, kv_caches: list[torch.Tensor], block_size: int, num_layers: int | None = None,
@@ -147,6 +155,12 @@ class CpuDecoder:
     def _layers(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 block_ids: torch.Tensor, seq_lens: torch.Tensor, logits: torch.Tensor | None) -> torch.Tensor:
         t = input_ids.shape[0]
+        if t > SLICE_TOKENS:  # in order: each slice's tokens see the K / V the slices before it wrote
+            return torch.cat([self._layers(input_ids[s:s + SLICE_TOKENS], positions[s:s + SLICE_TOKENS],
+                                           slot_mapping[s:s + SLICE_TOKENS], block_ids[s:s + SLICE_TOKENS],
+                                           seq_lens[s:s + SLICE_TOKENS],
+                                           logits[s:s + SLICE_TOKENS] if logits is not None else None)
+                              for s in range(0, t, SLICE_TOKENS)])
         x = self.model.embed_tokens(input_ids).contiguous()
         need = t * self.scratch_per_token
         if self._scratch.numel() < need:  # kept between steps: a fresh buffer is fresh pages, faulted in every step
