@@ -232,10 +232,41 @@ def test_int8_quality_bound(model_path, loaded_model, prompt_ids):
     assert agree >= len(lf) - 1
 
 
+def _mixed_steps(core, prompt_ids: list[list[int]], long: list[int], params: SamplingParams, add_at: int):
+    """Four requests, then a long prompt at step add_at, to the end: the tokens, every sampled row's logits and each
+    step's (kernel tokens, tokens, torch metadata or not)."""
+    splits, flat_batch = [], core.runner.flat_batch
+
+    def spy(*args, **kw):
+        flat = flat_batch(*args, **kw)
+        splits.append((flat.kernel_tokens, int(flat.positions.numel()), flat.meta is not None))
+        return flat
+
+    core.runner.flat_batch = spy
+    logits: dict[str, list[torch.Tensor]] = {}
+    core.runner.logits_hook = lambda ids, lg: [logits.setdefault(r, []).append(lg[i].clone())
+                                               for i, r in enumerate(ids)]
+    for i, ids in enumerate(prompt_ids[:4]):
+        core.add_request(EngineCoreRequest(str(i), ids, params))
+    out: dict[str, list[int]] = {}
+    for step in range(200):
+        if step == add_at:
+            core.add_request(EngineCoreRequest("long", long, params))
+        if step > add_at and not core.has_unfinished_requests():
+            break
+        for o in core.step().outputs:
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    return out, logits, splits
+
+
+def _long_prompt(tokenizer) -> list[int]:
+    return tokenizer(" ".join(["The quick brown fox jumps over the lazy dog."] * 12)).input_ids
+
+
 def test_mixed_step_runs_decodes_in_kernels_and_chunks_in_torch(loaded_model, prompt_ids, tokenizer):
     """A step above the kernels' token limit (decodes + a long prefill chunk) runs its decode rows through the
     C decoder and only the chunk through torch; tokens and logits agree with the torch path for everything."""
-    long = tokenizer(" ".join(["The quick brown fox jumps over the lazy dog."] * 12)).input_ids
+    long = _long_prompt(tokenizer)
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
     def run(use_kernels: bool):
@@ -243,32 +274,11 @@ def test_mixed_step_runs_decodes_in_kernels_and_chunks_in_torch(loaded_model, pr
         assert len(long) > core.runner.decoder.max_tokens
         if not use_kernels:
             core.runner.decoder = None
-        splits, flat_batch = [], core.runner.flat_batch
-
-        def spy(*args, **kw):
-            flat = flat_batch(*args, **kw)
-            splits.append((flat.kernel_tokens, flat.meta is not None))
-            return flat
-
-        core.runner.flat_batch = spy
-        logits: dict[str, list[torch.Tensor]] = {}
-        core.runner.logits_hook = lambda ids, lg: [logits.setdefault(r, []).append(lg[i].clone())
-                                                   for i, r in enumerate(ids)]
-        for i, ids in enumerate(prompt_ids[:4]):
-            core.add_request(EngineCoreRequest(str(i), ids, params))
-        out: dict[str, list[int]] = {}
-        for step in range(200):
-            if step == 3:
-                core.add_request(EngineCoreRequest("long", long, params))
-            if step > 3 and not core.has_unfinished_requests():
-                break
-            for o in core.step().outputs:
-                out.setdefault(o.request_id, []).extend(o.new_token_ids)
-        return out, logits, splits
+        return _mixed_steps(core, prompt_ids, long, params, 3)
 
     ours, lk, splits = run(True)
     ref, lt, _ = run(False)
-    assert (4, True) in splits  # four decode rows in the kernels beside the torch chunk
+    assert (4, 4 + len(long), True) in splits  # four decode rows in the kernels beside the torch chunk
     assert ours == ref and len(ours) == 5
     for r in ref:
         for a, b in zip(lk[r], lt[r]):
@@ -283,38 +293,16 @@ def test_large_quantized_steps_run_in_the_kernels_in_slices(int4_model, prompt_i
     whose rounding the int16 activations' ~0.01 already bounds)."""
     from tokenspout.kernels import decoder as dec
 
-    long = tokenizer(" ".join(["The quick brown fox jumps over the lazy dog."] * 12)).input_ids
+    long = _long_prompt(tokenizer)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
     def run(slice_tokens: int):
         monkeypatch.setattr(dec, "SLICE_TOKENS", slice_tokens)
-        core = make_core(int4_model)
-        splits, flat_batch = [], core.runner.flat_batch
-
-        def spy(*args, **kw):
-            flat = flat_batch(*args, **kw)
-            splits.append((flat.kernel_tokens, int(flat.positions.numel()), flat.meta is None))
-            return flat
-
-        core.runner.flat_batch = spy
-        logits: dict[str, list[torch.Tensor]] = {}
-        core.runner.logits_hook = lambda ids, lg: [logits.setdefault(r, []).append(lg[i].clone())
-                                                   for i, r in enumerate(ids)]
-        for i, ids in enumerate(prompt_ids[:4]):
-            core.add_request(EngineCoreRequest(str(i), ids, params))
-        out: dict[str, list[int]] = {}
-        for step in range(100):
-            if step == 2:
-                core.add_request(EngineCoreRequest("long", long, params))
-            if step > 2 and not core.has_unfinished_requests():
-                break
-            for o in core.step().outputs:
-                out.setdefault(o.request_id, []).extend(o.new_token_ids)
-        return out, logits, splits
+        return _mixed_steps(make_core(int4_model), prompt_ids, long, params, 2)
 
     sliced, ls, splits = run(16)
     whole, lw, _ = run(1 << 20)
-    assert len(long) > 100 and (4 + len(long), 4 + len(long), True) in splits  # the whole mixed step in the kernels
+    assert len(long) > 100 and (4 + len(long), 4 + len(long), False) in splits  # the whole mixed step in the kernels
     assert make_core(int4_model).runner.decoder.max_tokens >= 1 << 20  # (and a step of any budget)
     assert sliced == whole and len(sliced) == 5
     for r in whole:
