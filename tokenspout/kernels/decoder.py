@@ -1,4 +1,4 @@
-"""The decode step through the C kernels: every decoder layer of a small decode-only batch in one call.
+"""A step through the C kernels: every decoder layer of the step's tokens in one call.
 
 Used by the model runner for a step of at most `max_tokens` tokens (a quantized model's steps of any size, prompt
 chunks included; a float32 model's of up to MAX_TOKENS) on a model whose shapes the kernels take (K dims and

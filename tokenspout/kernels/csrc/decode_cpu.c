@@ -2445,7 +2445,8 @@ static inline __attribute__((always_inline)) void mk_tile(const float *A, int64_
         for (int j = 0; j < NR; j++) _mm256_storeu_ps(C + i * ldc + 8 * j, c[i][j]);
 }
 
-/* C[I][R8] (row stride R8; R8 a multiple of 8) = C * alpha (NULL: 0) + A B, A[i][x] at A + i * sai + x * sax, B[X][R8] */
+/* C[I][R8] (row stride R8; R8 a multiple of 8) = C * alpha (NULL: 0) + A B, A[i][x] at A + i * sai + x * sax,
+ * B[X][R8] */
 static void mk_product(const float *A, int64_t sai, int64_t sax, int64_t I, const float *B, int64_t X, int64_t R8,
                        float *C, const float *alpha) {
     for (int64_t r0 = 0; r0 < R8; r0 += 16) {
@@ -2666,7 +2667,8 @@ void ts_decode_layers(const ts_model *md, float *x, int64_t M, const int64_t *po
     const int64_t nqkv = (H + 2 * Hkv) * D, tok = Hkv * D, half = D / 2, esz = md->kv_half ? 2 : 4;
     float *qkv = scratch, *att = qkv + M * nqkv, *gu = att + M * H * D, *act = gu + M * 2 * I;
     const int64_t wt = md->layers[0].qkv.wt;
-    attn_plan pl = attn_plan_make(seq_lens, block_ids, nb, md->block_size, M, H, Hkv, D); /* (every layer's attention: the same sequence lengths) */
+    /* (every layer's attention: the same sequence lengths) */
+    attn_plan pl = attn_plan_make(seq_lens, block_ids, nb, md->block_size, M, H, Hkv, D);
     ts_barrier bar = {0};
 #pragma omp parallel
     {
