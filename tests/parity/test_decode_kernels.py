@@ -298,12 +298,13 @@ def test_large_quantized_steps_run_in_the_kernels_in_slices(int4_model, prompt_i
 
     def run(slice_tokens: int):
         monkeypatch.setattr(dec, "SLICE_TOKENS", slice_tokens)
-        return _mixed_steps(make_core(int4_model), prompt_ids, long, params, 2)
+        core = make_core(int4_model)
+        assert core.runner.decoder.max_tokens >= 1 << 20  # a step of any budget goes to the kernels
+        return _mixed_steps(core, prompt_ids, long, params, 2)
 
     sliced, ls, splits = run(16)
     whole, lw, _ = run(1 << 20)
     assert len(long) > 100 and (4 + len(long), 4 + len(long), False) in splits  # the whole mixed step in the kernels
-    assert make_core(int4_model).runner.decoder.max_tokens >= 1 << 20  # (and a step of any budget)
     assert sliced == whole and len(sliced) == 5
     for r in whole:
         for a, b in zip(ls[r], lw[r]):

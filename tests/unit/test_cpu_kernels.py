@@ -237,14 +237,17 @@ def test_long_sequences_split_in_chunks_match_sdpa(lib, h: int, hkv: int, d: int
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("h, hkv, d, prompts", [(9, 3, 64, [(0, 40)]), (9, 3, 64, [(150, 37), (0, 1), (5, 20)]),
+                                                (9, 3, 64, [(50, 30)]),
                                                 (4, 4, 128, [(70, 33), (0, 9)]), (14, 2, 24, [(300, 13), (0, 12)]),
                                                 (32, 8, 128, [(3, 25)]), (5, 1, 16, [(65, 64), (1, 3)])])
 def test_prompt_chunks_in_runs_match_sdpa(lib, h: int, hkv: int, d: int, prompts: list[tuple[int, int]], dtype):
     """A step of prompt chunks (each (cached positions, new tokens): token j of a chunk attends to its first
     cached + j + 1 positions, all over one block table) in the default build goes through runs of a sequence's
     tokens that share each K / V row (attn_run: chunks of 64 positions, an online softmax, the causal edge inside a
-    chunk and across two): query heads per KV head 1, 3, 4, 5 and 7 (runs of 48 / G tokens at most), head dims 16
-    to 128, runs cut at 16 tokens and at a change of sequence, a lone token between runs, against SDPA."""
+    chunk and, (50, 30)'s run over positions 59-66, across two): query heads per KV head 1, 3, 4, 5 and 7 (runs of
+    48 / G tokens at most, fewer where the runs' items would not give each thread four), head dims 16 to 128, runs
+    cut by their length and at a change of sequence, tokens attending to fewer than 32 positions (no run) and a lone
+    token between runs, against SDPA."""
     g = torch.Generator().manual_seed(2)
     bs = 16
     nb = max(c + n for c, n in prompts) // bs + 1
