@@ -319,14 +319,15 @@ def quantized_reference(x: torch.Tensor, packed, deq: torch.Tensor, xq: torch.Te
 
 
 @pytest.mark.parametrize("fn", [quantize_int8, quantize_int4, quantize_int5])
-@pytest.mark.parametrize("m", [1, 3, 7, 8, 13, 15, 16, 17, 40, 70])
+@pytest.mark.parametrize("m", [1, 3, 7, 8, 9, 12, 13, 15, 16, 17, 40, 70])
 @pytest.mark.parametrize("n, k", [(5, 96), (130, 608), (64, 128)])
 def test_linear_int8_activations_match_their_reference(lib, fn, m, n, k):
     """act8 (--activation-quant int8): activations rounded to 255 levels per group on every path, the row path (int4
-    below 14 rows with AVX2: the byte kernel block_q_a8, a lone last group (k = 96, 608) by the int16 kernels; int5
-    below 8, and int8 below 16 rows, the int16 kernels over the int8 values), the int8 tiled path for int4
-    codes (vpmaddubsw; padding rows at 15, 17 and 70) and the int16 tile for int8 codes: each equals the rounded
-    activations' product within float32 rounding."""
+    below 14 rows with AVX2: the byte kernel block_q_a8, a lone last group (k = 96, 608) by the int16 kernels; with
+    AVX-512 int4 below 12 rows and int8 below 9 by the int16 kernels over the int8 values, as int5 below 8 and int8
+    below 16 rows with AVX2), the int8 tiled path for int4 codes (vpmaddubsw / vpdpbusd; padding rows at 9-15, 17
+    and 70) and for int8 codes the int16 tile (AVX2) or vpdpbusd's (AVX-512): each equals the rounded activations'
+    product within float32 rounding."""
     g = torch.Generator().manual_seed(m * 7919 + n + k)
     x, w = torch.randn(m, k, generator=g) * 3, torch.randn(n, k, generator=g)
     x[0, 32:64] = 0.0  # an all-zero activation group

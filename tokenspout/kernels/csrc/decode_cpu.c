@@ -241,13 +241,19 @@ typedef struct {
  * below it the byte row kernel, block_q_a8).  The tile pads to 16 rows, so from 9 rows it costs what 16 do.
  * ts_linear on 1.7B-shaped int4 layers, 2 threads, AVX2 EPYC: the row path's time over the tile's 0.89x at 8 rows,
  * 0.72x at 10, 0.92x at 12, 1.11x at 16 (before block_q_a8 the row path took the int16 kernels: 1.17-1.29x at 8,
- * and this was 8).  AVX-512 pads the tiled layout to 16 rows: it keeps TILE_MIN. */
+ * and this was 8).  AVX-512 (vpdpbusd's byte tile against the int16 row path, which its act8 rows take; bench.linear
+ * --act8, the default model's layer shapes, AVX-512 EPYC): the tile's speed over the row path's 0.82x at 8 rows,
+ * 0.97x at 9, 0.91x at 10, 1.11x at 12, 1.14x at 13; int8 weights (TILE_MIN8_Q8, AVX-512 only: AVX2 has no byte
+ * tile for them) 0.98x at 8, 1.12x at 9, 1.26x at 10 and 12, 1.40x at 13. */
 #ifndef TILE_MIN8
 #if TS_AVX512
-#define TILE_MIN8 TILE_MIN
+#define TILE_MIN8 12
 #else
 #define TILE_MIN8 14
 #endif
+#endif
+#ifndef TILE_MIN8_Q8
+#define TILE_MIN8_Q8 9
 #endif
 
 /* Batch rows from which int5 weights with int8 activations take the byte tile (their row path takes the int16
@@ -1927,6 +1933,7 @@ static inline void prep_act(const ts_weight *W, const float *x, int64_t ldx, int
     if (IS_FLOAT(W->wt)) transpose_act(x, ldx, M, K, a);
     else quantize_act(x, ldx, M, K, a, W->act8,
                       W->act8 && W->wt == WT_Q4   ? TILE_MIN8
+                      : TS_AVX512 && W->act8 && W->wt == WT_Q8 ? TILE_MIN8_Q8
                       : W->act8 && W->wt == WT_Q5 ? TILE_MIN5_A8
                       : W->wt == WT_Q6            ? TILE_MIN6
                                                   : TILE_MIN,
