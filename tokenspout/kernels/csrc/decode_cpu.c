@@ -23,8 +23,9 @@
  * multiply-adds, so it widens each block's codes once and reuses them across the batch).  Both multiply the codes
  * by the activations rounded to int16 per group of 32 (ts_qact), or, where a weight asks for it (ts_weight.act8,
  * `--activation-quant int8`), to int8: then int4 / int5 codes take byte kernels (tile_group8 from TILE_MIN8 rows,
- * block_q_a8 below that for int4; the AVX-512 build's tile_group8_512 takes int8 codes too, its row path none), as do
- * int6 codes with AVX2 (tile_group6, block_q_a8), and every other case the int16 kernels over the int8 values.
+ * block_q_a8 below that for int4; the AVX-512 build's tile_group8_512 takes int8 codes too, from TILE_MIN8_Q8 rows,
+ * its row path none), as do int6 codes with AVX2 (tile_group6, block_q_a8), and every other case the int16 kernels
+ * over the int8 values.
  */
 #include "isa.h"
 #include <limits.h>
