@@ -14,8 +14,8 @@ step's linear work.  Columns, measured in alternating rounds (median ms per pass
 * `kernels_<isa>`: tokenspout's library as shipped, built for that ISA level (row path below TILE_MIN = 16 rows,
   tiled path from there);
 * `row`: the best level's library built with the tiled path off (-DTILE_MIN=1000000, and TILE_MIN6 / TILE_MIN8 /
-  TILE_MIN8_Q8 / TILE_MIN5_A8: int6 weights and int4 / int8 / int5 ones with int8 activations tile earlier), to show
-  what the tiled path buys;
+  TILE_MIN8_Q8 / TILE_MIN5_A8 / TILE_MIN6_A8: int6 weights and int4 / int8 / int5 / int6 ones with int8
+  activations tile earlier), to show what the tiled path buys;
 * `torch`: F.linear on the dequantized float32 weights (what the torch model computes; MKL sgemm);
 * with `--act8`, `kernels_<isa>_a8`: the same library and weights with int8 activations (`--activation-quant int8`:
   the byte tiles, vpmaddubsw with AVX2 for int4 / int5, vpdpbusd with AVX-512 for int4 / int5 / int8).
@@ -128,7 +128,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         libs["row"] = built_library(Path(tmp) / "decode_cpu-row-only.so", isas[-1],
                                     ("TILE_MIN=1000000", "TILE_MIN6=1000000", "TILE_MIN8=1000000",
-                                     "TILE_MIN8_Q8=1000000", "TILE_MIN5_A8=1000000"))
+                                     "TILE_MIN8_Q8=1000000", "TILE_MIN5_A8=1000000", "TILE_MIN6_A8=1000000"))
         if args.against:
             libs[f"kernels_{args.against}"] = library_at(args.against, Path(tmp), isas[-1])
         for m in args.rows:

@@ -25,7 +25,8 @@
  * `--activation-quant int8`), to int8: then int4 / int5 codes take byte kernels (tile_group8 from TILE_MIN8 rows,
  * block_q_a8 below that for int4; the AVX-512 build's tile_group8_512 takes int8 codes too, from TILE_MIN8_Q8 rows,
  * its row path none), as do int6 codes with AVX2 (tile_group6, block_q_a8), and every other case the int16 kernels
- * over the int8 values.
+ * over the int8 values.  The AVX-512 build's row path for int6 (block_q6_512) is a byte kernel for either
+ * activation type (int16 ones split into two bytes).
  */
 #include "isa.h"
 #include <limits.h>
@@ -224,6 +225,12 @@ typedef struct {
     int32_t *q6t; /* AVX2, act8, tiled, a linear holding int6: per group g, quarter j (16 columns) and row m, at
                    * (2 g + j) * mp + m, two int16: -32 x the sum of the int8 activations of columns 4k, 4k + 1 and
                    * of 4k + 2, 4k + 3 over the quarter's quads k (tile_group6's start: it multiplies unsigned codes) */
+    /* AVX-512, the row layout of a linear holding int6 (block_q6_512's bytes): q8 holds row m's pair of groups p at
+     * byte (m * P + p) * 64 in column order, the int8 codes (act8) or the low seven bits of the int16 ones (0..127);
+     * q8h the int16 codes' high part (code >> 7, -128..127: code = 128 q8h + q8); q6o at (m * P + p) * 4 + j 32 x
+     * the sum of the codes of the pair's quarter j (16 columns), what the unsigned codes' product takes back off. */
+    int8_t *q8h;
+    int32_t *q6o;
 } ts_qact;
 
 /* Batch rows from which the quantized linears take the tiled path (blocks_tile).  bench.linear: AVX2's row path
@@ -270,12 +277,22 @@ typedef struct {
 /* Batch rows from which int6 weights take the tiled path: their widening (the codes rebuilt from nibbles and high
  * bits, multiplied by the sub-scales) is shared by every batch row there, on the row path only by its rows.
  * ts_linear on 1.7B-shaped int6 layers, 2 threads, AVX2 EPYC: the tile's time over the row path's 0.99x at 8 rows,
- * 0.80x at 12, 0.75x at 15 (from 4 rows: 1.57x at 4, 1.20x at 6).  AVX-512 pads to 16 rows: it keeps TILE_MIN. */
+ * 0.80x at 12, 0.75x at 15 (from 4 rows: 1.57x at 4, 1.20x at 6).  AVX-512 (block_q6_512 against the int16 tile,
+ * which pads to 16 rows; an 8192 x 2048 int6 linear from memory, 2 threads, AVX-512 EPYC): the tile's time over the
+ * row path's 1.08x at 9 rows, 0.79x at 10, 0.72x at 11; with int8 activations (TILE_MIN6_A8: the row path's bytes
+ * are the activations' own, the tile still widens to int16) 1.34x at 9, 1.14x at 10, 1.09x at 11, 0.88x at 13. */
 #ifndef TILE_MIN6
 #if TS_AVX512
-#define TILE_MIN6 TILE_MIN
+#define TILE_MIN6 10
 #else
 #define TILE_MIN6 8
+#endif
+#endif
+#ifndef TILE_MIN6_A8
+#if TS_AVX512
+#define TILE_MIN6_A8 13
+#else
+#define TILE_MIN6_A8 TILE_MIN6
 #endif
 #endif
 
@@ -345,12 +362,27 @@ static void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, ts_q
             }
             if (mp) /* the group's 16 pairs of columns to their places in the tiled layout */
                 for (int t = 0; t < 16; t++) memcpy((int32_t *)a->q + tiled(g, t, m, mp), row + 2 * t, 4);
+            if (TS_AVX512 && narrow && !mp) { /* block_q6_512's bytes (see ts_qact) */
+                const __m256i c0 = _mm256_loadu_si256((const __m256i *)q), c1 = _mm256_loadu_si256((const __m256i *)(q + 16));
+                const int64_t i8 = (m * (G / 2) + g / 2) * 64 + (g % 2) * 32;
+                /* (vpacksswb per 128-bit lane: the permute restores the column order; both parts fit a byte) */
+                const __m256i k7 = _mm256_set1_epi16(act8 ? -1 : 127);
+                _mm256_storeu_si256((__m256i *)(a->q8 + i8),
+                                    _mm256_permute4x64_epi64(_mm256_packs_epi16(_mm256_and_si256(c0, k7), _mm256_and_si256(c1, k7)), 0xD8));
+                if (!act8)
+                    _mm256_storeu_si256((__m256i *)(a->q8h + i8),
+                                        _mm256_permute4x64_epi64(_mm256_packs_epi16(_mm256_srai_epi16(c0, 7), _mm256_srai_epi16(c1, 7)), 0xD8));
+                const __m256i one = _mm256_set1_epi16(1);
+                a->q6o[i8 / 16] = 32 * hsum8i(_mm256_madd_epi16(c0, one));
+                a->q6o[i8 / 16 + 1] = 32 * hsum8i(_mm256_madd_epi16(c1, one));
+            }
             if (act8) { /* and as bytes (|code| <= 127: the narrowing is exact) */
                 /* per 128-bit lane: [columns 0..7, 16..23 | 8..15, 24..31] */
                 const __m256i b = _mm256_packs_epi16(_mm256_loadu_si256((const __m256i *)q),
                                                      _mm256_loadu_si256((const __m256i *)(q + 16)));
                 const __m128i b0 = _mm256_castsi256_si128(b), b1 = _mm256_extracti128_si256(b, 1);
-                if (!mp) { /* the row8 layout: eight columns of this group every 16 bytes */
+                if (!mp && TS_AVX512) { /* (the row path's int16 kernels take a->q; block_q6_512 its bytes above) */
+                } else if (!mp) { /* the row8 layout: eight columns of this group every 16 bytes */
                     int8_t *o = a->q8 + (m * ((G + 1) / 2) + g / 2) * 64 + (g % 2) * 8;
                     _mm_storel_epi64((__m128i *)o, b0);                              /* columns 0..7 */
                     _mm_storel_epi64((__m128i *)(o + 16), b1);                       /* 8..15 */
@@ -1112,7 +1144,7 @@ static inline __attribute__((always_inline)) void block_q1_q5(const ts_weight *W
 #define PF512 4096 /* software prefetch distance of the AVX-512 row path, bytes of codes ahead */
 #endif
 #if TS_AVX512
-/* ---- the row path with AVX-512 VNNI (the same formats, the same int16 activations) ----
+/* ---- the row path with AVX-512 VNNI (int8 and int4: the same formats, the same int16 activations) ----
  * A zmm holds sixteen int16 codes of two weight rows side by side (rows r, r+1: columns 0..15 of a group in one
  * register, 16..31 in another), so one vpdpwssd multiplies 32 pairs and adds them into the int32 sums of both rows,
  * against the group's activations broadcast to both halves.  Per group and block of four rows: four vpdpwssd, a
@@ -1171,20 +1203,6 @@ static inline __attribute__((always_inline)) void block_q512(const ts_weight *W,
                           PAIR(0, 16), PAIR(2, 0), PAIR(2, 16));
 #undef PAIR
         }
-    } else if (wt == WT_Q6) { /* rows r, r + 1 side by side: AVX2's widening of each, joined */
-        const uint8_t *codes = (const uint8_t *)W->w + b * block_bytes(WT_Q6, K);
-        for (int64_t g = 0; g < G; g += 2) {
-            const uint8_t *c = codes + g / 2 * 208;
-            q6_prefetch(c + PF512);
-            const q6_row q0 = q6_load(c, 0), q1 = q6_load(c, 1), q2 = q6_load(c, 2), q3 = q6_load(c, 3);
-#define JOIN(r, i) _mm512_inserti64x4(_mm512_castsi256_si512(q6_scaled(q##r, i)), q6_scaled(q##r##n, i), 1)
-            const q6_row q0n = q1, q2n = q3;
-            group_rows512(acc, a, g, G, K, m0, mt, scales16(sc + g * 4, idx), _mm512_setzero_ps(), wt, JOIN(0, 0),
-                          JOIN(0, 1), JOIN(2, 0), JOIN(2, 1));
-            group_rows512(acc, a, g + 1, G, K, m0, mt, scales16(sc + (g + 1) * 4, idx), _mm512_setzero_ps(), wt,
-                          JOIN(0, 2), JOIN(0, 3), JOIN(2, 2), JOIN(2, 3));
-#undef JOIN
-        }
     } else {
         const int64_t P = (G + 1) / 2;
         const uint8_t *codes = (const uint8_t *)W->w + b * P * 4 * 32;
@@ -1206,6 +1224,80 @@ static inline __attribute__((always_inline)) void block_q512(const ts_weight *W,
         }
     }
     for (int64_t m = 0; m < mt; m++) store_rows4(acc[m], out + m * 4);
+}
+
+/* ---- int6 on the AVX-512 row path: unsigned codes x activation bytes (vpdpbusd), each quarter scaled in float ----
+ * Until 2026-11-29 block_q512 took int6 too (AVX2's widening, each code times its sub-scale with vpmullw, joined per
+ * pair of rows), bound by instructions: ~170 a block and pair of groups.  Here a row's 64 codes of a pair are rebuilt as bytes in column
+ * order in one zmm (the nibbles by a per-qword shift of the 32 bytes broadcast, the high bits by a per-qword rotate
+ * of their 16 broadcast: six instructions a row), and vpdpbusd multiplies them, unsigned, with the activations' bytes
+ * in the same order (quantize_act's q8: the int8 codes with act8; else the int16 ones split into 128 x q8h + q8, two
+ * vpdpbusd with a shift between, the same integers exactly).  Lane j of a row's sums holds columns 4j..4j+3, so
+ * 128-bit lane i is quarter i: a 4 x 4 transpose of the four rows' sums (sum4x4_512) leaves lane 4i + r = quarter i
+ * of row r, in the order of the sub-scales in the block (byte 192 + 4i + r), one subtraction of the activations'
+ * 32 x quarter sums (q6o) makes the codes q - 32, and one conversion and one FMA by sub x d x dx scale all sixteen.
+ * The accumulator's four lanes per row are summed once per block. */
+static inline __attribute__((always_inline)) __m512i sum4x4_512(__m512i r0, __m512i r1, __m512i r2, __m512i r3) {
+    const __m512i a = _mm512_add_epi32(_mm512_unpacklo_epi32(r0, r1), _mm512_unpackhi_epi32(r0, r1));
+    const __m512i b = _mm512_add_epi32(_mm512_unpacklo_epi32(r2, r3), _mm512_unpackhi_epi32(r2, r3));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+}
+
+/* row r's 64 codes q (0..63) of the pair at c, as bytes in column order */
+static inline __attribute__((always_inline)) __m512i q6_bytes512(const uint8_t *c, int r) {
+    /* qwords 0..3: the low nibbles (columns 0..31), 4..7: the high ones (32..63); the high bits of column 16 L + t sit
+     * at bits 2 L, 2 L + 1 of byte t: rotated to bits 4, 5 of byte t of 128-bit lane L (what the rotation brings in
+     * from a neighbouring byte lands outside bits 4, 5 and is masked off) */
+    const __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(c + 48 * r)));
+    const __m512i hb = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(c + 48 * r + 32)));
+    const __m512i n = _mm512_srlv_epi64(raw, _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4));
+    const __m512i h = _mm512_and_si512(_mm512_rolv_epi64(hb, _mm512_setr_epi64(4, 4, 2, 2, 0, 0, 62, 62)), _mm512_set1_epi8(0x30));
+    return _mm512_ternarylogic_epi32(n, _mm512_set1_epi8(0x0F), h, 0xEA); /* (n & 0x0F) | h */
+}
+
+static inline __attribute__((always_inline)) void block_q6_512(const ts_weight *W, int64_t b, int64_t K, const ts_qact *a,
+                                                               int64_t m0, int64_t mt, float *out) {
+    const int64_t G = K / 32, P = G / 2;
+    const uint16_t *sc = W->scale + b * G * 4;
+    const uint8_t *codes = (const uint8_t *)W->w + b * block_bytes(WT_Q6, K);
+    const __m512i quarter = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    const __m512i group = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    __m512 acc[MT];
+    for (int64_t m = 0; m < mt; m++) acc[m] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < P; p++) {
+        const uint8_t *c = codes + p * 208;
+        q6_prefetch(c + PF512);
+        const __m512i w0 = q6_bytes512(c, 0), w1 = q6_bytes512(c, 1), w2 = q6_bytes512(c, 2), w3 = q6_bytes512(c, 3);
+        /* sub x d per lane 4i + r (the pair's two groups share Q6_K's d: group 2p's) */
+        /* (vpmovsxbw then vpmovsxwd: SIMDe's emulation has no vpmovsxbd of 512 bits) */
+        const __m512i sub = _mm512_cvtepi16_epi32(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + 192))));
+        const __m512 ws = _mm512_mul_ps(_mm512_cvtepi32_ps(sub),
+                                        _mm512_broadcast_f32x4(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(sc + 2 * p * 4)))));
+        for (int64_t m = 0; m < mt; m++) {
+            const int64_t i = (m0 + m) * P + p;
+            const __m512i xl = _mm512_loadu_si512((const void *)(a->q8 + i * 64)), z = _mm512_setzero_si512();
+            __m512i r0, r1, r2, r3;
+            if (a->act8) {
+                r0 = _mm512_dpbusd_epi32(z, w0, xl), r1 = _mm512_dpbusd_epi32(z, w1, xl);
+                r2 = _mm512_dpbusd_epi32(z, w2, xl), r3 = _mm512_dpbusd_epi32(z, w3, xl);
+            } else {
+                const __m512i xh = _mm512_loadu_si512((const void *)(a->q8h + i * 64));
+                r0 = _mm512_dpbusd_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(z, w0, xh), 7), w0, xl);
+                r1 = _mm512_dpbusd_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(z, w1, xh), 7), w1, xl);
+                r2 = _mm512_dpbusd_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(z, w2, xh), 7), w2, xl);
+                r3 = _mm512_dpbusd_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(z, w3, xh), 7), w3, xl);
+            }
+            const __m512i off = _mm512_permutexvar_epi32(quarter, _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(a->q6o + i * 4))));
+            const __m512 dx = _mm512_permutexvar_ps(group, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)(a->d + (m0 + m) * G + 2 * p)))));
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum4x4_512(r0, r1, r2, r3), off)), _mm512_mul_ps(ws, dx), acc[m]);
+        }
+    }
+    for (int64_t m = 0; m < mt; m++) { /* lane 4i + r -> row r */
+        __m512 v = acc[m];
+        v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0x4E));
+        v = _mm512_add_ps(v, _mm512_shuffle_f32x4(v, v, 0xB1));
+        _mm_storeu_ps(out + m * 4, _mm512_castps512_ps128(v));
+    }
 }
 #define BLOCK_Q block_q512
 #define BLOCK_Q1(W, wt, b, K, a, m, o) block_q512(W, wt, b, K, a, m, 1, o)
@@ -1786,7 +1878,7 @@ static void store_pass(const float *f, int64_t mp, int64_t M, int64_t n, float *
  * float weights (used from FTILE_MIN rows). */
 static ts_qact qact_alloc(int64_t M, int64_t K, int64_t wt) {
     M = (M + TW - 1) / TW * TW; /* room for the tiled layout's padding rows */
-    ts_qact a = {NULL, NULL, NULL, 0, NULL, NULL, 0, NULL, NULL};
+    ts_qact a = {NULL, NULL, NULL, 0, NULL, NULL, 0, NULL, NULL, NULL, NULL};
     if (IS_FLOAT(wt)) {
         if (M >= FTILE_MIN) a.xt = (float *)malloc(sizeof(float) * (size_t)(M * K));
         return a;
@@ -1795,13 +1887,16 @@ static ts_qact qact_alloc(int64_t M, int64_t K, int64_t wt) {
     a.d = (float *)malloc(sizeof(float) * (size_t)(M * K / 32));
     a.s = (float *)malloc(sizeof(float) * (size_t)(M * K / 32));
     a.q8 = (int8_t *)malloc((size_t)(M * (K + 32))); /* (written only with act8; a row: its pairs of groups) */
-    if (TS_AVX512) a.q8s = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * K / 32));
-    else a.q6t = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * K / 16));
+    if (TS_AVX512) {
+        a.q8s = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * K / 32));
+        a.q8h = (int8_t *)malloc((size_t)(M * K));
+        a.q6o = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * K / 16));
+    } else a.q6t = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * K / 16));
     return a;
 }
 
 static void qact_free(ts_qact *a) {
-    free(a->q), free(a->d), free(a->s), free(a->xt), free(a->q8), free(a->q8s), free(a->q6t);
+    free(a->q), free(a->d), free(a->s), free(a->xt), free(a->q8), free(a->q8s), free(a->q6t), free(a->q8h), free(a->q6o);
 }
 
 /* ---- float weights, many batch rows: the float tiled path ----
@@ -1936,6 +2031,7 @@ static inline void prep_act(const ts_weight *W, const float *x, int64_t ldx, int
                       W->act8 && W->wt == WT_Q4   ? TILE_MIN8
                       : TS_AVX512 && W->act8 && W->wt == WT_Q8 ? TILE_MIN8_Q8
                       : W->act8 && W->wt == WT_Q5 ? TILE_MIN5_A8
+                      : W->act8 && W->wt == WT_Q6 ? TILE_MIN6_A8
                       : W->wt == WT_Q6            ? TILE_MIN6
                                                   : TILE_MIN,
                       W->wt == WT_Q6 || (W->tail && W->tail->wt == WT_Q6));
@@ -2029,19 +2125,22 @@ static void linear_body(const float *x, int64_t ldx, int64_t M, const ts_weight 
             if (mt == 1 && W->wt == WT_Q8) BLOCK_Q1(W, WT_Q8, b, K, a, m0, o);
             /* Q5: AVX2 row kernels in every build (int8 activations: the int16 kernels over their values) */
             else if (mt == 1 && W->wt == WT_Q5) block_q1_q5(W, b, K, a, m0, o);
-#if !TS_AVX512 /* (the AVX-512 build keeps its int16 row path for int8 activations: same results, not measured) */
+#if TS_AVX512 /* int6: its byte kernel at every batch size and activation type; int4 with int8 activations: the
+               * int16 row path over their values (same results; a byte row kernel not measured) */
+            else if (W->wt == WT_Q6) block_q6_512(W, b, K, a, m0, mt, o);
+#else
             else if (a->act8 && W->wt == WT_Q6 && mt == 1) block_q_a8(W, WT_Q6, b, K, a, m0, 1, o);
             else if (a->act8 && W->wt == WT_Q6) block_q_a8(W, WT_Q6, b, K, a, m0, mt, o);
             else if (a->act8 && W->wt == WT_Q4 && mt == 1) block_q_a8(W, WT_Q4, b, K, a, m0, 1, o);
             else if (a->act8 && W->wt == WT_Q4) block_q_a8(W, WT_Q4, b, K, a, m0, mt, o);
-#endif
-            else if (mt == 1 && W->wt == WT_Q6) BLOCK_Q1(W, WT_Q6, b, K, a, m0, o);
+            else if (mt == 1 && W->wt == WT_Q6) block_q1(W, WT_Q6, b, K, a, m0, o);
             else if (TS_BATCH_INVARIANT && !a->act8 && W->wt == WT_Q6) block_q_inv(W, WT_Q6, b, K, a, m0, mt, o);
+            else if (W->wt == WT_Q6) block_q(W, WT_Q6, b, K, a, m0, mt, o);
+#endif
             else if (TS_BATCH_INVARIANT && !a->act8 && W->wt == WT_Q8) block_q_inv(W, WT_Q8, b, K, a, m0, mt, o);
             else if (TS_BATCH_INVARIANT && !a->act8 && W->wt == WT_Q5) block_q_inv(W, WT_Q5, b, K, a, m0, mt, o);
             else if (TS_BATCH_INVARIANT && !a->act8) block_q_inv(W, WT_Q4, b, K, a, m0, mt, o);
             else if (W->wt == WT_Q5) block_q_q5(W, b, K, a, m0, mt, o);
-            else if (W->wt == WT_Q6) BLOCK_Q(W, WT_Q6, b, K, a, m0, mt, o);
             else if (mt == 1) BLOCK_Q1(W, WT_Q4, b, K, a, m0, o);
             else if (W->wt == WT_Q8) BLOCK_Q(W, WT_Q8, b, K, a, m0, mt, o);
             else BLOCK_Q(W, WT_Q4, b, K, a, m0, mt, o);

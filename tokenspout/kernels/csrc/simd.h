@@ -52,6 +52,12 @@ static inline float hsum8(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
+static inline int hsum8i(__m256i v) {
+    __m128i lo = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    lo = _mm_add_epi32(lo, _mm_unpackhi_epi64(lo, lo));
+    return _mm_cvtsi128_si32(_mm_add_epi32(lo, _mm_shuffle_epi32(lo, 1)));
+}
+
 /* The largest lane (no NaN handling: callers pass finite values or -inf). */
 static inline float hmax8(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
