@@ -436,9 +436,10 @@ def test_int5_codes_at_their_maximum_with_int8_activations(lib, m):
 def test_int6_from_q6k_computes_its_values(lib, m, n, k):
     """A GGUF file's Q6_K as the kernels' int6 (codes, sub-scales and d as the file holds them): dequantize() gives
     the gguf package's values bit for bit, and every path (the one-row kernel, the row path, the tiled path from 8
-    rows with AVX2 / 10 with AVX-512, 13 there with act8; k = 2304 spans several of the tile's chunks of groups) computes the integer
-    dots of those values with the activations rounded to +-16383 per group (int16 ones would overflow int32: see
-    the next test), or to int8 ones with act8, within float32 rounding; with bias and accumulation."""
+    rows with AVX2 / 10 with AVX-512, 11 there with act8; k = 2304 spans several of the tile's chunks of groups)
+    computes the integer dots of those values with the activations rounded to +-16383 per group (int16 ones would
+    overflow int32: see the next test), or to int8 ones with act8, within float32 rounding; with bias and
+    accumulation."""
     from gguf import GGMLQuantizationType, quants
 
     g = torch.Generator().manual_seed(m * 1000 + n + k)

@@ -222,9 +222,10 @@ typedef struct {
                   * of groups p at byte (m * P + p) * 64 (P = pairs per row), in the row8 layout */
     int64_t act8;
     int32_t *q8s; /* AVX-512, act8, tiled: 128 x the sum of a group's int8 codes, [G][mp] (tile_group8_512's Q8 term) */
-    int32_t *q6t; /* AVX2, act8, tiled, a linear holding int6: per group g, quarter j (16 columns) and row m, at
-                   * (2 g + j) * mp + m, two int16: -32 x the sum of the int8 activations of columns 4k, 4k + 1 and
-                   * of 4k + 2, 4k + 3 over the quarter's quads k (tile_group6's start: it multiplies unsigned codes) */
+    int32_t *q6t; /* act8, tiled, a linear holding int6: per group g, quarter j (16 columns) and row m, at
+                   * (2 g + j) * mp + m, AVX2: two int16, -32 x the sum of the int8 activations of columns 4k, 4k + 1
+                   * and of 4k + 2, 4k + 3 over the quarter's quads k (tile_group6's start: it multiplies unsigned
+                   * codes); AVX-512: -32 x the quarter's sum (tile_group6_512's start) */
     /* AVX-512, the row layout of a linear holding int6 (block_q6_512's bytes): q8 holds row m's pair of groups p at
      * byte (m * P + p) * 64 in column order, the int8 codes (act8) or the low seven bits of the int16 ones (0..127);
      * q8h the int16 codes' high part (code >> 7, -128..127: code = 128 q8h + q8); q6o at (m * P + p) * 4 + j 32 x
@@ -279,8 +280,8 @@ typedef struct {
  * ts_linear on 1.7B-shaped int6 layers, 2 threads, AVX2 EPYC: the tile's time over the row path's 0.99x at 8 rows,
  * 0.80x at 12, 0.75x at 15 (from 4 rows: 1.57x at 4, 1.20x at 6).  AVX-512 (block_q6_512 against the int16 tile,
  * which pads to 16 rows; an 8192 x 2048 int6 linear from memory, 2 threads, AVX-512 EPYC): the tile's time over the
- * row path's 1.08x at 9 rows, 0.79x at 10, 0.72x at 11; with int8 activations (TILE_MIN6_A8: the row path's bytes
- * are the activations' own, the tile still widens to int16) 1.34x at 9, 1.14x at 10, 1.09x at 11, 0.88x at 13. */
+ * row path's 1.08x at 9 rows, 0.79x at 10, 0.72x at 11; with int8 activations (TILE_MIN6_A8: both byte kernels,
+ * tile_group6_512) 1.13x at 9, 0.96-1.03x at 10, 0.81x at 11, 0.84x at 12. */
 #ifndef TILE_MIN6
 #if TS_AVX512
 #define TILE_MIN6 10
@@ -290,7 +291,7 @@ typedef struct {
 #endif
 #ifndef TILE_MIN6_A8
 #if TS_AVX512
-#define TILE_MIN6_A8 13
+#define TILE_MIN6_A8 11
 #else
 #define TILE_MIN6_A8 TILE_MIN6
 #endif
@@ -337,7 +338,7 @@ static void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, ts_q
                 if (act8)
                     for (int t = 0; t < 8; t++) ((int32_t *)a->q8)[tiled8(g, t, m, mp)] = 0;
                 if (act8 && TS_AVX512) a->q8s[g * mp + m] = 0;
-                if (act8 && !TS_AVX512 && narrow) a->q6t[2 * g * mp + m] = a->q6t[(2 * g + 1) * mp + m] = 0;
+                if (act8 && narrow) a->q6t[2 * g * mp + m] = a->q6t[(2 * g + 1) * mp + m] = 0;
                 continue;
             }
             const float *p = x + m * ldx + g * 32;
@@ -395,9 +396,11 @@ static void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, ts_q
                     _mm256_storeu_si256((__m256i *)cols, _mm256_permute4x64_epi64(b, 0xD8)); /* columns in order */
                     for (int t = 0; t < 8; t++) ((int32_t *)a->q8)[tiled8(g, t, m, mp)] = cols[t];
                     if (TS_AVX512) {
-                        int32_t sum = 0;
-                        for (int j = 0; j < 32; j++) sum += q[j];
+                        int32_t sum = 0, half = 0;
+                        for (int j = 0; j < 32; j++) sum += q[j], half += j < 16 ? q[j] : 0;
                         a->q8s[g * mp + m] = 128 * sum;
+                        if (narrow)
+                            a->q6t[2 * g * mp + m] = -32 * half, a->q6t[(2 * g + 1) * mp + m] = -32 * (sum - half);
                     } else if (narrow) /* (|.| <= 32 x 8 x 127: int16) */
                         for (int j = 0; j < 2; j++) {
                             int32_t s0 = 0, s1 = 0;
@@ -1726,11 +1729,62 @@ static inline __attribute__((always_inline)) void tile_group8_512(const ts_wtile
     const __m512i c[2][4] = {{c00, c10, c20, c30}, {c01, c11, c21, c31}};
     tile_scale512(t, wt, g, a, m0, NV, c, f);
 }
+
+/* The byte tile for int6 codes with AVX-512 VNNI (act8): the unsigned codes (widen_codes8) times the activations'
+ * quads with vpdpbusd, four quads (a quarter: 16 columns, one sub-scale) summed onto a->q6t's -32 x the quarter's
+ * activation sum (the codes' offset), so each int32 lane holds the quarter's exact (q - 32) x products; one vpmulld
+ * by the quarter's sub-scale per weight row and vector (|.| <= 16 x 32 x 127 x 128 per quarter).  A tile of 4
+ * weight rows x 16 batch rows and one group: 32 vpdpbusd + 8 vpmulld + 4 vpaddd, where the int16 tile takes 64
+ * vpdpwssd. */
+static inline __attribute__((always_inline)) void tile_group6_512(const ts_wtile *t, const int wt, int64_t gl, int64_t g,
+                                                                  const ts_qact *a, int64_t m0, const int NV, float *f) {
+    (void)wt;
+    const int64_t mp = a->mp;
+    const uint8_t *w8 = (const uint8_t *)t->w + gl * 32;
+    const int16_t *sub = t->w + 2 * CG * 32 + gl * 8; /* [quarter][row] */
+    const int32_t *w0 = (const int32_t *)w8, *w1 = (const int32_t *)(w8 + CG * 32);
+    const int32_t *w2 = (const int32_t *)(w8 + 2 * CG * 32), *w3 = (const int32_t *)(w8 + 3 * CG * 32);
+    const int32_t *xq = (const int32_t *)a->q8 + tiled8(g, 0, m0, mp), *tq = a->q6t + 2 * g * mp + m0;
+    __m512i c[2][4];
+#pragma GCC unroll 2
+    for (int j = 0; j < 2; j++) {
+        const __m512i t0 = _mm512_loadu_si512((const void *)(tq + j * mp));
+        const __m512i t1 = NV > 1 ? _mm512_loadu_si512((const void *)(tq + j * mp + 16)) : t0;
+        __m512i c00 = t0, c01 = t1, c10 = t0, c11 = t1, c20 = t0, c21 = t1, c30 = t0, c31 = t1;
+#pragma GCC unroll 4
+        for (int k = 4 * j; k < 4 * j + 4; k++) {
+            const __m512i x0 = _mm512_loadu_si512((const void *)(xq + k * mp));
+            const __m512i x1 = NV > 1 ? _mm512_loadu_si512((const void *)(xq + k * mp + 16)) : x0;
+#define TAP(cr0, cr1, wr)                                                  \
+    {                                                                      \
+        const __m512i b = _mm512_set1_epi32(wr[k]);                        \
+        cr0 = _mm512_dpbusd_epi32(cr0, b, x0);                             \
+        if (NV > 1) cr1 = _mm512_dpbusd_epi32(cr1, b, x1);                 \
+    }
+            TAP(c00, c01, w0) TAP(c10, c11, w1) TAP(c20, c21, w2) TAP(c30, c31, w3)
+#undef TAP
+#if !TS_SIMDE
+            __asm__("" : "+v"(c00), "+v"(c01), "+v"(c10), "+v"(c11), "+v"(c20), "+v"(c21), "+v"(c30), "+v"(c31));
+#endif
+        }
+        const __m512i q[2][4] = {{c00, c10, c20, c30}, {c01, c11, c21, c31}};
+        for (int r = 0; r < 4; r++) {
+            const __m512i sv = _mm512_set1_epi32(sub[4 * j + r]);
+            for (int v = 0; v < NV; v++) {
+                const __m512i d = _mm512_mullo_epi32(q[v][r], sv);
+                c[v][r] = j ? _mm512_add_epi32(c[v][r], d) : d;
+            }
+        }
+    }
+    tile_scale512(t, WT_Q6, g, a, m0, NV, c, f);
+}
 #define TILE_GROUP tile_group512
 #define TILE_GROUP8 tile_group8_512
+#define TILE_GROUP6 tile_group6_512
 #else
 #define TILE_GROUP tile_group
 #define TILE_GROUP8 tile_group8
+#define TILE_GROUP6 tile_group6
 #endif
 
 /* One out-of-line copy per (format, width): inlined into the loops over groups, gcc hoists the 64 weight
@@ -1750,19 +1804,19 @@ TILE_FN(tile_q5a8x1, TILE_GROUP8, WT_Q5, 1)
 #if TS_AVX512 /* (AVX2's vpmaddubsw would overflow on int8 codes: there they take the int16 tile) */
 TILE_FN(tile_q8a8x2, TILE_GROUP8, WT_Q8, 2)
 TILE_FN(tile_q8a8x1, TILE_GROUP8, WT_Q8, 1)
-#else /* (int6 codes: AVX2's byte tile of their own) */
-TILE_FN(tile_q6a8x2, tile_group6, WT_Q6, 2)
-TILE_FN(tile_q6a8x1, tile_group6, WT_Q6, 1)
 #endif
+/* (int6 codes: byte tiles of their own, their sub-scales per quarter) */
+TILE_FN(tile_q6a8x2, TILE_GROUP6, WT_Q6, 2)
+TILE_FN(tile_q6a8x1, TILE_GROUP6, WT_Q6, 1)
 #undef TILE_FN
 
 typedef void (*tile_fn)(const ts_wtile *, int64_t, int64_t, const ts_qact *, int64_t, float *);
 
 /* Whether int8 activations have a byte tile for weights of type wt on this ISA level (tile_group8 for int4 / int5,
- * and int8 with AVX-512 (tile_group8_512); tile_group6 for int6 with AVX2); else they take the int16 tile over the
- * int8 values.  tile_for names the kernels. */
+ * and int8 with AVX-512 (tile_group8_512); tile_group6 / tile_group6_512 for int6); else they take the int16 tile
+ * over the int8 values.  tile_for names the kernels. */
 static inline int byte_tile(const int wt) {
-    return wt == WT_Q4 || wt == WT_Q5 || (TS_AVX512 ? wt == WT_Q8 : wt == WT_Q6);
+    return wt == WT_Q4 || wt == WT_Q5 || wt == WT_Q6 || (TS_AVX512 && wt == WT_Q8);
 }
 
 /* The tile for weights of type wt over 2 (x2) or 1 vectors of batch rows: the byte tile with int8 activations where
@@ -1772,9 +1826,8 @@ static inline tile_fn tile_for(const int wt, const int a8, const int x2) {
     if (!a8) return wt == WT_Q8 || wt == WT_Q6 ? (x2 ? tile_q8x2 : tile_q8x1) : (x2 ? tile_q4x2 : tile_q4x1);
 #if TS_AVX512
     if (wt == WT_Q8) return x2 ? tile_q8a8x2 : tile_q8a8x1;
-#else
-    if (wt == WT_Q6) return x2 ? tile_q6a8x2 : tile_q6a8x1;
 #endif
+    if (wt == WT_Q6) return x2 ? tile_q6a8x2 : tile_q6a8x1;
     if (wt == WT_Q5) return x2 ? tile_q5a8x2 : tile_q5a8x1;
     return x2 ? tile_q4a8x2 : tile_q4a8x1;
 }
@@ -1891,7 +1944,8 @@ static ts_qact qact_alloc(int64_t M, int64_t K, int64_t wt) {
         a.q8s = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * K / 32));
         a.q8h = (int8_t *)malloc((size_t)(M * K));
         a.q6o = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * K / 16));
-    } else a.q6t = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * K / 16));
+    }
+    a.q6t = (int32_t *)malloc(sizeof(int32_t) * (size_t)(M * K / 16));
     return a;
 }
 
