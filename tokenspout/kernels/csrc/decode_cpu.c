@@ -364,15 +364,17 @@ static void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, ts_q
             if (mp) /* the group's 16 pairs of columns to their places in the tiled layout */
                 for (int t = 0; t < 16; t++) memcpy((int32_t *)a->q + tiled(g, t, m, mp), row + 2 * t, 4);
             if (TS_AVX512 && narrow && !mp) { /* block_q6_512's bytes (see ts_qact) */
-                const __m256i c0 = _mm256_loadu_si256((const __m256i *)q), c1 = _mm256_loadu_si256((const __m256i *)(q + 16));
+                const __m256i c0 = _mm256_loadu_si256((const __m256i *)q);
+                const __m256i c1 = _mm256_loadu_si256((const __m256i *)(q + 16));
                 const int64_t i8 = (m * (G / 2) + g / 2) * 64 + (g % 2) * 32;
                 /* (vpacksswb per 128-bit lane: the permute restores the column order; both parts fit a byte) */
                 const __m256i k7 = _mm256_set1_epi16(act8 ? -1 : 127);
-                _mm256_storeu_si256((__m256i *)(a->q8 + i8),
-                                    _mm256_permute4x64_epi64(_mm256_packs_epi16(_mm256_and_si256(c0, k7), _mm256_and_si256(c1, k7)), 0xD8));
-                if (!act8)
-                    _mm256_storeu_si256((__m256i *)(a->q8h + i8),
-                                        _mm256_permute4x64_epi64(_mm256_packs_epi16(_mm256_srai_epi16(c0, 7), _mm256_srai_epi16(c1, 7)), 0xD8));
+                const __m256i lo = _mm256_packs_epi16(_mm256_and_si256(c0, k7), _mm256_and_si256(c1, k7));
+                _mm256_storeu_si256((__m256i *)(a->q8 + i8), _mm256_permute4x64_epi64(lo, 0xD8));
+                if (!act8) {
+                    const __m256i hi = _mm256_packs_epi16(_mm256_srai_epi16(c0, 7), _mm256_srai_epi16(c1, 7));
+                    _mm256_storeu_si256((__m256i *)(a->q8h + i8), _mm256_permute4x64_epi64(hi, 0xD8));
+                }
                 const __m256i one = _mm256_set1_epi16(1);
                 a->q6o[i8 / 16] = 32 * hsum8i(_mm256_madd_epi16(c0, one));
                 a->q6o[i8 / 16 + 1] = 32 * hsum8i(_mm256_madd_epi16(c1, one));
@@ -1231,15 +1233,15 @@ static inline __attribute__((always_inline)) void block_q512(const ts_weight *W,
 
 /* ---- int6 on the AVX-512 row path: unsigned codes x activation bytes (vpdpbusd), each quarter scaled in float ----
  * Until 2026-11-29 block_q512 took int6 too (AVX2's widening, each code times its sub-scale with vpmullw, joined per
- * pair of rows), bound by instructions: ~170 a block and pair of groups.  Here a row's 64 codes of a pair are rebuilt as bytes in column
- * order in one zmm (the nibbles by a per-qword shift of the 32 bytes broadcast, the high bits by a per-qword rotate
- * of their 16 broadcast: six instructions a row), and vpdpbusd multiplies them, unsigned, with the activations' bytes
- * in the same order (quantize_act's q8: the int8 codes with act8; else the int16 ones split into 128 x q8h + q8, two
- * vpdpbusd with a shift between, the same integers exactly).  Lane j of a row's sums holds columns 4j..4j+3, so
- * 128-bit lane i is quarter i: a 4 x 4 transpose of the four rows' sums (sum4x4_512) leaves lane 4i + r = quarter i
- * of row r, in the order of the sub-scales in the block (byte 192 + 4i + r), one subtraction of the activations'
- * 32 x quarter sums (q6o) makes the codes q - 32, and one conversion and one FMA by sub x d x dx scale all sixteen.
- * The accumulator's four lanes per row are summed once per block. */
+ * pair of rows), bound by instructions: ~170 a block and pair of groups.  Here a row's 64 codes of a pair are
+ * rebuilt as bytes in column order in one zmm (the nibbles by a per-qword shift of the 32 bytes broadcast, the high
+ * bits by a per-qword rotate of their 16 broadcast: six instructions a row), and vpdpbusd multiplies them, unsigned,
+ * with the activations' bytes in the same order (quantize_act's q8: the int8 codes with act8; else the int16 ones
+ * split into 128 x q8h + q8, two vpdpbusd with a shift between, the same integers exactly).  Lane j of a row's sums
+ * holds columns 4j..4j+3, so 128-bit lane i is quarter i: a 4 x 4 transpose of the four rows' sums (sum4x4_512)
+ * leaves lane 4i + r = quarter i of row r, in the order of the sub-scales in the block (byte 192 + 4i + r), one
+ * subtraction of the activations' 32 x quarter sums (q6o) makes the codes q - 32, and one conversion and one FMA by
+ * sub x d x dx scale all sixteen.  The accumulator's four lanes per row are summed once per block. */
 static inline __attribute__((always_inline)) __m512i sum4x4_512(__m512i r0, __m512i r1, __m512i r2, __m512i r3) {
     const __m512i a = _mm512_add_epi32(_mm512_unpacklo_epi32(r0, r1), _mm512_unpackhi_epi32(r0, r1));
     const __m512i b = _mm512_add_epi32(_mm512_unpacklo_epi32(r2, r3), _mm512_unpackhi_epi32(r2, r3));
@@ -1254,7 +1256,8 @@ static inline __attribute__((always_inline)) __m512i q6_bytes512(const uint8_t *
     const __m512i raw = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(c + 48 * r)));
     const __m512i hb = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(c + 48 * r + 32)));
     const __m512i n = _mm512_srlv_epi64(raw, _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4));
-    const __m512i h = _mm512_and_si512(_mm512_rolv_epi64(hb, _mm512_setr_epi64(4, 4, 2, 2, 0, 0, 62, 62)), _mm512_set1_epi8(0x30));
+    const __m512i h =
+        _mm512_and_si512(_mm512_rolv_epi64(hb, _mm512_setr_epi64(4, 4, 2, 2, 0, 0, 62, 62)), _mm512_set1_epi8(0x30));
     return _mm512_ternarylogic_epi32(n, _mm512_set1_epi8(0x0F), h, 0xEA); /* (n & 0x0F) | h */
 }
 
@@ -1274,8 +1277,8 @@ static inline __attribute__((always_inline)) void block_q6_512(const ts_weight *
         /* sub x d per lane 4i + r (the pair's two groups share Q6_K's d: group 2p's) */
         /* (vpmovsxbw then vpmovsxwd: SIMDe's emulation has no vpmovsxbd of 512 bits) */
         const __m512i sub = _mm512_cvtepi16_epi32(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + 192))));
-        const __m512 ws = _mm512_mul_ps(_mm512_cvtepi32_ps(sub),
-                                        _mm512_broadcast_f32x4(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(sc + 2 * p * 4)))));
+        const __m128 d = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(sc + 2 * p * 4)));
+        const __m512 ws = _mm512_mul_ps(_mm512_cvtepi32_ps(sub), _mm512_broadcast_f32x4(d));
         for (int64_t m = 0; m < mt; m++) {
             const int64_t i = (m0 + m) * P + p;
             const __m512i xl = _mm512_loadu_si512((const void *)(a->q8 + i * 64)), z = _mm512_setzero_si512();
@@ -1290,9 +1293,12 @@ static inline __attribute__((always_inline)) void block_q6_512(const ts_weight *
                 r2 = _mm512_dpbusd_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(z, w2, xh), 7), w2, xl);
                 r3 = _mm512_dpbusd_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(z, w3, xh), 7), w3, xl);
             }
-            const __m512i off = _mm512_permutexvar_epi32(quarter, _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(a->q6o + i * 4))));
-            const __m512 dx = _mm512_permutexvar_ps(group, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd((const double *)(a->d + (m0 + m) * G + 2 * p)))));
-            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum4x4_512(r0, r1, r2, r3), off)), _mm512_mul_ps(ws, dx), acc[m]);
+            const __m128i o4 = _mm_loadu_si128((const __m128i *)(a->q6o + i * 4)); /* (the pair's four quarters) */
+            const __m512i off = _mm512_permutexvar_epi32(quarter, _mm512_castsi128_si512(o4));
+            const double *dx2 = (const double *)(a->d + (m0 + m) * G + 2 * p); /* (both groups' scales) */
+            const __m512 dx = _mm512_permutexvar_ps(group, _mm512_castps128_ps512(_mm_castpd_ps(_mm_load_sd(dx2))));
+            const __m512i q = _mm512_sub_epi32(sum4x4_512(r0, r1, r2, r3), off);
+            acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_mul_ps(ws, dx), acc[m]);
         }
     }
     for (int64_t m = 0; m < mt; m++) { /* lane 4i + r -> row r */
@@ -1950,7 +1956,8 @@ static ts_qact qact_alloc(int64_t M, int64_t K, int64_t wt) {
 }
 
 static void qact_free(ts_qact *a) {
-    free(a->q), free(a->d), free(a->s), free(a->xt), free(a->q8), free(a->q8s), free(a->q6t), free(a->q8h), free(a->q6o);
+    free(a->q), free(a->d), free(a->s), free(a->xt), free(a->q8), free(a->q8s), free(a->q6t), free(a->q8h);
+    free(a->q6o);
 }
 
 /* ---- float weights, many batch rows: the float tiled path ----
