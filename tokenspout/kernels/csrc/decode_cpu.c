@@ -1697,6 +1697,28 @@ static inline __attribute__((always_inline)) void tile_group512(const ts_wtile *
     tile_scale512(t, wt, g, a, m0, NV, c, f);
 }
 
+/* Quad k (columns 4k..4k+3 of a group) of the AVX-512 byte tiles (tile_group8_512, tile_group6_512): cRV +=
+ * vpdpbusd(weight row R's four codes (wR[k], broadcast), vector V of sixteen batch rows' quads), for the four weight
+ * rows and NV (1, 2) vectors (tiled8, from xq); the caller's named sums, as BYTE_QUAD's. */
+#if TS_SIMDE /* (SIMDe's emulated vectors are structs, which no register constraint takes) */
+#define KEEP512()
+#else
+#define KEEP512() __asm__("" : "+v"(c00), "+v"(c01), "+v"(c10), "+v"(c11), "+v"(c20), "+v"(c21), "+v"(c30), "+v"(c31));
+#endif
+#define TAP512(cr0, cr1, wr, k)                                                                              \
+    {                                                                                                        \
+        const __m512i b = _mm512_set1_epi32(wr[k]);                                                          \
+        cr0 = _mm512_dpbusd_epi32(cr0, b, x0);                                                               \
+        if (NV > 1) cr1 = _mm512_dpbusd_epi32(cr1, b, x1);                                                   \
+    }
+#define BYTE_QUAD512(k)                                                                                      \
+    {                                                                                                        \
+        const __m512i x0 = _mm512_loadu_si512((const void *)(xq + (k) * mp));                                \
+        const __m512i x1 = NV > 1 ? _mm512_loadu_si512((const void *)(xq + (k) * mp + 16)) : x0;            \
+        TAP512(c00, c01, w0, k) TAP512(c10, c11, w1, k) TAP512(c20, c21, w2, k) TAP512(c30, c31, w3, k)      \
+        KEEP512()                                                                                            \
+    }
+
 /* The byte tile with AVX-512 VNNI (int8 activations, act8): vpdpbusd multiplies four unsigned bytes by four signed
  * ones and adds them into an int32 lane, so a tile of 4 weight rows x 16 batch rows and one group is 32 vpdpbusd
  * (the int16 tile: 64 vpdpwssd), with no int16 sums to widen.  int4 / int5 codes are unsigned already; int8 codes
@@ -1711,21 +1733,7 @@ static inline __attribute__((always_inline)) void tile_group8_512(const ts_wtile
     const int32_t *xq = (const int32_t *)a->q8 + tiled8(g, 0, m0, mp);
     __m512i c00 = _mm512_setzero_si512(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00, c30 = c00, c31 = c00;
 #pragma GCC unroll 8
-    for (int k = 0; k < 8; k++) {
-        const __m512i x0 = _mm512_loadu_si512((const void *)(xq + k * mp));
-        const __m512i x1 = NV > 1 ? _mm512_loadu_si512((const void *)(xq + k * mp + 16)) : x0;
-#define TAP(cr0, cr1, wr)                                                  \
-    {                                                                      \
-        const __m512i b = _mm512_set1_epi32(wr[k]);                        \
-        cr0 = _mm512_dpbusd_epi32(cr0, b, x0);                             \
-        if (NV > 1) cr1 = _mm512_dpbusd_epi32(cr1, b, x1);                 \
-    }
-        TAP(c00, c01, w0) TAP(c10, c11, w1) TAP(c20, c21, w2) TAP(c30, c31, w3)
-#undef TAP
-#if !TS_SIMDE
-        __asm__("" : "+v"(c00), "+v"(c01), "+v"(c10), "+v"(c11), "+v"(c20), "+v"(c21), "+v"(c30), "+v"(c31));
-#endif
-    }
+    for (int k = 0; k < 8; k++) BYTE_QUAD512(k)
     if (wt == WT_Q8) {
         const int32_t *qs = a->q8s + g * mp + m0;
         const __m512i s0 = _mm512_loadu_si512((const void *)qs), s1 = NV > 1 ? _mm512_loadu_si512((const void *)(qs + 16)) : s0;
@@ -1758,21 +1766,7 @@ static inline __attribute__((always_inline)) void tile_group6_512(const ts_wtile
         const __m512i t1 = NV > 1 ? _mm512_loadu_si512((const void *)(tq + j * mp + 16)) : t0;
         __m512i c00 = t0, c01 = t1, c10 = t0, c11 = t1, c20 = t0, c21 = t1, c30 = t0, c31 = t1;
 #pragma GCC unroll 4
-        for (int k = 4 * j; k < 4 * j + 4; k++) {
-            const __m512i x0 = _mm512_loadu_si512((const void *)(xq + k * mp));
-            const __m512i x1 = NV > 1 ? _mm512_loadu_si512((const void *)(xq + k * mp + 16)) : x0;
-#define TAP(cr0, cr1, wr)                                                  \
-    {                                                                      \
-        const __m512i b = _mm512_set1_epi32(wr[k]);                        \
-        cr0 = _mm512_dpbusd_epi32(cr0, b, x0);                             \
-        if (NV > 1) cr1 = _mm512_dpbusd_epi32(cr1, b, x1);                 \
-    }
-            TAP(c00, c01, w0) TAP(c10, c11, w1) TAP(c20, c21, w2) TAP(c30, c31, w3)
-#undef TAP
-#if !TS_SIMDE
-            __asm__("" : "+v"(c00), "+v"(c01), "+v"(c10), "+v"(c11), "+v"(c20), "+v"(c21), "+v"(c30), "+v"(c31));
-#endif
-        }
+        for (int k = 4 * j; k < 4 * j + 4; k++) BYTE_QUAD512(k)
         const __m512i q[2][4] = {{c00, c10, c20, c30}, {c01, c11, c21, c31}};
         for (int r = 0; r < 4; r++) {
             const __m512i sv = _mm512_set1_epi32(sub[4 * j + r]);
@@ -1784,6 +1778,9 @@ static inline __attribute__((always_inline)) void tile_group6_512(const ts_wtile
     }
     tile_scale512(t, WT_Q6, g, a, m0, NV, c, f);
 }
+#undef BYTE_QUAD512
+#undef TAP512
+#undef KEEP512
 #define TILE_GROUP tile_group512
 #define TILE_GROUP8 tile_group8_512
 #define TILE_GROUP6 tile_group6_512
