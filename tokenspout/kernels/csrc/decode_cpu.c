@@ -379,13 +379,14 @@ static void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, ts_q
                 a->q6o[i8 / 16] = 32 * hsum8i(_mm256_madd_epi16(c0, one));
                 a->q6o[i8 / 16 + 1] = 32 * hsum8i(_mm256_madd_epi16(c1, one));
             }
-            if (act8) { /* and as bytes (|code| <= 127: the narrowing is exact) */
+            /* and as bytes (|code| <= 127: the narrowing is exact); the AVX-512 row path has no byte layout but
+             * block_q6_512's above (its other kernels take a->q) */
+            if (act8 && (mp || !TS_AVX512)) {
                 /* per 128-bit lane: [columns 0..7, 16..23 | 8..15, 24..31] */
                 const __m256i b = _mm256_packs_epi16(_mm256_loadu_si256((const __m256i *)q),
                                                      _mm256_loadu_si256((const __m256i *)(q + 16)));
                 const __m128i b0 = _mm256_castsi256_si128(b), b1 = _mm256_extracti128_si256(b, 1);
-                if (!mp && TS_AVX512) { /* (the row path's int16 kernels take a->q; block_q6_512 its bytes above) */
-                } else if (!mp) { /* the row8 layout: eight columns of this group every 16 bytes */
+                if (!mp) { /* the row8 layout: eight columns of this group every 16 bytes */
                     int8_t *o = a->q8 + (m * ((G + 1) / 2) + g / 2) * 64 + (g % 2) * 8;
                     _mm_storel_epi64((__m128i *)o, b0);                              /* columns 0..7 */
                     _mm_storel_epi64((__m128i *)(o + 16), b1);                       /* 8..15 */
