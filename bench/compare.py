@@ -13,6 +13,13 @@ which records start-up time (to a healthy /health) and the peak RSS of the serve
 Each server is measured with bench/serve.py (closed loop, streamed, ignore_eos; `--context N`: a document of about N
 tokens before each question, decoding at that depth).  Writes
 bench/results/serve_compare.json and prints a markdown table (the one in README.md).
+
+`--rounds N` (N > 1): every server is started first (one at a time, each start timed alone) and all stay up, idle
+but one; then each round measures every level on every server in turn (the servers' order reversed every other
+round), and the table shows each level's median over the rounds (`rounds` in the JSON keeps every round's row).
+This VM's speed drifts by 10-20% from one minute to the next, and one server measured after another compared
+their minutes as much as their code: interleaved rounds give every server the same minutes.  An idle server takes
+no CPU (tokenspout and vLLM wait on their sockets, llama.cpp's threads sleep between requests).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -67,6 +75,60 @@ def stop(name: str, peers: Path, env: dict) -> dict:
     return json.loads(rss.read_text()) if rss.is_file() else {}
 
 
+def serve_args(name: str, args: argparse.Namespace, concurrency: list[int], modes: list[str]) -> argparse.Namespace:
+    model = "smollm2" if name in ("vllm", "vllm-bf16", "llamacpp") else "SmolLM2-135M-Instruct"
+    return serve.parse_args(["--base-url", f"http://127.0.0.1:{PORTS[name]}/v1", "--model", model,
+                             "--concurrency", *map(str, concurrency), "--mode", *modes,
+                             "--max-tokens", str(args.max_tokens), "--label", name, "--context", str(args.context)]
+                            # llama.cpp's repetition penalty defaults on; the others' are off already
+                            + (["--extra-body", '{"repeat_penalty": 1.0}'] if name == "llamacpp" else [])
+                            + (["--num-requests", str(args.num_requests)] if args.num_requests else []))
+
+
+def median_row(rows: list[dict]) -> dict:
+    """One level's rounds -> the round with the median output tok/s, its TTFT / ITL the medians of all rounds',
+    and every round's row under `rounds`."""
+    ok = [r for r in rows if r["completed"]] or rows
+    mid = dict(sorted(ok, key=lambda r: r["output_tok_s"])[len(ok) // 2])
+    for key in ("ttft_p50_ms", "itl_p50_ms"):
+        mid[key] = statistics.median(r[key] for r in ok)
+    mid["errors"] = sum(r["errors"] for r in rows)
+    mid["rounds"] = rows
+    return mid
+
+
+def run_rounds(args: argparse.Namespace, env: dict, report: dict) -> None:
+    """--rounds: every server up at once, every level measured on each in turn, round after round."""
+    up: dict[str, dict] = {}
+    try:
+        for name in args.servers:
+            print(f"== start {name}", flush=True)
+            try:
+                up[name] = start(name, args.peers_dir, env)
+            except RuntimeError as e:
+                print(e, flush=True)
+                stop(name, args.peers_dir, env)
+        rows: dict[str, dict[tuple, list]] = {n: {} for n in up}
+        levels = [(m, c) for m in args.mode for c in args.concurrency]
+        for rnd in range(args.rounds):
+            order = list(up) if rnd % 2 == 0 else list(up)[::-1]
+            for mode, c in levels:
+                for name in order:
+                    res = asyncio.run(serve.run(serve_args(name, args, [c], [mode])))
+                    rows[name].setdefault((mode, c), []).extend(res["results"])
+                    print(f"round {rnd + 1} {name} {mode} c={c}: {res['results'][0]['output_tok_s']:.1f} tok/s",
+                          flush=True)
+        for name in up:
+            report["servers"][name] = {"label": name, "results": [median_row(rows[name][lv]) for lv in levels],
+                                       "startup_s": up[name]["startup_s"]}
+    finally:
+        for name in list(up)[::-1]:
+            rss = stop(name, args.peers_dir, env)
+            if name in report["servers"]:
+                report["servers"][name]["peak_rss_mib"] = rss.get("peak_total_rss_mib")
+    report["rounds"] = args.rounds
+
+
 def table(report: dict) -> str:
     names = list(report["servers"])
     head = "| output tok/s (TTFT p50 ms) | " + " | ".join(names) + " |"
@@ -100,6 +162,8 @@ def main() -> None:
                     help="about this many tokens of document before each question (bench.serve --context): decoding "
                          "at depth; llama.cpp then gets one slot per client of context + 1024 tokens")
     ap.add_argument("--peers-dir", type=Path, default=ROOT.parent / "shared" / "peers")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="> 1: all servers up at once, every level measured on each in turn per round, medians")
     ap.add_argument("--out", default="serve_compare.json")
     args = ap.parse_args()
     env = dict(os.environ, PEERS=os.environ.get("PEERS", "/tmp/peers"))
@@ -108,6 +172,11 @@ def main() -> None:
         env.update(NP=str(np_), CTX=str(np_ * (args.context + args.max_tokens + 1024)))
     report: dict = {"max_tokens": args.max_tokens, "context": args.context,
                     "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "servers": {}}
+    if args.rounds > 1:
+        run_rounds(args, env, report)
+        print(table(report))
+        print("wrote", write_json(args.out, report))
+        return
     for name in args.servers:
         print(f"== {name}", flush=True)
         try:
@@ -117,15 +186,7 @@ def main() -> None:
             stop(name, args.peers_dir, env)
             continue
         try:
-            model = "smollm2" if name in ("vllm", "vllm-bf16", "llamacpp") else "SmolLM2-135M-Instruct"
-            sargs = serve.parse_args(["--base-url", f"http://127.0.0.1:{PORTS[name]}/v1", "--model", model,
-                                      "--concurrency", *map(str, args.concurrency), "--mode", *args.mode,
-                                      "--max-tokens", str(args.max_tokens), "--label", name,
-                                      "--context", str(args.context)]
-                                     # llama.cpp's repetition penalty defaults on; the others' are off already
-                                     + (["--extra-body", '{"repeat_penalty": 1.0}'] if name == "llamacpp" else [])
-                                     + (["--num-requests", str(args.num_requests)] if args.num_requests else []))
-            res = asyncio.run(serve.run(sargs))
+            res = asyncio.run(serve.run(serve_args(name, args, args.concurrency, args.mode)))
         finally:
             rss = stop(name, args.peers_dir, env)
         res["startup_s"] = info["startup_s"]
