@@ -132,7 +132,10 @@ def _build(out: Path, defines: tuple[str, ...] = (), isa: str = "avx2", emulated
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         so = Path(tmp) / out.name
-        flags = ["-O3", *_isa_flags(isa, emulated), "-fopenmp", "-fPIC", *(f"-D{d}" for d in defines)]
+        # (a call before its function's definition is an error, not an implicit int(...) declaration whose float
+        # arguments would travel as doubles: gcc 12 only warns)
+        flags = ["-O3", *_isa_flags(isa, emulated), "-fopenmp", "-fPIC", "-Werror=implicit-function-declaration",
+                 *(f"-D{d}" for d in defines)]
         # each source compiled by its own gcc, side by side, then linked: 9.8 -> 6.0 s here (decode_cpu.c alone
         # takes most of it), which a fresh machine's first start and every source change pay
         sources = [csrc / src.name for src in SOURCES]
