@@ -2308,6 +2308,11 @@ static inline void store_kv(void *dst, const float *src, int64_t n, int64_t half
 #ifndef ATTN_HINT
 #define ATTN_HINT _MM_HINT_T1
 #endif
+/* a position's rows of an item's KV heads (run bytes from p) asked for (always inlined: left as a call inside the
+ * score pass, the 135M shape's attention ran 1.8x slower) */
+static inline __attribute__((always_inline)) void attn_prefetch(const char *p, int64_t run) {
+    for (int64_t off = 0; off < run; off += 64) _mm_prefetch(p + off, ATTN_HINT);
+}
 #ifndef ATTN_PF
 #define ATTN_PF 16
 #endif
@@ -2524,17 +2529,15 @@ static inline __attribute__((always_inline)) void attn_item(const float *qt, con
             vrow[p] = vc + off;
         }
     for (int64_t p = L; p < L8; p++) krow[p] = krow[0];
-    for (int64_t p = 0; p < ATTN_PF && p < L; p++) /* the first rows (the passes ask for those further on) */
-        for (int64_t off = 0; off < run; off += 64) _mm_prefetch(krow[p] + off, ATTN_HINT);
-    for (int64_t p = 0; p < ATTN_PC && p < L; p++)
-        for (int64_t off = 0; off < run; off += 64) _mm_prefetch(vrow[p] + off, ATTN_HINT);
+    /* the first rows (the passes ask for those further on) */
+    for (int64_t p = 0; p < ATTN_PF && p < L; p++) attn_prefetch(krow[p], run);
+    for (int64_t p = 0; p < ATTN_PC && p < L; p++) attn_prefetch(vrow[p], run);
     const __m256 vscale = _mm256_set1_ps(scale);
     for (int64_t p0 = 0; p0 < L8; p0 += 8) {
         /* the K rows ATTN_PF positions ahead.  (The V rows are the value pass's to prefetch: asked for into L2
          * here, a whole score pass early, a token's 800 KB of them at 200 positions (1.7B) outran L2, 1.2x
          * slower.) */
-        for (int64_t p = p0; p + ATTN_PF < L && p < p0 + 8; p++)
-            for (int64_t off = 0; off < run; off += 64) _mm_prefetch(krow[p + ATTN_PF] + off, ATTN_HINT);
+        for (int64_t p = p0; p + ATTN_PF < L && p < p0 + 8; p++) attn_prefetch(krow[p + ATTN_PF], run);
         for (int64_t i = 0; i < hn; i++)
             for (int64_t g = 0; g < G; g++) {
                 const float *qg = qt + ((h0 + i) * G + g) * D;
@@ -2575,7 +2578,7 @@ static inline __attribute__((always_inline)) void attn_item(const float *qt, con
         const int64_t p1 = p0 + ATTN_PC < L ? p0 + ATTN_PC : L;
         const int first = p0 == 0, last = p1 == L;
         for (int64_t p = p1; p < p1 + ATTN_PC && p < L; p++) /* the next run's rows (nothing asked for them before) */
-            for (int64_t off = 0; off < run; off += 64) _mm_prefetch(vrow[p] + off, ATTN_HINT);
+            attn_prefetch(vrow[p], run);
         for (int64_t i = 0; i < hn; i++) {
 #if TS_AVX512
             v_pass_heads(vrow, i * hd, sc + i * G * L8, L8, p0, p1, first, last, G, inv + i * G, dst + i * G * lds, lds,
