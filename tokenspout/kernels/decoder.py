@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 MAX_TOKENS = 64
 QUANTIZED_MAX_TOKENS = sys.maxsize
 SLICE_TOKENS = 512
+# forward_logits keeps its [T, vocab] float32 output between steps up to this many bytes (64 clients x a 128k
+# vocabulary fit); larger ones (long prompts scored whole) are allocated per step.
+LOGITS_KEPT = 48 << 20
 
 
 def build(loaded: LoadedModel, kv_caches: list[torch.Tensor], block_size: int, num_layers: int | None = None,
@@ -136,6 +139,7 @@ class CpuDecoder:
         self.scratch_per_token = ((a.num_heads + 2 * a.num_kv_heads) * a.head_dim
                                   + a.num_heads * a.head_dim + 3 * a.intermediate_size)
         self._scratch = torch.empty(0, dtype=torch.float32)
+        self._logits = torch.empty(0, dtype=torch.float32)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                 block_ids: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
@@ -149,7 +153,16 @@ class CpuDecoder:
         ts_decode_layers), for steps whose every token samples; at most max_tokens tokens."""
         t = input_ids.shape[0]
         assert t <= self.max_tokens
-        logits = torch.empty(t, self.vocab_size, dtype=torch.float32)
+        need = t * self.vocab_size
+        if need <= LOGITS_KEPT // 4:
+            # Kept between steps like the scratch: a fresh [T, vocab] buffer of a few MB is fresh pages from the
+            # OS every step, and faulting them in as the LM head writes its logits was ~5% of the served engine's
+            # CPU at 64 clients (perf).  The runner is done with a step's logits when its run() returns.
+            if self._logits.numel() < need:
+                self._logits = torch.empty(need, dtype=torch.float32)
+            logits = self._logits[:need].view(t, self.vocab_size)
+        else:
+            logits = torch.empty(t, self.vocab_size, dtype=torch.float32)
         return self._layers(input_ids, positions, slot_mapping, block_ids, seq_lens, logits), logits
 
     def _layers(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
