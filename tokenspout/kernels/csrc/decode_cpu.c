@@ -323,6 +323,45 @@ static inline int64_t tiled8(int64_t g, int t, int64_t m, int64_t mp) { return (
 /* x [M, K] -> a: per row and group of 32 columns, a scale d, the float sum s and codes round(x / d), |code| <= L
  * (L = 32767; 16383 for a linear holding Q6 weights (narrow: see Q6); 127 with act8).  Tiled (M >= tile_min) the
  * codes go to the tiled layouts (int16, and with act8 also the int8 one). */
+static inline void tr8x8(__m256 v[8], __m256 t[8]);
+
+/* dst[t * TW + i] = blk[i][t] (t < 16, i < TW): TW batch rows' 16 pairs of one group into their run of the tiled
+ * layout, through register transposes (16 x 16 with AVX-512, two 8 x 8 with AVX2) and whole-vector stores.  (Each
+ * pair stored on its own, 16 strided 4-byte stores per row and group, was over half of quantize_act's time.) */
+static inline void store_tiled(int32_t blk[TW][16], int32_t *dst) {
+#if TS_AVX512
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_si512(blk[i]);
+    for (int i = 0; i < 16; i += 2) { /* per 128-bit lane: rows i, i + 1 interleaved */
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int b = 0; b < 16; b += 4) { /* r[b + c]: rows b..b+3 of pairs c, c + 4, c + 8, c + 12 (lane by lane) */
+        r[b] = _mm512_unpacklo_epi64(t[b], t[b + 2]);
+        r[b + 1] = _mm512_unpackhi_epi64(t[b], t[b + 2]);
+        r[b + 2] = _mm512_unpacklo_epi64(t[b + 1], t[b + 3]);
+        r[b + 3] = _mm512_unpackhi_epi64(t[b + 1], t[b + 3]);
+    }
+    for (int c = 0; c < 4; c++) {
+        /* lanes 0, 2 (v0, w0) and 1, 3 (v1, w1) of rows 0..7 and 8..15, then those lanes' halves together */
+        const __m512i v0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88), v1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xDD);
+        const __m512i w0 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
+        const __m512i w1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xDD);
+        _mm512_storeu_si512(dst + 16 * c, _mm512_shuffle_i32x4(v0, w0, 0x88));
+        _mm512_storeu_si512(dst + 16 * (c + 8), _mm512_shuffle_i32x4(v0, w0, 0xDD));
+        _mm512_storeu_si512(dst + 16 * (c + 4), _mm512_shuffle_i32x4(v1, w1, 0x88));
+        _mm512_storeu_si512(dst + 16 * (c + 12), _mm512_shuffle_i32x4(v1, w1, 0xDD));
+    }
+#else
+    for (int h = 0; h < 16; h += 8) {
+        __m256 v[8], t[8];
+        for (int i = 0; i < 8; i++) v[i] = _mm256_loadu_ps((const float *)blk[i] + h);
+        tr8x8(v, t);
+        for (int j = 0; j < 8; j++) _mm256_storeu_ps((float *)dst + (h + j) * 8, t[j]);
+    }
+#endif
+}
+
 static void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, ts_qact *a, int64_t act8,
                          int64_t tile_min, int narrow) {
     const int64_t G = K / 32, mp = M >= tile_min ? (M + TW - 1) / TW * TW : 0;
@@ -330,89 +369,94 @@ static void quantize_act(const float *x, int64_t ldx, int64_t M, int64_t K, ts_q
     const float L = act8 ? 127.0f : narrow ? 16383.0f : 32767.0f;
     a->mp = mp;
     a->act8 = act8;
-    for (int64_t m = 0; m < (mp ? mp : M); m++)
+    /* tiled: TW batch rows at a time per group (their codes meet in blk, then go to the layout together) */
+    const int64_t step = mp ? TW : 1;
+    for (int64_t m0 = 0; m0 < (mp ? mp : M); m0 += step)
         for (int64_t g = 0; g < G; g++) {
-            if (m >= M) { /* tiled padding row */
-                a->d[g * mp + m] = a->s[g * mp + m] = 0.0f;
-                for (int t = 0; t < 16; t++) ((int32_t *)a->q)[tiled(g, t, m, mp)] = 0;
-                if (act8)
-                    for (int t = 0; t < 8; t++) ((int32_t *)a->q8)[tiled8(g, t, m, mp)] = 0;
-                if (act8 && TS_AVX512) a->q8s[g * mp + m] = 0;
-                if (act8 && narrow) a->q6t[2 * g * mp + m] = a->q6t[(2 * g + 1) * mp + m] = 0;
-                continue;
-            }
-            const float *p = x + m * ldx + g * 32;
-            __m256 v[4], mx = _mm256_setzero_ps(), sm = _mm256_setzero_ps();
-            for (int j = 0; j < 4; j++) {
-                v[j] = _mm256_loadu_ps(p + 8 * j);
-                mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
-                sm = _mm256_add_ps(sm, v[j]);
-            }
-            const float amax = hmax8(mx);
-            const int64_t i = mp ? g * mp + m : m * G + g;
-            a->d[i] = amax / L;
-            a->s[i] = hsum8(sm);
-            const __m256 mul = _mm256_set1_ps(amax > 0 ? L / amax : 0.0f);
-            int16_t row[32], *q = mp ? row : a->q + m * K + g * 32;
-            for (int j = 0; j < 4; j += 2) {
-                const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], mul));
-                const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(v[j + 1], mul));
-                /* vpackssdw works per 128-bit lane: the permute restores the element order */
-                _mm256_storeu_si256((__m256i *)(q + 8 * j),
-                                    _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
-            }
-            if (mp) /* the group's 16 pairs of columns to their places in the tiled layout */
-                for (int t = 0; t < 16; t++) memcpy((int32_t *)a->q + tiled(g, t, m, mp), row + 2 * t, 4);
-            if (TS_AVX512 && narrow && !mp) { /* block_q6_512's bytes (see ts_qact) */
-                const __m256i c0 = _mm256_loadu_si256((const __m256i *)q);
-                const __m256i c1 = _mm256_loadu_si256((const __m256i *)(q + 16));
-                const int64_t i8 = (m * (G / 2) + g / 2) * 64 + (g % 2) * 32;
-                /* (vpacksswb per 128-bit lane: the permute restores the column order; both parts fit a byte) */
-                const __m256i k7 = _mm256_set1_epi16(act8 ? -1 : 127);
-                const __m256i lo = _mm256_packs_epi16(_mm256_and_si256(c0, k7), _mm256_and_si256(c1, k7));
-                _mm256_storeu_si256((__m256i *)(a->q8 + i8), _mm256_permute4x64_epi64(lo, 0xD8));
-                if (!act8) {
-                    const __m256i hi = _mm256_packs_epi16(_mm256_srai_epi16(c0, 7), _mm256_srai_epi16(c1, 7));
-                    _mm256_storeu_si256((__m256i *)(a->q8h + i8), _mm256_permute4x64_epi64(hi, 0xD8));
+            int32_t blk[TW][16];
+            for (int64_t m = m0; m < m0 + step; m++) {
+                if (m >= M) { /* tiled padding row */
+                    a->d[g * mp + m] = a->s[g * mp + m] = 0.0f;
+                    memset(blk[m - m0], 0, sizeof blk[0]);
+                    if (act8)
+                        for (int t = 0; t < 8; t++) ((int32_t *)a->q8)[tiled8(g, t, m, mp)] = 0;
+                    if (act8 && TS_AVX512) a->q8s[g * mp + m] = 0;
+                    if (act8 && narrow) a->q6t[2 * g * mp + m] = a->q6t[(2 * g + 1) * mp + m] = 0;
+                    continue;
                 }
-                const __m256i one = _mm256_set1_epi16(1);
-                a->q6o[i8 / 16] = 32 * hsum8i(_mm256_madd_epi16(c0, one));
-                a->q6o[i8 / 16 + 1] = 32 * hsum8i(_mm256_madd_epi16(c1, one));
-            }
-            /* and as bytes (|code| <= 127: the narrowing is exact); the AVX-512 row path has no byte layout but
-             * block_q6_512's above (its other kernels take a->q) */
-            if (act8 && (mp || !TS_AVX512)) {
-                /* per 128-bit lane: [columns 0..7, 16..23 | 8..15, 24..31] */
-                const __m256i b = _mm256_packs_epi16(_mm256_loadu_si256((const __m256i *)q),
-                                                     _mm256_loadu_si256((const __m256i *)(q + 16)));
-                const __m128i b0 = _mm256_castsi256_si128(b), b1 = _mm256_extracti128_si256(b, 1);
-                if (!mp) { /* the row8 layout: eight columns of this group every 16 bytes */
-                    int8_t *o = a->q8 + (m * ((G + 1) / 2) + g / 2) * 64 + (g % 2) * 8;
-                    _mm_storel_epi64((__m128i *)o, b0);                              /* columns 0..7 */
-                    _mm_storel_epi64((__m128i *)(o + 16), b1);                       /* 8..15 */
-                    _mm_storel_epi64((__m128i *)(o + 32), _mm_unpackhi_epi64(b0, b0)); /* 16..23 */
-                    _mm_storel_epi64((__m128i *)(o + 48), _mm_unpackhi_epi64(b1, b1)); /* 24..31 */
-                    if (g % 2 == 0 && g + 1 == G) /* a lone last group: its pair's other half is zero */
-                        for (int j = 0; j < 4; j++) memset(o + 16 * j + 8, 0, 8);
-                } else { /* the tiled layout (tile_group8): quad t (columns 4t..4t+3) of each group */
-                    int32_t cols[8];
-                    _mm256_storeu_si256((__m256i *)cols, _mm256_permute4x64_epi64(b, 0xD8)); /* columns in order */
-                    for (int t = 0; t < 8; t++) ((int32_t *)a->q8)[tiled8(g, t, m, mp)] = cols[t];
-                    if (TS_AVX512) {
-                        int32_t sum = 0, half = 0;
-                        for (int j = 0; j < 32; j++) sum += q[j], half += j < 16 ? q[j] : 0;
-                        a->q8s[g * mp + m] = 128 * sum;
-                        if (narrow)
-                            a->q6t[2 * g * mp + m] = -32 * half, a->q6t[(2 * g + 1) * mp + m] = -32 * (sum - half);
-                    } else if (narrow) /* (|.| <= 32 x 8 x 127: int16) */
-                        for (int j = 0; j < 2; j++) {
-                            int32_t s0 = 0, s1 = 0;
-                            for (int k = 16 * j; k < 16 * j + 16; k += 4) s0 += q[k] + q[k + 1], s1 += q[k + 2] + q[k + 3];
-                            a->q6t[(2 * g + j) * mp + m] = (int32_t)((uint32_t)(uint16_t)(int16_t)(-32 * s0) |
-                                                                     (uint32_t)(uint16_t)(int16_t)(-32 * s1) << 16);
-                        }
+                const float *p = x + m * ldx + g * 32;
+                __m256 v[4], mx = _mm256_setzero_ps(), sm = _mm256_setzero_ps();
+                for (int j = 0; j < 4; j++) {
+                    v[j] = _mm256_loadu_ps(p + 8 * j);
+                    mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
+                    sm = _mm256_add_ps(sm, v[j]);
+                }
+                const float amax = hmax8(mx);
+                const int64_t i = mp ? g * mp + m : m * G + g;
+                a->d[i] = amax / L;
+                a->s[i] = hsum8(sm);
+                const __m256 mul = _mm256_set1_ps(amax > 0 ? L / amax : 0.0f);
+                int16_t row[32], *q = mp ? row : a->q + m * K + g * 32;
+                for (int j = 0; j < 4; j += 2) {
+                    const __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], mul));
+                    const __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(v[j + 1], mul));
+                    /* vpackssdw works per 128-bit lane: the permute restores the element order */
+                    _mm256_storeu_si256((__m256i *)(q + 8 * j),
+                                        _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8));
+                }
+                if (mp) memcpy(blk[m - m0], row, sizeof blk[0]); /* the group's 16 pairs of columns */
+                if (TS_AVX512 && narrow && !mp) { /* block_q6_512's bytes (see ts_qact) */
+                    const __m256i c0 = _mm256_loadu_si256((const __m256i *)q);
+                    const __m256i c1 = _mm256_loadu_si256((const __m256i *)(q + 16));
+                    const int64_t i8 = (m * (G / 2) + g / 2) * 64 + (g % 2) * 32;
+                    /* (vpacksswb per 128-bit lane: the permute restores the column order; both parts fit a byte) */
+                    const __m256i k7 = _mm256_set1_epi16(act8 ? -1 : 127);
+                    const __m256i lo = _mm256_packs_epi16(_mm256_and_si256(c0, k7), _mm256_and_si256(c1, k7));
+                    _mm256_storeu_si256((__m256i *)(a->q8 + i8), _mm256_permute4x64_epi64(lo, 0xD8));
+                    if (!act8) {
+                        const __m256i hi = _mm256_packs_epi16(_mm256_srai_epi16(c0, 7), _mm256_srai_epi16(c1, 7));
+                        _mm256_storeu_si256((__m256i *)(a->q8h + i8), _mm256_permute4x64_epi64(hi, 0xD8));
+                    }
+                    const __m256i one = _mm256_set1_epi16(1);
+                    a->q6o[i8 / 16] = 32 * hsum8i(_mm256_madd_epi16(c0, one));
+                    a->q6o[i8 / 16 + 1] = 32 * hsum8i(_mm256_madd_epi16(c1, one));
+                }
+                /* and as bytes (|code| <= 127: the narrowing is exact); the AVX-512 row path has no byte layout but
+                 * block_q6_512's above (its other kernels take a->q) */
+                if (act8 && (mp || !TS_AVX512)) {
+                    /* per 128-bit lane: [columns 0..7, 16..23 | 8..15, 24..31] */
+                    const __m256i b = _mm256_packs_epi16(_mm256_loadu_si256((const __m256i *)q),
+                                                         _mm256_loadu_si256((const __m256i *)(q + 16)));
+                    const __m128i b0 = _mm256_castsi256_si128(b), b1 = _mm256_extracti128_si256(b, 1);
+                    if (!mp) { /* the row8 layout: eight columns of this group every 16 bytes */
+                        int8_t *o = a->q8 + (m * ((G + 1) / 2) + g / 2) * 64 + (g % 2) * 8;
+                        _mm_storel_epi64((__m128i *)o, b0);                              /* columns 0..7 */
+                        _mm_storel_epi64((__m128i *)(o + 16), b1);                       /* 8..15 */
+                        _mm_storel_epi64((__m128i *)(o + 32), _mm_unpackhi_epi64(b0, b0)); /* 16..23 */
+                        _mm_storel_epi64((__m128i *)(o + 48), _mm_unpackhi_epi64(b1, b1)); /* 24..31 */
+                        if (g % 2 == 0 && g + 1 == G) /* a lone last group: its pair's other half is zero */
+                            for (int j = 0; j < 4; j++) memset(o + 16 * j + 8, 0, 8);
+                    } else { /* the tiled layout (tile_group8): quad t (columns 4t..4t+3) of each group */
+                        int32_t cols[8];
+                        _mm256_storeu_si256((__m256i *)cols, _mm256_permute4x64_epi64(b, 0xD8)); /* columns in order */
+                        for (int t = 0; t < 8; t++) ((int32_t *)a->q8)[tiled8(g, t, m, mp)] = cols[t];
+                        if (TS_AVX512) {
+                            int32_t sum = 0, half = 0;
+                            for (int j = 0; j < 32; j++) sum += q[j], half += j < 16 ? q[j] : 0;
+                            a->q8s[g * mp + m] = 128 * sum;
+                            if (narrow)
+                                a->q6t[2 * g * mp + m] = -32 * half, a->q6t[(2 * g + 1) * mp + m] = -32 * (sum - half);
+                        } else if (narrow) /* (|.| <= 32 x 8 x 127: int16) */
+                            for (int j = 0; j < 2; j++) {
+                                int32_t s0 = 0, s1 = 0;
+                                for (int k = 16 * j; k < 16 * j + 16; k += 4) s0 += q[k] + q[k + 1], s1 += q[k + 2] + q[k + 3];
+                                a->q6t[(2 * g + j) * mp + m] = (int32_t)((uint32_t)(uint16_t)(int16_t)(-32 * s0) |
+                                                                         (uint32_t)(uint16_t)(int16_t)(-32 * s1) << 16);
+                            }
+                    }
                 }
             }
+            if (mp) store_tiled(blk, (int32_t *)a->q + tiled(g, 0, m0, mp));
         }
 }
 
