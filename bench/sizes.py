@@ -1,6 +1,6 @@
 """Real model sizes against llama.cpp: random-weight Llama shapes served by tokenspout and by llama.cpp, one at a time.
 
-    python -m bench.sizes [--shapes smollm2-1.7b] [--concurrency 1 16] [--max-tokens 64]
+    python -m bench.sizes [--shapes smollm2-1.7b] [--concurrency 1 16] [--max-tokens 64] [--rounds N]
 
 Per shape (bench/shapes.py: SmolLM2-360M, SmolLM2-1.7B, Llama-3.1-8B's layer shape; the default tokenizer's
 vocabulary; bf16 safetensors):
@@ -15,7 +15,11 @@ vocabulary; bf16 safetensors):
   picks some;
 * each measured with bench/serve.py (closed loop, streamed, ignore_eos), once the machine is quiet again after the
   start (settle(): tokenspout's engine builds its grammar support in a thread right after /health answers): tok/s,
-  TTFT and ITL p50 at each concurrency; start-up to a healthy /health and the peak RSS of the server's process tree (start_server.sh).
+  TTFT and ITL p50 at each concurrency; start-up to a healthy /health and the peak RSS of the server's process tree (start_server.sh);
+* one server at a time by default; `--rounds N` (N > 1) starts a family's servers together (each start timed alone),
+  then measures every level on each in turn, N rounds with the order reversed every other round, and reports the
+  medians (every round kept in the JSON), as bench.compare --rounds: this VM's speed drifts between minutes, and a
+  ratio of two servers measured minutes apart carried that drift.  A family's servers must fit in memory together.
 Writes bench/results/sizes.json and prints a markdown table.
 """
 
@@ -89,27 +93,81 @@ def settle(quiet: float = 0.1, seconds: int = 3, limit_s: float = 120.0) -> floa
     return time.monotonic() - start
 
 
-def measure(name: str, cmd: list[str], port: int, args: argparse.Namespace, extra: list[str]) -> dict:
-    peers = args.peers_dir
-    env = dict(os.environ, PEERS=os.environ.get("PEERS", "/tmp/peers"))
-    res = subprocess.run([str(peers / "start_server.sh"), name, f"http://127.0.0.1:{port}/health", "--", *cmd],
+def _env() -> dict:
+    return dict(os.environ, PEERS=os.environ.get("PEERS", "/tmp/peers"))
+
+
+def start(name: str, cmd: list[str], port: int, args: argparse.Namespace) -> float:
+    """Starts one server (start_server.sh: its log, pid and peak-RSS monitor), waits for a healthy /health and then
+    for a quiet machine; returns the start-up time."""
+    env = _env()
+    res = subprocess.run([str(args.peers_dir / "start_server.sh"), name, f"http://127.0.0.1:{port}/health", "--", *cmd],
                          capture_output=True, text=True, env=env, cwd=ROOT, check=False)
     if res.returncode != 0:
         raise RuntimeError(f"{name} did not start: {res.stdout[-2000:]}{res.stderr[-2000:]}")
-    logs = Path(env["PEERS"]) / "logs"
-    startup = json.loads((logs / f"{name}.startup.json").read_text())["startup_s"]
+    startup = json.loads((Path(env["PEERS"]) / "logs" / f"{name}.startup.json").read_text())["startup_s"]
     settle()
+    return startup
+
+
+def stop(name: str, args: argparse.Namespace) -> float | None:
+    """Stops a server; returns the peak RSS (MiB) of its process tree over its life."""
+    env = _env()
+    subprocess.run([str(args.peers_dir / "stop_server.sh"), name], capture_output=True, text=True, env=env, check=False)
+    rss = Path(env["PEERS"]) / "logs" / f"{name}.rss.json"
+    return json.loads(rss.read_text()).get("peak_total_rss_mib") if rss.is_file() else None
+
+
+def load(name: str, port: int, concurrency: list[int], args: argparse.Namespace, extra: list[str]) -> dict:
+    """bench.serve against a running server at these concurrency levels (greedy)."""
+    sargs = serve.parse_args(["--base-url", f"http://127.0.0.1:{port}/v1", "--model", "bench",
+                              "--concurrency", *map(str, concurrency), "--mode", "greedy",
+                              "--max-tokens", str(args.max_tokens), "--num-requests", str(args.num_requests),
+                              "--label", name, *extra])
+    return asyncio.run(serve.run(sargs))
+
+
+def measure(name: str, cmd: list[str], port: int, args: argparse.Namespace, extra: list[str]) -> dict:
+    """One server alone: started, measured at every level, stopped."""
+    startup = start(name, cmd, port, args)
     try:
-        sargs = serve.parse_args(["--base-url", f"http://127.0.0.1:{port}/v1", "--model", "bench",
-                                  "--concurrency", *map(str, args.concurrency), "--mode", "greedy",
-                                  "--max-tokens", str(args.max_tokens), "--num-requests", str(args.num_requests),
-                                  "--label", name, *extra])
-        out = asyncio.run(serve.run(sargs))
+        out = load(name, port, args.concurrency, args, extra)
     finally:
-        subprocess.run([str(peers / "stop_server.sh"), name], capture_output=True, text=True, env=env, check=False)
-    rss = logs / f"{name}.rss.json"
+        rss = stop(name, args)
     out["startup_s"] = startup
-    out["peak_rss_mib"] = json.loads(rss.read_text()).get("peak_total_rss_mib") if rss.is_file() else None
+    out["peak_rss_mib"] = rss
+    return out
+
+
+def measure_rounds(runs: dict, args: argparse.Namespace) -> dict:
+    """--rounds: a family's servers (each on its own port) all up at once, each start timed alone on a quiet
+    machine; then every level measured on each in turn, round after round (the order reversed every other round),
+    the medians reported and every round kept (bench.compare's rounds): this VM's speed drifts 10-40% between
+    minutes, and servers measured one after another compared their minutes as much as their code.  The peak RSS
+    covers each server's whole life (all rounds)."""
+    from bench.compare import median_row
+
+    up: dict[str, float] = {}
+    out: dict = {}
+    try:
+        for name, (cmd, port, _) in runs.items():
+            print(f"== start {name}", flush=True)
+            up[name] = start(name, cmd, port, args)
+        rows: dict[str, dict[int, list]] = {n: {} for n in up}
+        for rnd in range(args.rounds):
+            for c in args.concurrency:
+                for name in (list(up) if rnd % 2 == 0 else list(up)[::-1]):
+                    res = load(name, runs[name][1], [c], args, runs[name][2])
+                    rows[name].setdefault(c, []).extend(res["results"])
+                    print(f"round {rnd + 1} {name} c={c}: {res['results'][0]['output_tok_s']:.1f} tok/s", flush=True)
+        for name in up:
+            out[name] = {"label": name, "results": [median_row(rows[name][c]) for c in args.concurrency],
+                         "startup_s": up[name], "rounds": args.rounds}
+    finally:
+        for name in list(up)[::-1]:
+            rss = stop(name, args)
+            if name in out:
+                out[name]["peak_rss_mib"] = rss
     return out
 
 
@@ -140,11 +198,14 @@ def main() -> None:
     ap.add_argument("--peers-dir", type=Path, default=ROOT.parent / "shared" / "peers")
     ap.add_argument("--activation-quant", nargs="+", default=["int16"], choices=list(ACTIVATION_QUANTS),
                     help="tokenspout's --activation-quant values to serve (int8 rows are named ...-a8)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="N > 1: per family, its servers all up at once and measured in turn, N interleaved rounds "
+                         "(medians); the family's servers must fit in memory together")
     args = ap.parse_args()
     from tokenspout.models.default_model import cache_dir
 
     ts = str(ROOT / ".venv" / "bin" / "tokenspout")
-    report: dict = {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "shapes": {}}
+    report: dict = {"concurrency": args.concurrency, "max_tokens": args.max_tokens, "rounds": args.rounds, "shapes": {}}
     peers_dir = Path(os.environ.get("PEERS", "/tmp/peers"))
     for shape in args.shapes:
         import torch
@@ -153,29 +214,39 @@ def main() -> None:
         files = gguf_files(folder, peers_dir, cache_dir() / "shapes" / "gguf", args.families)
         kv = f"{kv_gib(shape):.4f}"
         shutil.rmtree(cache_dir() / "quantized", ignore_errors=True)  # cold: the first start is measured
-        runs = {}
+        groups: list[dict] = []  # per family: name -> (command, port, load generator arguments)
+        ports = iter(range(8301, 8400))  # one port per server (in rounds mode a family's servers are up together)
         for kind in args.families:
             ours = FAMILIES[kind]
+            runs = {}
+            port = next(ports)
             runs[f"llamacpp-{kind}"] = (
                 [str(peers_dir / "llama-build" / "bin" / "llama-server"), "-m", str(files[kind]), "--alias", "bench",
-                 "--host", "127.0.0.1", "--port", "8301", "-t", "2", "-tb", "2", "-np", str(SLOTS), "-c",
-                 str(SLOTS * SLOT_TOKENS), "--no-kv-unified", "-cb"], 8301, ["--extra-body", '{"repeat_penalty": 1.0}'])
+                 "--host", "127.0.0.1", "--port", str(port), "-t", "2", "-tb", "2", "-np", str(SLOTS), "-c",
+                 str(SLOTS * SLOT_TOKENS), "--no-kv-unified", "-cb"], port, ["--extra-body", '{"repeat_penalty": 1.0}'])
             for aq in args.activation_quant:
                 suffix, aq_flag = ("-a8", ["--activation-quant", "int8"]) if aq == "int8" else ("", [])
                 if ours is not None:  # (the K-quant mixes have no folder counterpart: the file served directly)
+                    port = next(ports)
                     runs[f"tokenspout-{ours}{suffix}"] = (
-                        [ts, "serve", str(folder), "--port", "8302", "--quantization", ours, "--kv-cache-memory", kv,
-                         "--kv-cache-dtype", "float16", "--served-model-name", "bench", *aq_flag], 8302, [])
+                        [ts, "serve", str(folder), "--port", str(port), "--quantization", ours, "--kv-cache-memory",
+                         kv, "--kv-cache-dtype", "float16", "--served-model-name", "bench", *aq_flag], port, [])
+                port = next(ports)
                 runs[f"tokenspout-gguf-{kind}{suffix}"] = (
-                    [ts, "serve", str(files[kind]), "--port", "8303", "--kv-cache-memory", kv, "--kv-cache-dtype",
-                     "float16", "--served-model-name", "bench", *aq_flag], 8303, [])
+                    [ts, "serve", str(files[kind]), "--port", str(port), "--kv-cache-memory", kv, "--kv-cache-dtype",
+                     "float16", "--served-model-name", "bench", *aq_flag], port, [])
+            groups.append({n: r for n, r in runs.items() if not args.servers or n in args.servers})
         report["shapes"][shape] = {}
-        for name, (cmd, port, extra) in runs.items():
-            if args.servers and name not in args.servers:
+        for runs in groups:
+            if args.rounds > 1 and runs:
+                print(f"== {shape}: {' '.join(runs)}, {args.rounds} rounds", flush=True)
+                report["shapes"][shape].update(measure_rounds(runs, args))
+                write_json(args.out, report)
                 continue
-            print(f"== {shape}: {name}", flush=True)
-            report["shapes"][shape][name] = measure(name, cmd, port, args, extra)
-            write_json(args.out, report)
+            for name, (cmd, port, extra) in runs.items():
+                print(f"== {shape}: {name}", flush=True)
+                report["shapes"][shape][name] = measure(name, cmd, port, args, extra)
+                write_json(args.out, report)
     print(table(report))
     print("wrote", write_json(args.out, report))
 
