@@ -337,8 +337,9 @@ def test_decode_only_batch_metadata_matches_the_general_path(int4_model, prompt_
 def test_decode_steps_take_their_logits_from_the_layers_call(loaded_model, int4_model, prompt_ids, which, isa):
     """A step of decodes whose every row samples gets its logits from the same kernel call as its layers
     (CpuDecoder.forward_logits: the final norm and LM head in the layers' parallel region); the logits equal,
-    bit for bit, those of the separate norm + LM head call, at 1 row and at 16, written into one kept buffer (the tiled path; natively built
-    levels only: 16 rows on SIMDe's emulated intrinsics take ~40 s, and the fusion is the same code on every level)."""
+    bit for bit, those of the separate norm + LM head call, at 1 row and at 16 (the tiled path; natively built
+    levels only: 16 rows on SIMDe's emulated intrinsics take ~40 s, and the fusion is the same code on every level),
+    every step's written into the one buffer the decoder keeps."""
     loaded = loaded_model if which == "float32" else int4_model
     prompts = (prompt_ids * 4)[:16]
 
