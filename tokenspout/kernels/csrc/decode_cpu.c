@@ -1253,11 +1253,15 @@ static inline __attribute__((always_inline)) void min_rows512(const uint16_t *mn
             const __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mn + g * 4)));
             acc = _mm512_fmadd_ps(w, _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(sx + g))), acc);
         }
-        if (g < G) { /* the last one to three groups (masked: nothing read past the block's minimums) */
-            const int n = (int)(G - g);
-            const __m512 w = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16((__mmask16)((1u << (4 * n)) - 1), mn + g * 4));
-            const __m128 x = _mm_maskz_loadu_ps((__mmask8)((1u << n) - 1), sx + g);
-            acc = _mm512_fmadd_ps(w, _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(x)), acc);
+        if (g < G) { /* the last one to three groups, through zeroed copies (nothing read past the block's minimums;
+                      * copies, not masked loads: SIMDe's emulated build has no _mm_maskz_loadu_ps) */
+            const int64_t n = G - g;
+            uint16_t w16[16] = {0};
+            float x4[4] = {0};
+            memcpy(w16, mn + g * 4, sizeof(uint16_t) * (size_t)(4 * n));
+            memcpy(x4, sx + g, sizeof(float) * (size_t)n);
+            const __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)w16));
+            acc = _mm512_fmadd_ps(w, _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(x4))), acc);
         }
         const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc),
                                        _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
