@@ -97,6 +97,20 @@ def median_row(rows: list[dict]) -> dict:
     return mid
 
 
+def interleave(names: list[str], rounds: int, levels: list, measure, label) -> dict[str, dict]:
+    """Every level measured on every server in turn, `rounds` times, the servers' order reversed every other round
+    (each server gets the same minutes): name -> level -> that level's result rows of every round.
+    measure(name, level) -> result rows; label(level) names a level in the progress lines."""
+    rows: dict[str, dict] = {n: {} for n in names}
+    for rnd in range(rounds):
+        for level in levels:
+            for name in names if rnd % 2 == 0 else names[::-1]:
+                got = measure(name, level)
+                rows[name].setdefault(level, []).extend(got)
+                print(f"round {rnd + 1} {name} {label(level)}: {got[0]['output_tok_s']:.1f} tok/s", flush=True)
+    return rows
+
+
 def run_rounds(args: argparse.Namespace, env: dict, report: dict) -> None:
     """--rounds: every server up at once, every level measured on each in turn, round after round."""
     up: dict[str, dict] = {}
@@ -108,16 +122,10 @@ def run_rounds(args: argparse.Namespace, env: dict, report: dict) -> None:
             except RuntimeError as e:
                 print(e, flush=True)
                 stop(name, args.peers_dir, env)
-        rows: dict[str, dict[tuple, list]] = {n: {} for n in up}
         levels = [(m, c) for m in args.mode for c in args.concurrency]
-        for rnd in range(args.rounds):
-            order = list(up) if rnd % 2 == 0 else list(up)[::-1]
-            for mode, c in levels:
-                for name in order:
-                    res = asyncio.run(serve.run(serve_args(name, args, [c], [mode])))
-                    rows[name].setdefault((mode, c), []).extend(res["results"])
-                    print(f"round {rnd + 1} {name} {mode} c={c}: {res['results'][0]['output_tok_s']:.1f} tok/s",
-                          flush=True)
+        rows = interleave(list(up), args.rounds, levels,
+                          lambda name, lv: asyncio.run(serve.run(serve_args(name, args, [lv[1]], [lv[0]])))["results"],
+                          lambda lv: f"{lv[0]} c={lv[1]}")
         for name in up:
             report["servers"][name] = {"label": name, "results": [median_row(rows[name][lv]) for lv in levels],
                                        "startup_s": up[name]["startup_s"]}

@@ -145,7 +145,7 @@ def measure_rounds(runs: dict, args: argparse.Namespace) -> dict:
     the medians reported and every round kept (bench.compare's rounds): this VM's speed drifts 10-40% between
     minutes, and servers measured one after another compared their minutes as much as their code.  The peak RSS
     covers each server's whole life (all rounds)."""
-    from bench.compare import median_row
+    from bench.compare import interleave, median_row
 
     up: dict[str, float] = {}
     out: dict = {}
@@ -153,13 +153,9 @@ def measure_rounds(runs: dict, args: argparse.Namespace) -> dict:
         for name, (cmd, port, _) in runs.items():
             print(f"== start {name}", flush=True)
             up[name] = start(name, cmd, port, args)
-        rows: dict[str, dict[int, list]] = {n: {} for n in up}
-        for rnd in range(args.rounds):
-            for c in args.concurrency:
-                for name in (list(up) if rnd % 2 == 0 else list(up)[::-1]):
-                    res = load(name, runs[name][1], [c], args, runs[name][2])
-                    rows[name].setdefault(c, []).extend(res["results"])
-                    print(f"round {rnd + 1} {name} c={c}: {res['results'][0]['output_tok_s']:.1f} tok/s", flush=True)
+        rows = interleave(list(up), args.rounds, args.concurrency,
+                          lambda name, c: load(name, runs[name][1], [c], args, runs[name][2])["results"],
+                          lambda c: f"c={c}")
         for name in up:
             out[name] = {"label": name, "results": [median_row(rows[name][c]) for c in args.concurrency],
                          "startup_s": up[name], "rounds": args.rounds}
